@@ -1,0 +1,504 @@
+"""A hand-written Llama-3 / Qwen3 forward pass over a paged KV cache, and a loader for HF checkpoints.
+
+Read top to bottom: config, the layers, the paged KV cache, the model (two ways to call it), loading.
+
+Both the target and the draft of speculative decoding are instances of `Transformer`. The engine calls
+`model.forward_cached` on a *ragged batch*: every sequence adds its own number of new tokens (the
+whole prompt at prefill, 1 per decode step, K+1 when verifying) at its own positions, and K/V are
+read and written through each sequence's block table in a `PagedKVCache`.
+"""
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parent
+
+# Short names for checkpoints. Hub ids are looked up in the local Hugging Face cache (and downloaded
+# only where the network allows); paths are relative to this repository.
+ALIASES = {
+    "tiny": REPO / "checkpoints" / "tiny-target",
+    "tiny-draft": REPO / "checkpoints" / "tiny-draft",
+    "llama-70b": "meta-llama/Llama-3.1-70B-Instruct",
+    "llama-8b": "meta-llama/Llama-3.1-8B-Instruct",
+    "llama-3b": "meta-llama/Llama-3.2-3B-Instruct",
+    "llama-1b": "meta-llama/Llama-3.2-1B-Instruct",
+    "qwen-32b": "Qwen/Qwen3-32B",
+    "qwen-8b": "Qwen/Qwen3-8B",
+    "qwen-0.6b": "Qwen/Qwen3-0.6B",
+}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Config
+
+@dataclass
+class ModelConfig:
+    model_type: str  # "llama" or "qwen3"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # only {"rope_type": "llama3", ...} is supported
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def qk_norm(self) -> bool:  # Qwen3 normalises each head of q and k before RoPE
+        return self.model_type == "qwen3"
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> "ModelConfig":
+        """Build from a parsed HF config.json; refuse anything we do not implement, naming it."""
+        mt = hf.get("model_type")
+        if mt not in ("llama", "qwen3"):
+            raise ValueError(f"unsupported model_type {mt!r}: this engine implements 'llama' (Llama 3.x) and 'qwen3'")
+        for key in ("attention_bias", "mlp_bias"):
+            if hf.get(key):
+                raise ValueError(f"unsupported config: {key}=true ({mt}); only bias-free projections are implemented")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported config: hidden_act={hf['hidden_act']!r}; only 'silu' (SwiGLU) is implemented")
+        if hf.get("use_sliding_window"):
+            raise ValueError("unsupported config: use_sliding_window=true; only full attention is implemented")
+        if hf.get("pretraining_tp", 1) != 1:
+            raise ValueError(f"unsupported config: pretraining_tp={hf['pretraining_tp']}; only 1 is implemented")
+        # transformers >= 5 writes "rope_parameters"; released checkpoints use rope_theta + rope_scaling.
+        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+        theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "llama3"):
+            raise ValueError(f"unsupported rope_type {rope_type!r}; implemented: 'default' and 'llama3'")
+        eos = hf.get("eos_token_id")
+        heads = hf["num_attention_heads"]
+        return cls(
+            model_type=mt,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_hidden_layers=hf["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-5),
+            rope_theta=float(theta),
+            rope_scaling=rope if rope_type == "llama3" else None,
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+        )
+
+
+# ----------------------------------------------------------------------------------------------------
+# Layers
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        # normalise in float32, as HF does, then cast back before the scale
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [head_dim/2], with Llama 3's long-context rescaling when configured."""
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    s = cfg.rope_scaling
+    if s is None:
+        return inv_freq
+    # llama3: keep high frequencies, divide low ones by `factor`, interpolate in between
+    factor, lo, hi, old = s["factor"], s["low_freq_factor"], s["high_freq_factor"], s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old / lo, inv_freq / factor, inv_freq)
+    smooth = (old / wavelen - lo) / (hi - lo)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old / hi) & (wavelen <= old / lo)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_cos_sin(inv_freq, positions, dtype):
+    """positions [...] -> cos, sin [..., head_dim] in the rotate-half layout (HF weights need no permutation)."""
+    freqs = positions.float()[..., None] * inv_freq  # [..., head_dim/2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x, cos, sin):
+    # x [..., heads, head_dim], cos/sin [..., head_dim] (broadcast over heads)
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, self.nh * self.hd, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.nkv * self.hd, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.nkv * self.hd, bias=False)
+        self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
+
+    def qkv(self, x, cos, sin):
+        # x [..., hidden] -> q [..., nh, hd], k and v [..., nkv, hd], RoPE applied to q and k
+        q = self.q_proj(x).unflatten(-1, (self.nh, self.hd))
+        k = self.k_proj(x).unflatten(-1, (self.nkv, self.hd))
+        v = self.v_proj(x).unflatten(-1, (self.nkv, self.hd))
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def forward(self, x, cos, sin, kv_layer=None, meta=None):
+        q, k, v = self.qkv(x, cos, sin)
+        if kv_layer is None:
+            # full forward: x [B, T, hidden]; plain causal attention
+            y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                               is_causal=True, enable_gqa=True)  # [B, nh, T, hd]
+            return self.o_proj(y.transpose(1, 2).flatten(-2))
+        # paged: x [N, hidden] holds the new tokens of all sequences back to back
+        return self.o_proj(paged_attention(q, k, v, kv_layer, meta).flatten(-2))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, kv_layer=None, meta=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_layer, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# ----------------------------------------------------------------------------------------------------
+# The paged KV cache
+#
+# One pool for the whole model, kv[layer, 0 or 1 (K or V), block, slot, kv_head, head_dim], so that
+# kv[l, 0] is layer l's [num_blocks, block_size, n_kv_heads, head_dim] pool of keys. A sequence is a
+# block table (list of block ids) plus a length. Blocks are reference counted so that SSD's branches
+# can share the blocks of their common prefix (`fork`); a block is copied before it is written while
+# shared (copy on write), so no sequence ever sees another's writes.
+
+@dataclass
+class Seq:
+    blocks: list[int] = field(default_factory=list)
+    length: int = 0
+
+
+@dataclass
+class AttnMeta:
+    """Per-forward bookkeeping for a ragged batch of b sequences with N new tokens in all."""
+    slots: torch.Tensor        # [N] flat pool slot (block * block_size + offset) each new token's K/V goes to
+    positions: torch.Tensor    # [N] absolute position of each new token
+    block_table: torch.Tensor  # [b, max_blocks] (padded with block 0; padding is masked out)
+    query_index: torch.Tensor  # [N] row * T + i: where each new token sits in the padded [b, T] layout
+    mask: torch.Tensor         # [b, 1, T, max_blocks * block_size] True where a query may attend a key
+    T: int                     # most new tokens of any sequence in this batch
+
+
+class PagedKVCache:
+    def __init__(self, cfg: ModelConfig, num_tokens: int, block_size: int = 16, device="cpu", dtype=torch.float32):
+        if block_size < 1 or num_tokens < 1:
+            raise ValueError(f"KV cache needs block_size >= 1 and num_tokens >= 1 (got {block_size}, {num_tokens})")
+        self.block_size = block_size
+        self.num_blocks = -(-num_tokens // block_size)
+        self.kv = torch.zeros(cfg.num_hidden_layers, 2, self.num_blocks, block_size, cfg.num_key_value_heads,
+                              cfg.head_dim, device=device, dtype=dtype)
+        self.refcount = [0] * self.num_blocks
+        self.free_blocks = list(range(self.num_blocks - 1, -1, -1))  # a stack: pop() gives block 0 first
+        self.seqs: dict[int, Seq] = {}
+        self._next_id = 0
+
+    # -- the allocator
+    def _alloc(self) -> int:
+        if not self.free_blocks:
+            raise RuntimeError(f"KV cache out of blocks ({self.num_blocks} blocks of {self.block_size} tokens): "
+                               f"raise the token budget (kv_tokens / --kv-tokens)")
+        b = self.free_blocks.pop()
+        self.refcount[b] = 1
+        return b
+
+    def _release(self, b: int):
+        self.refcount[b] -= 1
+        if self.refcount[b] == 0:
+            self.free_blocks.append(b)
+
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    # -- sequence operations
+    def new_seq(self) -> int:
+        sid = self._next_id
+        self._next_id += 1
+        self.seqs[sid] = Seq()
+        return sid
+
+    def length(self, sid: int) -> int:
+        return self.seqs[sid].length
+
+    def fork(self, sid: int, length: int) -> int:
+        """A new sequence holding the first `length` tokens of `sid`: full blocks shared, partial last copied."""
+        src = self.seqs[sid]
+        if not 0 <= length <= src.length:
+            raise ValueError(f"fork length {length} outside [0, {src.length}]")
+        bs = self.block_size
+        n_full, rem = divmod(length, bs)
+        blocks = src.blocks[:n_full]
+        for b in blocks:
+            self.refcount[b] += 1
+        if rem:
+            b = self._alloc()
+            self.kv[:, :, b, :rem] = self.kv[:, :, src.blocks[n_full], :rem]
+            blocks = blocks + [b]
+        new = self.new_seq()
+        self.seqs[new] = Seq(blocks, length)
+        return new
+
+    def truncate(self, sid: int, length: int):
+        """Roll back to the first `length` tokens; blocks that become empty are freed."""
+        s = self.seqs[sid]
+        if not 0 <= length <= s.length:
+            raise ValueError(f"truncate length {length} outside [0, {s.length}]")
+        keep = -(-length // self.block_size)
+        for b in s.blocks[keep:]:
+            self._release(b)
+        del s.blocks[keep:]
+        s.length = length
+
+    def free(self, sid: int):
+        self.truncate(sid, 0)
+        del self.seqs[sid]
+
+    def append(self, sid: int, n: int) -> list[int]:
+        """Reserve n new token slots at the end of `sid` and return their flat pool indices."""
+        s, bs = self.seqs[sid], self.block_size
+        first = s.length // bs
+        if s.length % bs and self.refcount[s.blocks[first]] > 1:
+            # the partial last block is shared (a fork of a longer sequence was truncated): copy on write
+            old, new = s.blocks[first], self._alloc()
+            self.kv[:, :, new] = self.kv[:, :, old]
+            self._release(old)
+            s.blocks[first] = new
+        while len(s.blocks) * bs < s.length + n:
+            s.blocks.append(self._alloc())
+        slots = [s.blocks[p // bs] * bs + p % bs for p in range(s.length, s.length + n)]
+        s.length += n
+        return slots
+
+    def prepare(self, seq_ids: list[int], counts: list[int]) -> AttnMeta:
+        """Append counts[i] tokens to each sequence and build the metadata every layer of one forward uses."""
+        device, bs = self.kv.device, self.block_size
+        starts = [self.seqs[s].length for s in seq_ids]
+        slots = [x for s, c in zip(seq_ids, counts) for x in self.append(s, c)]
+        b, T = len(seq_ids), max(counts)
+        max_blocks = max(len(self.seqs[s].blocks) for s in seq_ids)
+        table = [self.seqs[s].blocks + [0] * (max_blocks - len(self.seqs[s].blocks)) for s in seq_ids]
+        counts_t = torch.tensor(counts, device=device)
+        starts_t = torch.tensor(starts, device=device)
+        row = torch.repeat_interleave(torch.arange(b, device=device), counts_t)           # [N]
+        offset = torch.arange(row.numel(), device=device) - torch.repeat_interleave(
+            torch.cumsum(counts_t, 0) - counts_t, counts_t)                              # [N] i within its row
+        positions = starts_t[row] + offset
+        # padded query positions [b, T]; padding queries get position 0 so their rows are never empty
+        qpos = torch.zeros(b * T, dtype=torch.long, device=device)
+        query_index = row * T + offset
+        qpos[query_index] = positions
+        keys = torch.arange(max_blocks * bs, device=device)
+        mask = keys.view(1, 1, 1, -1) <= qpos.view(b, 1, T, 1)  # causal within and across rounds
+        return AttnMeta(torch.tensor(slots, device=device), positions, torch.tensor(table, device=device),
+                        query_index, mask, T)
+
+
+def paged_attention(q, k, v, kv_layer, meta: AttnMeta):
+    """Reference paged attention: write the new K/V through the block table, gather each sequence's
+    K/V back into a padded batch, and run SDPA with a mask. Works on any device and block size.
+    q [N, nh, hd], k/v [N, nkv, hd] -> [N, nh, hd]."""
+    k_pool, v_pool = kv_layer[0], kv_layer[1]  # [num_blocks, block_size, nkv, hd]
+    nb, bs, nkv, hd = k_pool.shape
+    k_pool.view(nb * bs, nkv, hd).index_copy_(0, meta.slots, k.to(k_pool.dtype))
+    v_pool.view(nb * bs, nkv, hd).index_copy_(0, meta.slots, v.to(v_pool.dtype))
+    b, T = meta.block_table.shape[0], meta.T
+    keys = k_pool[meta.block_table].flatten(1, 2)  # [b, max_blocks, bs, nkv, hd] -> [b, L, nkv, hd]
+    vals = v_pool[meta.block_table].flatten(1, 2)
+    qp = q.new_zeros(b * T, *q.shape[1:]).index_copy_(0, meta.query_index, q).view(b, T, *q.shape[1:])
+    y = F.scaled_dot_product_attention(qp.transpose(1, 2), keys.transpose(1, 2), vals.transpose(1, 2),
+                                       attn_mask=meta.mask, enable_gqa=True)  # [b, nh, T, hd]
+    return y.transpose(1, 2).reshape(b * T, *q.shape[1:])[meta.query_index]
+
+
+# ----------------------------------------------------------------------------------------------------
+# The model
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = nn.Module()  # HF nests the body under "model."; keep its parameter names
+        self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.model.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_hidden_layers))
+        self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.init_rope()
+
+    def init_rope(self):
+        # not a parameter: recomputed after loading (modules built on the meta device hold no data)
+        self.register_buffer("inv_freq", rope_inv_freq(self.config).to(self.lm_head.weight.device), persistent=False)
+
+    @property
+    def device(self):
+        return self.lm_head.weight.device
+
+    def new_cache(self, num_tokens: int, block_size: int = 16) -> PagedKVCache:
+        return PagedKVCache(self.config, num_tokens, block_size, self.device, self.lm_head.weight.dtype)
+
+    def forward(self, tokens):
+        """Plain full forward without a cache: tokens [B, T] -> float32 logits [B, T, V]."""
+        T = tokens.shape[1]
+        cos, sin = rope_cos_sin(self.inv_freq, torch.arange(T, device=tokens.device), self.lm_head.weight.dtype)
+        x = self.model.embed_tokens(tokens)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin)
+        return self.lm_head(self.model.norm(x)).float()
+
+    def forward_cached(self, cache: PagedKVCache, seq_ids: list[int], tokens, counts: list[int],
+                       last_only: bool = False):
+        """Ragged cached forward. tokens: LongTensor [N] (or a list), the new tokens of each sequence in
+        seq_ids back to back, counts[i] of them for sequence i. Their K/V are appended to the cache.
+        Returns float32 logits [N, V], or [b, V] for each sequence's last new token if last_only."""
+        tokens = torch.as_tensor(tokens, device=self.device)
+        meta = cache.prepare(seq_ids, counts)
+        cos, sin = rope_cos_sin(self.inv_freq, meta.positions, self.lm_head.weight.dtype)
+        x = self.model.embed_tokens(tokens)  # [N, hidden]
+        for l, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, cache.kv[l], meta)
+        if last_only:
+            x = x[torch.cumsum(torch.tensor(counts, device=x.device), 0) - 1]
+        return self.lm_head(self.model.norm(x)).float()
+
+
+# ----------------------------------------------------------------------------------------------------
+# Loading HF checkpoints
+
+def resolve(name_or_path) -> Path:
+    """An alias, a local directory or an HF hub id -> a local directory holding config.json."""
+    target = ALIASES.get(str(name_or_path), name_or_path)
+    path = Path(target).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"{path} has no config.json: point at an HF-format model directory")
+        return path
+    if isinstance(target, Path) or str(target).startswith((".", "/", "~")) or str(target).count("/") != 1:
+        known = ", ".join(ALIASES)
+        raise FileNotFoundError(f"model {name_or_path!r} not found: give a directory with config.json, "
+                                f"an HF hub id (org/name), or one of: {known}")
+    from huggingface_hub import snapshot_download
+    patterns = ["*.json", "*.safetensors", "tokenizer*"]
+    try:
+        return Path(snapshot_download(target, allow_patterns=patterns, local_files_only=True))
+    except Exception:
+        pass
+    try:
+        return Path(snapshot_download(target, allow_patterns=patterns))
+    except Exception as e:
+        raise FileNotFoundError(f"{target} is not in the local HF cache and could not be downloaded "
+                                f"({type(e).__name__}): run `huggingface-cli download {target}` where the hub "
+                                f"is reachable, or pass a local directory") from None
+
+
+def load_weights(model: Transformer, path: Path, device, dtype):
+    """Stream tensors from safetensors (one file or index-listed shards) straight into the model, one at
+    a time on the target device, so host memory never holds a second copy of the checkpoint."""
+    from safetensors import safe_open
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (path / "model.safetensors").exists():
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(f"{path} has neither model.safetensors nor model.safetensors.index.json")
+    params = dict(model.named_parameters())  # a tied lm_head.weight appears once, as embed_tokens
+    filled = set()
+    for fname in files:
+        if not (path / fname).exists():
+            raise FileNotFoundError(f"checkpoint shard {path / fname} is missing")
+        with safe_open(path / fname, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if name == "lm_head.weight" and model.config.tie_word_embeddings:
+                    continue  # tied checkpoints may still store the head; it is the embedding, loaded once
+                if name not in params:
+                    raise ValueError(f"unexpected tensor {name!r} in {fname}: not a parameter of this "
+                                     f"{model.config.model_type} model")
+                t = f.get_tensor(name)
+                if tuple(t.shape) != tuple(params[name].shape):
+                    raise ValueError(f"tensor {name!r} has shape {tuple(t.shape)} in {fname}, "
+                                     f"the config implies {tuple(params[name].shape)}")
+                with torch.no_grad():
+                    params[name].copy_(t.to(device=device, dtype=dtype))
+                filled.add(name)
+    missing = sorted(set(params) - filled)
+    if missing:
+        raise ValueError(f"checkpoint {path} is missing tensor {missing[0]!r}"
+                         + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+
+
+def load_model(name_or_path, device="cpu", dtype=None):
+    """-> (model, tokenizer). dtype None means float32 on CPU and bfloat16 on CUDA. The tokenizer is
+    None when the directory has no tokenizer files (then callers pass token ids)."""
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device} requested but CUDA is not available: use --device cpu")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"device {device} does not exist ({torch.cuda.device_count()} GPUs visible)")
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    path = resolve(name_or_path)
+    cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model = model.to_empty(device=device).to(dtype)
+    if cfg.tie_word_embeddings:  # to_empty makes new tensors; tie the head to the embedding again
+        model.lm_head.weight = model.model.embed_tokens.weight
+    load_weights(model, path, device, dtype)
+    model.init_rope()
+    model.eval().requires_grad_(False)
+    tokenizer = None
+    if any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        from transformers import AutoTokenizer
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    return model, tokenizer
