@@ -1,0 +1,334 @@
+"""Train the tiny Llama target/draft pair shipped in checkpoints/ (tiny-target, tiny-draft).
+
+Data: the .py files of the running interpreter's standard library (site-packages and test suites
+excluded), ~5% of the files held out by a hash of their relative path (see `split_files`).
+Steps, all resumable from --work-dir (a scratch dir outside the repo):
+  1. a byte-level BPE tokenizer (4096 tokens, <s> = BOS, </s> = EOS) on the training files;
+  2. the TARGET, a 8-layer Llama (GQA, RoPE, SwiGLU, RMSNorm, tied embeddings), ~14M params, trained
+     with cross-entropy on random 256-token crops of BOS+file+EOS concatenated;
+  3. the DRAFT, a 1-layer Llama with the same tokenizer and < 1/10 of the target's FLOPs per token,
+     distilled from the target's softmax (KL(p_target || q_draft), mixed with a little CE);
+  4. held-out evaluation, then both models saved in bf16 as HF dirs into --out.
+
+Command used for the shipped checkpoints (2 CPU cores shared with other jobs, no GPU):
+    nohup python scripts/train_tiny.py --out checkpoints > /work/notes/train.log 2>&1 &
+How long it took: see checkpoints/README.md (filled in from the log after the run).
+"""
+import argparse
+import hashlib
+import json
+import math
+import os
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+SEED = 1234
+VOCAB_SIZE = 4096
+BOS, EOS = "<s>", "</s>"
+HELDOUT_PERCENT = 5
+EXCLUDED_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+
+TARGET_ARCH = dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=8,
+                   num_attention_heads=6, num_key_value_heads=2)
+DRAFT_ARCH = dict(hidden_size=192, intermediate_size=768, num_hidden_layers=1,
+                  num_attention_heads=3, num_key_value_heads=1)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Data: which files, the tokenizer, the token stream
+
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def split_files(root=None):
+    """-> (train_paths, heldout_paths): sorted absolute Paths of the stdlib's .py files, without
+    site-packages and test suites. A file is held out iff md5(relative path) % 100 < 5, so the split
+    does not depend on which other files exist."""
+    root = Path(root) if root is not None else stdlib_root()
+    train, heldout = [], []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        parts = rel.split("/")
+        if EXCLUDED_DIRS.intersection(parts[:-1]) or parts[0].startswith("config-"):
+            continue
+        if not path.is_file():
+            continue
+        h = int(hashlib.md5(rel.encode()).hexdigest(), 16)
+        (heldout if h % 100 < HELDOUT_PERCENT else train).append(path)
+    return train, heldout
+
+
+def read_text(path: Path) -> str:
+    return path.read_bytes().decode("utf-8", errors="replace")
+
+
+def train_tokenizer(paths, out_dir: Path):
+    """Byte-level BPE with BOS/EOS specials, saved as a transformers fast tokenizer -> the tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=[BOS, EOS], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator((read_text(p) for p in paths), trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS)
+    fast.save_pretrained(out_dir)
+    return fast
+
+
+def encode_files(tok, paths):
+    """-> LongTensor: BOS + tokens + EOS of every file, concatenated in the given order."""
+    import torch
+    ids = []
+    for p in paths:
+        ids.append(tok.bos_token_id)
+        ids.extend(tok(read_text(p), add_special_tokens=False)["input_ids"])
+        ids.append(tok.eos_token_id)
+    return torch.tensor(ids, dtype=torch.int16 if len(tok) < 2**15 else torch.int32)
+
+
+def prepare_data(work: Path):
+    """Tokenizer and token streams, cached in work/data -> (tokenizer, train_ids, heldout_ids)."""
+    import torch
+    from transformers import PreTrainedTokenizerFast
+    data = work / "data"
+    if not (data / "train.pt").exists():
+        t0 = time.time()
+        train, heldout = split_files()
+        print(f"data: {len(train)} train files, {len(heldout)} held-out files", flush=True)
+        data.mkdir(parents=True, exist_ok=True)
+        tok = train_tokenizer(train, data / "tokenizer")
+        torch.save(encode_files(tok, heldout), data / "heldout.pt")
+        torch.save(encode_files(tok, train), data / "train.pt")
+        print(f"data: tokenizer + encoding took {time.time() - t0:.0f}s", flush=True)
+    tok = PreTrainedTokenizerFast.from_pretrained(data / "tokenizer")
+    train_ids, heldout_ids = torch.load(data / "train.pt").long(), torch.load(data / "heldout.pt").long()
+    print(f"data: {len(train_ids)} train tokens, {len(heldout_ids)} held-out tokens", flush=True)
+    return tok, train_ids, heldout_ids
+
+
+def get_batch(ids, batch_size, seq_len, step, seed):
+    """Random crops; the generator is seeded by the step so a resumed run draws the same batches."""
+    import torch
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    starts = torch.randint(0, len(ids) - seq_len - 1, (batch_size,), generator=g)
+    idx = starts[:, None] + torch.arange(seq_len + 1)[None, :]  # [B, T+1]
+    chunk = ids[idx]
+    return chunk[:, :-1], chunk[:, 1:]
+
+
+def heldout_batches(ids, seq_len, max_windows):
+    """Deterministic, non-overlapping windows from the start of the held-out stream -> [N, T+1]."""
+    n = min(max_windows, (len(ids) - 1) // seq_len)
+    return [ids[i * seq_len: i * seq_len + seq_len + 1] for i in range(n)]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Models
+
+def make_config(arch, tok, seq_len):
+    from transformers import LlamaConfig
+    return LlamaConfig(vocab_size=len(tok), max_position_embeddings=2048, rms_norm_eps=1e-5,
+                       hidden_act="silu", attention_bias=False, mlp_bias=False, tie_word_embeddings=True,
+                       bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=None,
+                       head_dim=arch["hidden_size"] // arch["num_attention_heads"], rope_theta=10000.0,
+                       **arch)
+
+
+def flop_params(cfg) -> int:
+    """Matmul parameters touched per token (every layer + the LM head; not the embedding lookup).
+    Forward FLOPs per token ~= 2 * this (plus attention over the context, which favours the draft)."""
+    h, i, L, V = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size
+    d = h // cfg.num_attention_heads
+    attn = h * cfg.num_attention_heads * d * 2 + h * cfg.num_key_value_heads * d * 2
+    return L * (attn + 3 * h * i) + h * V
+
+
+def lr_at(step, total, peak, warmup):
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def make_optimizer(model, lr):
+    import torch
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                             lr=lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Training loops (each resumes from work/<name>.pt)
+
+def save_state(path: Path, model, opt, step):
+    import torch
+    tmp = path.with_suffix(".tmp")
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step}, tmp)
+    os.replace(tmp, path)
+
+
+def train_loop(name, model, opt, total_steps, peak_lr, loss_fn, train_ids, args):
+    """Generic loop: resume, step with warmup+cosine LR and grad clipping, checkpoint every few minutes."""
+    import torch
+    from tqdm import tqdm
+    state_path = Path(args.work_dir) / f"{name}.pt"
+    start = 0
+    if state_path.exists():
+        st = torch.load(state_path, map_location=args.device)
+        model.load_state_dict(st["model"])
+        opt.load_state_dict(st["opt"])
+        start = st["step"]
+        print(f"{name}: resumed at step {start}", flush=True)
+    model.train()
+    last_save, ema = time.time(), None
+    bar = tqdm(range(start, total_steps), desc=name, mininterval=30, file=sys.stdout)
+    for step in bar:
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, total_steps, peak_lr, args.warmup)
+        x, y = get_batch(train_ids, args.batch_size, args.seq_len, step, SEED + hash_name(name))
+        loss = loss_fn(x.to(args.device), y.to(args.device))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
+        bar.set_postfix(loss=f"{ema:.3f}", refresh=False)
+        if step % 50 == 0:
+            print(f"{name} step {step}/{total_steps} loss {ema:.4f} lr {opt.param_groups[0]['lr']:.2e}", flush=True)
+        if time.time() - last_save > args.save_every_s or step + 1 == total_steps:
+            save_state(state_path, model, opt, step + 1)
+            last_save = time.time()
+    bar.close()
+    model.eval()
+
+
+def hash_name(name: str) -> int:
+    return int(hashlib.md5(name.encode()).hexdigest()[:6], 16)
+
+
+def train_target(target, train_ids, args):
+    import torch.nn.functional as F
+    opt = make_optimizer(target, args.target_lr)
+
+    def loss_fn(x, y):
+        logits = target(input_ids=x).logits  # [B, T, V]
+        return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+    train_loop("target", target, opt, args.target_steps, args.target_lr, loss_fn, train_ids, args)
+
+
+def train_draft(draft, target, train_ids, args):
+    """Distillation: forward KL(p || q) per position to the target's softmax, plus args.ce_weight * CE."""
+    import torch
+    import torch.nn.functional as F
+    opt = make_optimizer(draft, args.draft_lr)
+    target.eval()
+    for p in target.parameters():
+        p.requires_grad_(False)
+
+    def loss_fn(x, y):
+        with torch.no_grad():
+            logp = F.log_softmax(target(input_ids=x).logits.float(), dim=-1)  # [B, T, V]
+        logq = F.log_softmax(draft(input_ids=x).logits.float(), dim=-1)
+        kl = (logp.exp() * (logp - logq)).sum(-1).mean()
+        ce = F.nll_loss(logq.flatten(0, 1), y.flatten())
+        return (1 - args.ce_weight) * kl + args.ce_weight * ce
+    train_loop("draft", draft, opt, args.draft_steps, args.draft_lr, loss_fn, train_ids, args)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Evaluation and export
+
+def pair_metrics(target, draft, windows, device):
+    """On held-out windows -> dict: target/draft CE loss, greedy agreement, expected acceptance at T=1
+    (mean over positions of sum_x min(p(x), q(x)))."""
+    import torch
+    import torch.nn.functional as F
+    tot = {"target_loss": 0.0, "draft_loss": 0.0, "agreement": 0.0, "acceptance": 0.0}
+    n = 0
+    with torch.no_grad():
+        for i in range(0, len(windows), 8):
+            chunk = torch.stack(windows[i:i + 8]).to(device)  # [b, T+1]
+            x, y = chunk[:, :-1], chunk[:, 1:]
+            lp = target(input_ids=x).logits.float()  # [b, T, V]
+            lq = draft(input_ids=x).logits.float()
+            m = y.numel()
+            tot["target_loss"] += F.cross_entropy(lp.flatten(0, 1), y.flatten(), reduction="sum").item()
+            tot["draft_loss"] += F.cross_entropy(lq.flatten(0, 1), y.flatten(), reduction="sum").item()
+            tot["agreement"] += (lp.argmax(-1) == lq.argmax(-1)).sum().item()
+            tot["acceptance"] += torch.minimum(lp.softmax(-1), lq.softmax(-1)).sum(-1).sum().item()
+            n += m
+    return {k: v / n for k, v in tot.items()}
+
+
+def export(model, tok, out_dir: Path):
+    import torch
+    from transformers import GenerationConfig
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.to(torch.bfloat16).save_pretrained(out_dir, safe_serialization=True)
+    model.float()
+    tok.save_pretrained(out_dir)
+    GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, do_sample=True,
+                     temperature=0.7, max_new_tokens=128).save_pretrained(out_dir)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / "checkpoints"))
+    ap.add_argument("--work-dir", default="/tmp/train_tiny", help="scratch dir for resumable state (not the repo)")
+    ap.add_argument("--device", default=None, help="default: cuda if available else cpu")
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--target-steps", type=int, default=420)
+    ap.add_argument("--draft-steps", type=int, default=600)
+    ap.add_argument("--target-lr", type=float, default=2e-3)
+    ap.add_argument("--draft-lr", type=float, default=3e-3)
+    ap.add_argument("--warmup", type=int, default=30)
+    ap.add_argument("--ce-weight", type=float, default=0.1)
+    ap.add_argument("--save-every-s", type=float, default=180)
+    ap.add_argument("--eval-windows", type=int, default=128)
+    args = ap.parse_args()
+
+    import torch
+    from transformers import LlamaForCausalLM
+    torch.set_num_threads(2)
+    torch.manual_seed(SEED)
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    work = Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    t_start = time.time()
+    print(f"args: {vars(args)}", flush=True)
+
+    tok, train_ids, heldout_ids = prepare_data(work)
+    torch.manual_seed(SEED)
+    target = LlamaForCausalLM(make_config(TARGET_ARCH, tok, args.seq_len)).to(args.device)
+    torch.manual_seed(SEED + 1)
+    draft = LlamaForCausalLM(make_config(DRAFT_ARCH, tok, args.seq_len)).to(args.device)
+    ft, fd = flop_params(target.config), flop_params(draft.config)
+    print(f"target: {sum(p.numel() for p in target.parameters())/1e6:.2f}M params, draft: "
+          f"{sum(p.numel() for p in draft.parameters())/1e6:.2f}M params, FLOP ratio {ft / fd:.2f}", flush=True)
+
+    t0 = time.time()
+    train_target(target, train_ids, args)
+    print(f"target training: {time.time() - t0:.0f}s", flush=True)
+    t0 = time.time()
+    train_draft(draft, target, train_ids, args)
+    print(f"draft distillation: {time.time() - t0:.0f}s", flush=True)
+
+    metrics = pair_metrics(target, draft, heldout_batches(heldout_ids, args.seq_len, args.eval_windows), args.device)
+    metrics["train_seconds"] = round(time.time() - t_start)
+    print("held-out: " + json.dumps(metrics), flush=True)
+    (work / "metrics.json").write_text(json.dumps(metrics, indent=1))
+    out = Path(args.out)
+    export(target, tok, out / "tiny-target")
+    export(draft, tok, out / "tiny-draft")
+    print(f"saved to {out}; total {time.time() - t_start:.0f}s", flush=True)
+
+
+if __name__ == "__main__":
+    main()

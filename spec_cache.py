@@ -1,0 +1,351 @@
+"""The speculation cache of SSD / Saguaro: which outcomes to pre-speculate, and where to keep them.
+
+Read top to bottom:
+1. the fan-out F_0..F_K (how many bonus-token guesses to cache at each depth j = j accepted tokens):
+   uniform, or the paper's geometric fan-out (Theorem 12), and the hit-rate model it maximises;
+2. guess selection: at depth j the top-F_j tokens of the draft's own distribution, excluding the drafted
+   token x_{j+1} (a rejected token has zero residual mass, so it can never be the bonus token);
+3. `SpecCache`: the round's branches keyed by the outcome (seq, n, t), with hit/miss counters;
+4. `AcceptanceTracker`: running estimates of the acceptance rate a and the power-law exponent r, so the
+   geometric fan-out can be refreshed from measurements after a warm-up.
+
+Everything here is pure math or plain Python containers; the branches' KV state is the caller's
+(draft.py) business: the cache stores whatever opaque entry it is given and hands it back.
+"""
+import math
+import numbers
+from dataclasses import dataclass, field
+
+import torch
+
+# Used before any counters exist (assumptions, not measurements of this engine):
+# a: the paper's acceptance rate for Llama-3.1-70B / Llama-3.2-1B at temperature 1 with C = 1 (0.80).
+DEFAULT_A = 0.8
+# r: read off the paper's uniform fan-out hit rates, assuming they were measured with F = 3 at every depth,
+# where p_hit = 1 - 3^(-r): 0.582 at temperature 1 gives r ~ 0.79, 0.847 at temperature 0 gives r ~ 1.7.
+# We take the lower one: a smaller r gives a flatter (more cautious) geometric fan-out.
+DEFAULT_R = 0.8
+
+
+# ----------------------------------------------------------------------------------------------------
+# Fan-out: F_0..F_K with sum B
+
+def _check_budget(K, B):
+    if not isinstance(K, numbers.Integral) or K < 0:
+        raise ValueError(f"K must be an integer >= 0 (draft tokens per round), got {K!r}")
+    if not isinstance(B, numbers.Integral) or B < 1:
+        raise ValueError(f"the budget B must be an integer >= 1 (branches per round), got {B!r}")
+
+
+def uniform_fan_out(K: int, B: int) -> list[int]:
+    """K+1 integers summing to B, as even as possible; the extra ones go to the shallowest depths
+    (the likeliest rejection depths)."""
+    _check_budget(K, B)
+    base, extra = divmod(B, K + 1)
+    return [base + (j < extra) for j in range(K + 1)]
+
+
+def _clamp_a(a):
+    # A measured acceptance rate can be exactly 0 or 1 (e.g. a few greedy rounds); the closed form needs
+    # 0 < a < 1 (a^(j/(1+r)) and (1-a)^(-1/(1+r))), so keep it strictly inside.
+    return min(max(a, 0.01), 0.99)
+
+
+def _check_a_r(a, r):
+    if not (isinstance(a, numbers.Real) and 0 <= a <= 1):
+        raise ValueError(f"acceptance rate a must be in [0, 1], got {a!r}")
+    if not (isinstance(r, numbers.Real) and r > 0 and math.isfinite(r)):
+        raise ValueError(f"power-law exponent r must be a finite number > 0, got {r!r}")
+
+
+def geometric_fan_out_real(a: float, r: float, K: int, B: int) -> list[float]:
+    """The real-valued optimum of Theorem 12 (before rounding); see `geometric_fan_out`."""
+    _check_a_r(a, r)
+    _check_budget(K, B)
+    a = _clamp_a(a)
+    w = [a ** (j / (1 + r)) for j in range(K)]                       # F_j / F_0 for j < K
+    w.append(a ** (K / (1 + r)) * (1 - a) ** (-1 / (1 + r)))        # F_K / F_0: all K accepted
+    F0 = B / sum(w)
+    return [F0 * wj for wj in w]
+
+
+def round_to_budget(F_real: list[float], B: int) -> list[int]:
+    """Largest-remainder rounding: floor every F_j, then give the B - sum(floors) leftover units to the
+    largest fractional parts (ties: shallower depth first). The sum is exactly B; a depth whose real
+    F_j is below 0.5 may get 0 (and, rarely, one a little above 0.5 when many depths compete)."""
+    floors = [math.floor(f) for f in F_real]
+    left = B - sum(floors)
+    order = sorted(range(len(F_real)), key=lambda j: (-(F_real[j] - floors[j]), j))
+    for j in order[:left]:
+        floors[j] += 1
+    return floors
+
+
+def geometric_fan_out(a: float, r: float, K: int, B: int) -> list[int]:
+    """The paper's geometric fan-out (Theorem 12), rounded to integers with sum exactly B.
+
+    With acceptance rate a, the accepted count n is capped-geometric: P(n = j) = (1-a) a^j for j < K and
+    P(n = K) = a^K. If the miss chance at a depth with F guesses follows the power law F^(-r)
+    (Definition 11), the cache hit rate is
+
+        p_hit(F) = sum_{j<K} (1-a) a^j (1 - F_j^(-r)) + a^K (1 - F_K^(-r)),
+
+    and maximising it subject to sum_j F_j = B (Lagrange: P(n=j) r F_j^(-r-1) is the same at every depth,
+    so F_j ∝ P(n=j)^(1/(1+r))) gives
+
+        F_j = F_0 a^(j/(1+r))                          for j < K,
+        F_K = F_0 a^(K/(1+r)) (1-a)^(-1/(1+r))         (all accepted: likelier than any single rejection),
+
+    with F_0 such that the sum is B. The real vector is then rounded by `round_to_budget`.
+    a is clamped into [0.01, 0.99]; r > 0, K >= 0, B >= 1.
+    """
+    return round_to_budget(geometric_fan_out_real(a, r, K, B), B)
+
+
+def fan_out(spec, a: float, r: float, K: int, B: int) -> list[int]:
+    """The fan-out vector from a spec: "uniform", "geometric", or an explicit list of K+1 non-negative
+    ints (also accepted as a comma-separated string, e.g. "3,3,3"); an explicit list is returned as is,
+    and its sum is the budget (B is then ignored)."""
+    if isinstance(spec, str) and spec in ("uniform", "geometric"):
+        return uniform_fan_out(K, B) if spec == "uniform" else geometric_fan_out(a, r, K, B)
+    if isinstance(spec, str):
+        try:
+            spec = [int(x) for x in spec.split(",")]
+        except ValueError:
+            raise ValueError(f"fan-out must be 'uniform', 'geometric' or K+1 ints like '3,3,3', got {spec!r}") from None
+    if not isinstance(spec, (list, tuple)):
+        raise ValueError(f"fan-out must be 'uniform', 'geometric' or a list of K+1 ints, got {spec!r}")
+    if len(spec) != K + 1:
+        raise ValueError(f"an explicit fan-out needs K+1 = {K + 1} entries (depths 0..K), got {len(spec)}")
+    if not all(isinstance(f, numbers.Integral) and not isinstance(f, bool) and f >= 0 for f in spec):
+        raise ValueError(f"an explicit fan-out must hold non-negative ints, got {list(spec)}")
+    return [int(f) for f in spec]
+
+
+def expected_hit_rate(F: list, a: float, r: float) -> float:
+    """The model's p_hit for fan-out F (len K+1) at acceptance rate a (see `geometric_fan_out`).
+    A depth's hit chance 1 - F_j^(-r) is clipped at 0: a depth with no guesses (or, for real-valued F,
+    fewer than one) never hits. Real-valued F is allowed (tests compare against the unrounded optimum)."""
+    _check_a_r(a, r)
+    K = len(F) - 1
+    if K < 0:
+        raise ValueError("F must have K+1 >= 1 entries")
+    P = [(1 - a) * a ** j for j in range(K)] + [a ** K]  # P(n = j), capped geometric
+    return sum(p * max(0.0, 1 - f ** -r) if f > 0 else 0.0 for p, f in zip(P, F))
+
+
+def fit_power_law(F_values, miss_rates, default: float = DEFAULT_R) -> float:
+    """Least-squares fit of log(miss) = -r log(F) (a line through the origin: at F = 1 the model's miss
+    rate is 1). Points with F <= 1 (no slope information) or a miss rate outside (0, 1) are skipped.
+    Returns `default` when no point is left or the fit is not positive (hit rate not growing with F)."""
+    pts = [(math.log(f), math.log(m)) for f, m in zip(F_values, miss_rates) if f > 1 and 0 < m < 1]
+    if not pts:
+        return default
+    r = -sum(x * y for x, y in pts) / sum(x * x for x, _ in pts)
+    return r if r > 0 else default
+
+
+# ----------------------------------------------------------------------------------------------------
+# Guess selection: at depth j the top-F_j tokens of the draft's distribution, excluding x_{j+1}
+
+def _check_F(F, K):
+    if len(F) != K + 1 or any(f < 0 for f in F):
+        raise ValueError(f"F must hold K+1 = {K + 1} non-negative ints (depths 0..K), got {list(F)}")
+
+
+def select_guesses_batch(q_raw: torch.Tensor, drafted: torch.Tensor, F: list[int]) -> torch.Tensor:
+    """Guesses for b sequences at once. q_raw [b, K+1, V]: the draft's own (pre-Saguaro) scores at depths
+    0..K (probabilities or logits: only their order matters; at temperature 0 pass the softmax or the
+    logits, not a one-hot); drafted [b, K]: x_1..x_K. Returns LongTensor [b, K+1, max(F)], row i depth j
+    holding its top-F_j token ids in descending order, excluding drafted[i, j] for j < K, padded with -1
+    (also when F_j exceeds the V-1 (V at depth K) tokens available). Ties: torch.topk's order."""
+    b, K1, V = q_raw.shape
+    K = K1 - 1
+    _check_F(F, K)
+    if drafted.shape != (b, K):
+        raise ValueError(f"drafted must be [b, K] = [{b}, {K}] to match q_raw, got {list(drafted.shape)}")
+    maxF = max(F)
+    if maxF == 0:
+        return torch.full((b, K1, 0), -1, dtype=torch.long, device=q_raw.device)
+    # Take one extra candidate and drop the drafted token if it is among them: exclusion by position, so
+    # it also works when scores tie (e.g. -inf logits), where masking the score alone would not.
+    k = min(maxF + 1, V)
+    idx = q_raw.topk(k, dim=-1).indices                                              # [b, K+1, k]
+    excl = torch.cat([drafted, drafted.new_full((b, 1), -1)], dim=1)                  # [b, K+1]: nothing at depth K
+    keep = idx != excl.unsqueeze(-1)                                                  # [b, K+1, k]
+    rank = keep.cumsum(-1) - 1                                                        # rank among kept candidates
+    Ft = torch.tensor(F, device=q_raw.device).view(1, K1, 1)
+    keep &= rank < Ft
+    out = torch.full((b, K1, maxF + 1), -1, dtype=torch.long, device=q_raw.device)   # +1: a dump column
+    out.scatter_(-1, torch.where(keep, rank, maxF), torch.where(keep, idx, -1))
+    return out[..., :maxF]
+
+
+def select_guesses(q_raw: torch.Tensor, drafted: torch.Tensor, F: list[int]) -> list[list[int]]:
+    """Guesses for ONE sequence: q_raw [K+1, V], drafted [K]. Returns, per depth j, the list of its top-F_j
+    token ids (descending), excluding drafted[j] for j < K; nothing is excluded at depth K."""
+    K = q_raw.shape[0] - 1
+    _check_F(F, K)
+    guesses = []
+    for j in range(K + 1):
+        k = min(F[j] + (j < K), q_raw.shape[1])
+        top = q_raw[j].topk(k).indices.tolist() if k > 0 else []
+        if j < K:
+            x = int(drafted[j])
+            top = [t for t in top if t != x]
+        guesses.append(top[:F[j]])
+    return guesses
+
+
+def guess_triples(q_raw: torch.Tensor, drafted: torch.Tensor, F: list[int]):
+    """All (row, depth j, guess token) triples of a batch, ordered by row, then depth, then rank: the list
+    of branches to fork. q_raw [b, K+1, V], drafted [b, K]. Returns (rows, depths, tokens), LongTensors [M]."""
+    g = select_guesses_batch(q_raw, drafted, F)  # [b, K+1, maxF]
+    rows, depths, ranks = (g >= 0).nonzero(as_tuple=True)  # row-major: row, depth, rank
+    return rows, depths, g[rows, depths, ranks]
+
+
+# ----------------------------------------------------------------------------------------------------
+# The cache and its counters
+
+@dataclass
+class CacheStats:
+    """Cumulative counters (never cleared). Depths are the REAL accepted count n of each lookup; the
+    per-depth lists have K+1 entries (or grow with the deepest n seen when K is not given)."""
+    K: int | None = None
+    lookups: int = 0
+    hits: int = 0
+    entries: int = 0                                        # branches stored (put) in all rounds
+    lookups_per_depth: list = field(default_factory=list)
+    hits_per_depth: list = field(default_factory=list)
+
+    def __post_init__(self):
+        if self.K is not None:
+            self.lookups_per_depth = self.lookups_per_depth or [0] * (self.K + 1)
+            self.hits_per_depth = self.hits_per_depth or [0] * (self.K + 1)
+
+    def record(self, n: int, hit: bool):
+        while len(self.lookups_per_depth) <= n:
+            self.lookups_per_depth.append(0)
+            self.hits_per_depth.append(0)
+        self.lookups += 1
+        self.lookups_per_depth[n] += 1
+        self.hits += hit
+        self.hits_per_depth[n] += hit
+
+    @property
+    def misses(self) -> int:
+        return self.lookups - self.hits
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.lookups if self.lookups else 0.0
+
+
+class SpecCache:
+    """One round's speculation cache: outcome (seq, n, t) -> the caller's entry (tokens, q', branch id...).
+
+    `get` hands a hit's entry over to the caller and removes it, so `clear` returns exactly the entries
+    nobody claimed (the caller frees their KV branches); each entry comes back exactly once.
+    K (optional) bounds n and sizes the per-depth counters."""
+
+    def __init__(self, K: int | None = None):
+        self.K = K
+        self.entries = {}
+        self.stats = CacheStats(K)
+
+    def _check_n(self, n):
+        if n < 0 or (self.K is not None and n > self.K):
+            raise ValueError(f"accepted count n must be in [0, K={self.K}], got {n}")
+
+    def put(self, seq: int, n: int, t: int, entry):
+        self._check_n(n)
+        key = (int(seq), int(n), int(t))
+        if key in self.entries:
+            raise ValueError(f"outcome {key} is already cached this round; clear() the cache between rounds")
+        self.entries[key] = entry
+        self.stats.entries += 1
+
+    def get(self, seq: int, n: int, t: int):
+        """Look up the real outcome: the entry (removed from the cache) on a hit, None on a miss."""
+        self._check_n(n)
+        entry = self.entries.pop((int(seq), int(n), int(t)), None)
+        self.stats.record(int(n), entry is not None)
+        return entry
+
+    def clear(self) -> list:
+        """Empty the cache for the next round; returns the unclaimed entries so their branches can be freed."""
+        left = list(self.entries.values())
+        self.entries.clear()
+        return left
+
+    def __contains__(self, key) -> bool:  # no counters touched
+        return tuple(int(x) for x in key) in self.entries
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Running estimates of a and r, to refresh the geometric fan-out from measurements
+
+def expected_tokens(a: float, K: int) -> float:
+    """Expected tokens per round (accepted + bonus) with acceptance rate a: (1 - a^(K+1)) / (1 - a)."""
+    if not 0 <= a <= 1:
+        raise ValueError(f"acceptance rate a must be in [0, 1], got {a}")
+    return K + 1.0 if a == 1 else (1 - a ** (K + 1)) / (1 - a)
+
+
+@dataclass
+class AcceptanceTracker:
+    """Running estimates for the geometric fan-out. Keep one per kind of proposal: the neural draft's and
+    the fast backup's acceptance rates differ (the latter gives the fan-out used after a fast round).
+
+    a: the maximum-likelihood estimate under the capped-geometric model: a round with K proposals is a run
+    of Bernoulli(a) trials that stops at the first failure or after K successes, so
+    a_hat = sum(n) / sum(trials), trials = n + 1 if n < K else K.
+    r: `fit_power_law` over the cumulative miss rate at each fan-out value F seen at lookups (a depth
+    with F_n guesses misses with chance F_n^(-r)); F values with fewer than `min_lookups` are ignored.
+    Both fall back to DEFAULT_A / DEFAULT_R until there is data."""
+    warmup: int = 20            # rounds before `ready` (refresh the fan-out after this many)
+    min_lookups: int = 20
+    accepted: int = 0
+    trials: int = 0
+    rounds: int = 0             # sequence-rounds with K >= 1 seen
+    lookups_by_F: dict = field(default_factory=dict)  # F -> [lookups, hits]
+
+    def update(self, n, K: int):
+        """One round's accepted count n of K proposals: an int, or a list / tensor of per-sequence counts."""
+        ns = n.tolist() if isinstance(n, torch.Tensor) else n
+        for x in ([ns] if isinstance(ns, numbers.Integral) else ns):
+            if not 0 <= x <= K:
+                raise ValueError(f"accepted count n must be in [0, K={K}], got {x}")
+            if K == 0:  # nothing was proposed: no information about a
+                continue
+            self.accepted += x
+            self.trials += x + 1 if x < K else K
+            self.rounds += 1
+
+    def observe_lookup(self, F_n: int, hit: bool):
+        """One cache lookup at the real depth n, where F_n guesses had been cached."""
+        c = self.lookups_by_F.setdefault(int(F_n), [0, 0])
+        c[0] += 1
+        c[1] += bool(hit)
+
+    def a(self) -> float:
+        return self.accepted / self.trials if self.trials else DEFAULT_A
+
+    def r(self) -> float:
+        pts = [(f, 1 - h / n) for f, (n, h) in self.lookups_by_F.items() if n >= self.min_lookups]
+        return fit_power_law([f for f, _ in pts], [m for _, m in pts])
+
+    def expected_tokens(self, K: int) -> float:
+        return expected_tokens(self.a(), K)
+
+    @property
+    def ready(self) -> bool:
+        return self.rounds >= self.warmup
+
+    def fan_out(self, K: int, B: int) -> list[int]:
+        """The geometric fan-out from the current estimates."""
+        return geometric_fan_out(self.a(), self.r(), K, B)

@@ -1,0 +1,90 @@
+"""The shipped tiny pair (checkpoints/tiny-target, tiny-draft) meets issue 3's bar: the architecture
+and size limits, a draft under 1/10 of the target's FLOPs per token (from the configs; nothing is
+timed here), and on a deterministic held-out subset (the first 8 windows of 128 positions of the
+held-out stream, see scripts/eval_tiny.py) a lower target loss, greedy agreement >= 0.65 and expected
+acceptance at T=1 >= 0.75. Negative control: a randomly initialised draft must fail the same checks."""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+TARGET, DRAFT = REPO / "checkpoints" / "tiny-target", REPO / "checkpoints" / "tiny-draft"
+FILES = ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json")
+MISSING = [str(d / f) for d in (TARGET, DRAFT) for f in FILES if not (d / f).exists()]
+pytestmark = pytest.mark.skipif(bool(MISSING), reason=f"tiny checkpoints absent ({', '.join(MISSING[:2])}): "
+                                                      "run scripts/train_tiny.py")
+
+AGREEMENT_MIN, ACCEPTANCE_MIN = 0.65, 0.75
+
+
+def config(d):
+    return json.loads((d / "config.json").read_text())
+
+
+def test_architecture_and_size():
+    t, d = config(TARGET), config(DRAFT)
+    for c in (t, d):
+        assert c["model_type"] == "llama" and not c.get("attention_bias") and not c.get("rope_scaling")
+        assert c.get("head_dim", c["hidden_size"] // c["num_attention_heads"]) * c["num_attention_heads"] == c["hidden_size"]
+    assert t["num_key_value_heads"] < t["num_attention_heads"], "target must use GQA"
+    assert t["num_hidden_layers"] >= 8 and d["num_hidden_layers"] in (1, 2)
+    assert t["vocab_size"] == d["vocab_size"]
+    from safetensors.torch import load_file
+    weights = load_file(TARGET / "model.safetensors")
+    assert all(w.dtype == torch.bfloat16 for w in weights.values())
+    n = sum(w.numel() for w in weights.values())  # tied: the LM head is the embedding, stored once
+    assert 10e6 <= n <= 20e6, f"target has {n} parameters"
+    mb = sum((p / "model.safetensors").stat().st_size for p in (TARGET, DRAFT)) / 2**20
+    assert mb < 40, f"checkpoints are {mb:.1f} MiB"
+
+
+def test_special_tokens_match_tokenizer():
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(TARGET)
+    for d in (TARGET, DRAFT):
+        c = config(d)
+        assert (c["bos_token_id"], c["eos_token_id"]) == (tok.bos_token_id, tok.eos_token_id)
+        assert tok.bos_token_id is not None and tok.eos_token_id is not None
+        assert AutoTokenizer.from_pretrained(d).get_vocab() == tok.get_vocab()
+
+
+def test_draft_flops_under_a_tenth():
+    from scripts.eval_tiny import flops_per_token
+    t, d = config(TARGET), config(DRAFT)
+    for context in (0, 256):  # attention over context only adds to the ratio (target is deeper and wider)
+        ratio = flops_per_token(t, context) / flops_per_token(d, context)
+        assert ratio >= 10, f"draft is 1/{ratio:.2f} of the target's FLOPs/token at context {context}"
+
+
+@pytest.fixture(scope="module")
+def held_out():
+    from scripts.eval_tiny import heldout_windows, load_hf
+    from transformers import AutoTokenizer
+    torch.set_num_threads(1)
+    windows = heldout_windows(AutoTokenizer.from_pretrained(TARGET), seq_len=128, n_windows=8)  # [8, 129]
+    return load_hf(TARGET), windows
+
+
+def test_pair_quality_on_held_out(held_out):
+    from scripts.eval_tiny import evaluate_pair, load_hf
+    target, windows = held_out
+    m = evaluate_pair(target, load_hf(DRAFT), windows)
+    assert m["positions"] == 8 * 128
+    assert m["target_loss"] < m["draft_loss"], m
+    assert m["greedy_agreement"] >= AGREEMENT_MIN, m
+    assert m["acceptance_t1"] >= ACCEPTANCE_MIN, m
+
+
+def test_negative_control_random_draft_fails(held_out):
+    """The same checks must be able to fail: an untrained draft of the same shape does not pass."""
+    from scripts.eval_tiny import evaluate_pair
+    from transformers import AutoConfig, AutoModelForCausalLM
+    target, windows = held_out
+    torch.manual_seed(0)
+    random_draft = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(DRAFT)).float().eval()
+    m = evaluate_pair(target, random_draft, windows)
+    assert m["greedy_agreement"] < AGREEMENT_MIN and m["acceptance_t1"] < ACCEPTANCE_MIN, m

@@ -1,0 +1,130 @@
+"""Verification: the target model tests the draft's K proposed tokens and emits n accepted ones plus a bonus.
+
+Read top to bottom:
+1. `accept_reject`: the standard speculative-decoding test (Leviathan et al. 2023; Chen et al. 2023) as a pure
+   function of the target's logits and the proposals, batched over rows. Each proposed token is tested with
+   the distribution it was actually drawn from (q, Saguaro's q', or one-hot for deterministic proposals), so
+   the emitted tokens follow the target's law exactly, whatever the draft did (DESIGN.md section 5).
+"""
+import numbers
+
+import torch
+
+from saguaro_sample import probs_from_logits, sample
+
+
+def accept_reject(target_logits: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Tensor,
+                  deterministic: torch.Tensor, temperature: float, generator: torch.Generator):
+    """One round's verification outcome (n, t) for b rows.
+
+    target_logits [b, K+1, V]: the target's logits p_0..p_K (p_i is its next-token distribution after x_i).
+    draft_tokens  [b, K] long: x_1..x_K.
+    draft_probs   [b, K, V]: the exact distributions x_1..x_K were drawn from (q, or Saguaro's q').
+    deterministic [b] bool: rows whose proposals were not sampled (greedy, n-gram, random backup): they are
+        tested with a one-hot q at x_i, and their draft_probs are ignored (may be garbage).
+    generator: torch.Generator on the tensors' device (unused at temperature 0).
+    Returns n [b] long (accepted count, 0..K) and t [b] long (the bonus token); the round emits x_1..x_n, t.
+    """
+    if target_logits.dim() != 3:
+        raise ValueError(f"target_logits must be [b, K+1, V], got shape {list(target_logits.shape)}")
+    b, K1, V = target_logits.shape
+    K = K1 - 1
+    if draft_tokens.shape != (b, K):
+        raise ValueError(f"draft_tokens must be [b, K] = [{b}, {K}] to match target_logits, "
+                         f"got {list(draft_tokens.shape)}")
+    if draft_probs.shape != (b, K, V):
+        raise ValueError(f"draft_probs must be [b, K, V] = [{b}, {K}, {V}], got {list(draft_probs.shape)}")
+    if deterministic.shape != (b,) or deterministic.dtype != torch.bool:
+        raise ValueError(f"deterministic must be a bool tensor [b] = [{b}], "
+                         f"got {deterministic.dtype} {list(deterministic.shape)}")
+    if not (isinstance(temperature, numbers.Real) and temperature >= 0):
+        raise ValueError(f"temperature must be a number >= 0 (0 = greedy), got {temperature!r}")
+    x = draft_tokens.long()
+
+    def first_failures(accepted):  # [b, K] bool -> [b]: how many accepted before the first rejection
+        return accepted.long().cumprod(-1).sum(-1)
+
+    if temperature == 0:
+        # Greedy: accept while x_{i+1} == argmax p_i; the bonus is argmax p_n (a one-hot q passes exactly these).
+        best = target_logits.argmax(-1)                                        # [b, K+1]
+        n = first_failures(x == best[:, :K])
+        return n, best.gather(1, n[:, None]).squeeze(1)
+
+    p = probs_from_logits(target_logits, temperature)                          # [b, K+1, V] float32
+    # p_i(x_{i+1}) and q_i(x_{i+1}); a deterministic proposal has q_i(x_{i+1}) = 1.
+    px = p[:, :K].gather(-1, x[..., None]).squeeze(-1)                         # [b, K]
+    qx = draft_probs.float().gather(-1, x[..., None]).squeeze(-1)              # [b, K]
+    qx = torch.where(deterministic[:, None], 1.0, qx)
+    # Accept x_{i+1} with probability min(1, p/q): u < p/q with u ~ U[0, 1), written u q < p so that q = 0 needs
+    # no division. All K uniforms at once; n counts the accepts before the first rejection.
+    u = torch.rand(b, K, generator=generator, device=p.device)
+    n = first_failures(u * qx < px)                                            # [b]
+
+    # Bonus: from the residual norm(max(p_n - q_n, 0)) after a rejection (n < K), from p_K if all were accepted.
+    rows = torch.arange(b, device=p.device)
+    p_n = p[rows, n]                                                           # [b, V]
+    if K > 0:
+        at = n.clamp(max=K - 1)  # row's q_n; rows with n = K are masked to q = 0 below
+        q_n = torch.where(deterministic[:, None],
+                          torch.nn.functional.one_hot(x[rows, at], V).float(),
+                          draft_probs[rows, at].float())                      # [b, V]
+        q_n = torch.where((n < K)[:, None], q_n, 0.0)
+        residual = (p_n - q_n).clamp(min=0)
+    else:
+        residual = p_n
+    # An all-zero residual needs p_n <= q_n everywhere, i.e. p_n == q_n in exact arithmetic, where the test
+    # accepts surely; it can only come from float round-off, with tiny probability. Then p_n is the law to
+    # sample (it is the residual's limit and the target's own distribution).
+    empty = residual.sum(-1, keepdim=True) == 0                                # [b, 1]
+    t = sample(torch.where(empty, p_n, residual), generator)                   # [b]
+    return n, t
+
+
+# ----------------------------------------------------------------------------------------------------
+# The verifier: the target model, its paged KV cache, one forward per round
+
+class Verifier:
+    """The target side. Its KV cache holds every committed token except the last bonus token r, which
+    each round feeds first: one forward over [r, x_1..x_K] gives p_0..p_K for the whole round."""
+
+    def __init__(self, model, temperature: float, seed: int, kv_tokens: int, block_size: int = 16):
+        self.model, self.temperature = model, temperature
+        self.cache = model.new_cache(kv_tokens, block_size)
+        self.gen = torch.Generator(device=model.device).manual_seed(seed)
+
+    def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
+        """Cache all prompt tokens and draw the first token t0 per row (round 0: no proposals)."""
+        self.seqs = [self.cache.new_seq() for _ in prompts]
+        logits = self.model.forward_cached(self.cache, self.seqs, [x for p in prompts for x in p],
+                                           [len(p) for p in prompts], last_only=True)  # [b, V]
+        b, V = logits.shape
+        self.last = self._bonus(logits[:, None, :])
+        return self.last.clone()
+
+    def _bonus(self, logits):
+        b, _, V = logits.shape
+        none = torch.zeros(b, 0, dtype=torch.long, device=logits.device)
+        _, t = accept_reject(logits, none, logits.new_zeros(b, 0, V), torch.ones(b, dtype=torch.bool),
+                             self.temperature, self.gen)
+        return t
+
+    def verify(self, rows: list[int], tokens, q, deterministic):
+        """One round for `rows`: tokens [b, K] and q [b, K, V] are the proposals and the laws they were
+        drawn from. Returns (n [b], t [b]) and leaves the cache holding the accepted prefix."""
+        b, K = tokens.shape
+        seqs = [self.seqs[r] for r in rows]
+        start = [self.cache.length(s) for s in seqs]
+        inp = torch.cat([self.last[rows, None], tokens.to(self.last.device)], 1)  # [b, K+1]: r, x_1..x_K
+        logits = self.model.forward_cached(self.cache, seqs, inp.flatten(), [K + 1] * b).view(b, K + 1, -1)
+        n, t = accept_reject(logits, inp[:, 1:], q.to(logits.device), deterministic.to(logits.device),
+                             self.temperature, self.gen)
+        for s, L, n_r in zip(seqs, start, n.tolist()):
+            self.cache.truncate(s, L + 1 + n_r)  # keep r, x_1..x_n: the rejected tokens never happened
+        self.last[rows] = t
+        return n, t
+
+    def finish(self, rows):
+        for r in rows:
+            if self.seqs[r] is not None:
+                self.cache.free(self.seqs[r])
+                self.seqs[r] = None
