@@ -10,10 +10,11 @@ read and written through each sequence's block table in a `PagedKVCache`.
 import json
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -102,6 +103,40 @@ class ModelConfig:
 
 
 # ----------------------------------------------------------------------------------------------------
+# Tensor parallelism (Megatron style): rank r of `world` holds 1/world of the q/k/v heads, of the MLP's
+# intermediate units and of the vocabulary. Column-split layers (q, k, v, gate, up) need no communication;
+# the row-split ones (o_proj, down_proj) give partial sums that one all-reduce per layer adds up. The caller
+# has set up the torch.distributed process group (NCCL on CUDA, gloo on CPU); see run.py.
+
+@dataclass
+class TP:
+    rank: int
+    world: int
+    group: object = None  # a torch.distributed process group; None is the default group
+
+
+def tp_sizes(cfg: ModelConfig) -> list[int]:
+    """The tensor-parallel sizes this model splits evenly into (every split dimension divisible)."""
+    g = math.gcd(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size, cfg.vocab_size)
+    return [w for w in range(1, g + 1) if g % w == 0]
+
+
+def check_tp(cfg: ModelConfig, world: int):
+    if world not in tp_sizes(cfg):
+        raise ValueError(f"tensor parallel size {world} does not divide num_attention_heads={cfg.num_attention_heads} "
+                         f"and num_key_value_heads={cfg.num_key_value_heads} (with intermediate_size="
+                         f"{cfg.intermediate_size}, vocab_size={cfg.vocab_size}): valid TP sizes are "
+                         f"{', '.join(map(str, tp_sizes(cfg)))}")
+
+
+def all_reduce(x, tp: TP | None):
+    """Sum the partial outputs of a row-split layer over the ranks (identity without TP)."""
+    if tp is not None:
+        dist.all_reduce(x, group=tp.group)
+    return x
+
+
+# ----------------------------------------------------------------------------------------------------
 # Layers
 
 class RMSNorm(nn.Module):
@@ -136,7 +171,7 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 def rope_cos_sin(inv_freq, positions, dtype):
     """positions [...] -> cos, sin [..., head_dim] in the rotate-half layout (HF weights need no permutation)."""
-    freqs = positions.float()[..., None] * inv_freq  # [..., head_dim/2]
+    freqs = positions.float()[..., None] * inv_freq.float()  # [..., head_dim/2]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
@@ -149,9 +184,12 @@ def apply_rope(x, cos, sin):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TP | None = None):
         super().__init__()
-        self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        # with TP this rank holds q heads [r nh/world, (r+1) nh/world) and KV heads [r nkv/world, ...): exactly the
+        # KV heads its q heads read under GQA (q head i reads KV head i // (nh/nkv)), so attention stays local
+        world, self.tp = (tp.world if tp else 1), tp
+        self.nh, self.nkv, self.hd = cfg.num_attention_heads // world, cfg.num_key_value_heads // world, cfg.head_dim
         self.q_proj = nn.Linear(cfg.hidden_size, self.nh * self.hd, bias=False)
         self.k_proj = nn.Linear(cfg.hidden_size, self.nkv * self.hd, bias=False)
         self.v_proj = nn.Linear(cfg.hidden_size, self.nkv * self.hd, bias=False)
@@ -175,29 +213,30 @@ class Attention(nn.Module):
             # full forward: x [B, T, hidden]; plain causal attention
             y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                is_causal=True, enable_gqa=True)  # [B, nh, T, hd]
-            return self.o_proj(y.transpose(1, 2).flatten(-2))
+            return all_reduce(self.o_proj(y.transpose(1, 2).flatten(-2)), self.tp)
         # paged: x [N, hidden] holds the new tokens of all sequences back to back
-        return self.o_proj(paged_attention(q, k, v, kv_layer, meta).flatten(-2))
+        return all_reduce(self.o_proj(paged_attention(q, k, v, kv_layer, meta).flatten(-2)), self.tp)
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TP | None = None):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        inter, self.tp = cfg.intermediate_size // (tp.world if tp else 1), tp  # TP: this rank's intermediate units
+        self.gate_proj = nn.Linear(cfg.hidden_size, inter, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, inter, bias=False)
+        self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return all_reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)), self.tp)
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TP | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, tp)
 
     def forward(self, x, cos, sin, kv_layer=None, meta=None):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_layer, meta)
@@ -226,7 +265,7 @@ class AttnMeta:
     positions: torch.Tensor    # [N] absolute position of each new token
     block_table: torch.Tensor  # [b, max_blocks] (padded with block 0; padding is masked out)
     query_index: torch.Tensor  # [N] row * T + i: where each new token sits in the padded [b, T] layout
-    mask: torch.Tensor         # [b, 1, T, max_blocks * block_size] True where a query may attend a key
+    mask: torch.Tensor         # [b, 1, T, max_blocks * block_size] 0 where a query may attend a key, else -inf
     T: int                     # most new tokens of any sequence in this batch
 
 
@@ -303,6 +342,12 @@ class PagedKVCache:
         self.truncate(sid, 0)
         del self.seqs[sid]
 
+    def blocks_needed(self, sid: int, n: int) -> int:
+        """How many free blocks appending n tokens to `sid` takes (new blocks, plus a copy on write)."""
+        s, bs = self.seqs[sid], self.block_size
+        cow = s.length % bs != 0 and self.refcount[s.blocks[s.length // bs]] > 1
+        return -(-(s.length + n) // bs) - len(s.blocks) + cow
+
     def append(self, sid: int, n: int) -> list[int]:
         """Reserve n new token slots at the end of `sid` and return their flat pool indices."""
         s, bs = self.seqs[sid], self.block_size
@@ -322,6 +367,10 @@ class PagedKVCache:
     def prepare(self, seq_ids: list[int], counts: list[int]) -> AttnMeta:
         """Append counts[i] tokens to each sequence and build the metadata every layer of one forward uses."""
         device, bs = self.kv.device, self.block_size
+        if min(counts) < 1:
+            raise ValueError(f"every sequence in a cached forward needs >= 1 new token (counts {counts})")
+        if sum(self.blocks_needed(s, c) for s, c in zip(seq_ids, counts)) > len(self.free_blocks):
+            self._alloc()  # raises before any sequence is touched (nothing is half-appended)
         starts = [self.seqs[s].length for s in seq_ids]
         slots = [x for s, c in zip(seq_ids, counts) for x in self.append(s, c)]
         b, T = len(seq_ids), max(counts)
@@ -338,7 +387,9 @@ class PagedKVCache:
         query_index = row * T + offset
         qpos[query_index] = positions
         keys = torch.arange(max_blocks * bs, device=device)
-        mask = keys.view(1, 1, 1, -1) <= qpos.view(b, 1, T, 1)  # causal within and across rounds
+        allowed = keys.view(1, 1, 1, -1) <= qpos.view(b, 1, T, 1)  # causal within and across rounds
+        # additive float mask, built once per forward (SDPA would convert a bool mask in every layer)
+        mask = torch.zeros(allowed.shape, dtype=self.kv.dtype, device=device).masked_fill_(~allowed, float("-inf"))
         return AttnMeta(torch.tensor(slots, device=device), positions, torch.tensor(table, device=device),
                         query_index, mask, T)
 
@@ -364,14 +415,18 @@ def paged_attention(q, k, v, kv_layer, meta: AttnMeta):
 # The model
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TP | None = None):
         super().__init__()
-        self.config = cfg
+        self.config = cfg  # the whole model's config; with TP the layers hold 1/world of the split dimensions
+        self.tp = tp if tp is not None and tp.world > 1 else None
+        if self.tp:
+            check_tp(cfg, self.tp.world)
+        vocab = cfg.vocab_size // (self.tp.world if self.tp else 1)  # TP: this rank's vocabulary rows
         self.model = nn.Module()  # HF nests the body under "model."; keep its parameter names
-        self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.model.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_hidden_layers))
+        self.model.embed_tokens = nn.Embedding(vocab, cfg.hidden_size)
+        self.model.layers = nn.ModuleList(Block(cfg, self.tp) for _ in range(cfg.num_hidden_layers))
         self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, vocab, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.init_rope()
@@ -385,16 +440,41 @@ class Transformer(nn.Module):
         return self.lm_head.weight.device
 
     def new_cache(self, num_tokens: int, block_size: int = 16) -> PagedKVCache:
-        return PagedKVCache(self.config, num_tokens, block_size, self.device, self.lm_head.weight.dtype)
+        cfg = self.config
+        if self.tp:  # each rank caches only its own KV heads
+            cfg = replace(cfg, num_key_value_heads=cfg.num_key_value_heads // self.tp.world)
+        return PagedKVCache(cfg, num_tokens, block_size, self.device, self.lm_head.weight.dtype)
+
+    def embed(self, tokens):
+        if self.tp is None:
+            return self.model.embed_tokens(tokens)
+        # vocabulary parallel: this rank holds rows [rank * V/world, (rank+1) * V/world). Tokens outside embed
+        # to zeros here, so the all-reduce adds exactly one non-zero row per token (the result is exact).
+        rows = self.model.embed_tokens.num_embeddings
+        local = tokens - self.tp.rank * rows
+        outside = (local < 0) | (local >= rows)
+        x = self.model.embed_tokens(local.clamp(0, rows - 1)).masked_fill(outside[..., None], 0)
+        return all_reduce(x, self.tp)
+
+    def head(self, x):
+        """Final norm and LM head -> float32 logits over the whole vocabulary."""
+        logits = self.lm_head(self.model.norm(x))
+        if self.tp is not None:
+            # every rank gathers the full logits (not only rank 0), so run.py's ranks all run the same
+            # accept/reject on the same numbers with identically seeded generators and stay in lockstep
+            parts = [torch.empty_like(logits) for _ in range(self.tp.world)]
+            dist.all_gather(parts, logits.contiguous(), group=self.tp.group)
+            logits = torch.cat(parts, -1)  # [..., V], rank order = vocabulary order
+        return logits.float()
 
     def forward(self, tokens):
         """Plain full forward without a cache: tokens [B, T] -> float32 logits [B, T, V]."""
         T = tokens.shape[1]
         cos, sin = rope_cos_sin(self.inv_freq, torch.arange(T, device=tokens.device), self.lm_head.weight.dtype)
-        x = self.model.embed_tokens(tokens)
+        x = self.embed(tokens)
         for layer in self.model.layers:
             x = layer(x, cos, sin)
-        return self.lm_head(self.model.norm(x)).float()
+        return self.head(x)
 
     def forward_cached(self, cache: PagedKVCache, seq_ids: list[int], tokens, counts: list[int],
                        last_only: bool = False):
@@ -404,12 +484,12 @@ class Transformer(nn.Module):
         tokens = torch.as_tensor(tokens, device=self.device)
         meta = cache.prepare(seq_ids, counts)
         cos, sin = rope_cos_sin(self.inv_freq, meta.positions, self.lm_head.weight.dtype)
-        x = self.model.embed_tokens(tokens)  # [N, hidden]
+        x = self.embed(tokens)  # [N, hidden]
         for l, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, cache.kv[l], meta)
         if last_only:
             x = x[torch.cumsum(torch.tensor(counts, device=x.device), 0) - 1]
-        return self.lm_head(self.model.norm(x)).float()
+        return self.head(x)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -423,7 +503,8 @@ def resolve(name_or_path) -> Path:
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"{path} has no config.json: point at an HF-format model directory")
         return path
-    if isinstance(target, Path) or str(target).startswith((".", "/", "~")) or str(target).count("/") != 1:
+    looks_local = str(target).startswith((".", "/", "~")) or Path(str(target).split("/")[0]).is_dir()
+    if isinstance(target, Path) or looks_local or str(target).count("/") != 1:
         known = ", ".join(ALIASES)
         raise FileNotFoundError(f"model {name_or_path!r} not found: give a directory with config.json, "
                                 f"an HF hub id (org/name), or one of: {known}")
@@ -439,6 +520,36 @@ def resolve(name_or_path) -> Path:
         raise FileNotFoundError(f"{target} is not in the local HF cache and could not be downloaded "
                                 f"({type(e).__name__}): run `huggingface-cli download {target}` where the hub "
                                 f"is reachable, or pass a local directory") from None
+
+
+def tp_split_dim(name: str) -> int | None:
+    """The dimension of a checkpoint tensor that tensor parallelism splits across ranks (None: replicated)."""
+    if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight", "up_proj.weight",
+                      "embed_tokens.weight", "lm_head.weight")):
+        return 0  # split by output rows: heads (head_dim rows each), intermediate units, vocabulary rows
+    if name.endswith(("o_proj.weight", "down_proj.weight")):
+        return 1  # split by input columns, matching the split of the layer before; partial sums are all-reduced
+    return None   # norms
+
+
+def read_tensor(f, fname, name, param, tp: TP | None):
+    """Read tensor `name` from an open safetensors file, checking its stored shape against the config. With TP
+    only this rank's slice of a split tensor is read from disk."""
+    dim = tp_split_dim(name) if tp else None
+    if dim is None:
+        t = f.get_tensor(name)
+        stored, want = tuple(t.shape), tuple(param.shape)
+    else:
+        s = f.get_slice(name)
+        n = param.shape[dim]  # this rank's share: [rank * n, (rank + 1) * n) along dim
+        stored = tuple(s.get_shape())
+        want = tuple(d * tp.world if i == dim else d for i, d in enumerate(param.shape))
+        if stored == want:
+            lo = tp.rank * n
+            t = s[lo:lo + n] if dim == 0 else s[:, lo:lo + n]
+    if stored != want:
+        raise ValueError(f"tensor {name!r} has shape {stored} in {fname}, the config implies {want}")
+    return t
 
 
 def load_weights(model: Transformer, path: Path, device, dtype):
@@ -464,10 +575,7 @@ def load_weights(model: Transformer, path: Path, device, dtype):
                 if name not in params:
                     raise ValueError(f"unexpected tensor {name!r} in {fname}: not a parameter of this "
                                      f"{model.config.model_type} model")
-                t = f.get_tensor(name)
-                if tuple(t.shape) != tuple(params[name].shape):
-                    raise ValueError(f"tensor {name!r} has shape {tuple(t.shape)} in {fname}, "
-                                     f"the config implies {tuple(params[name].shape)}")
+                t = read_tensor(f, fname, name, params[name], model.tp)
                 with torch.no_grad():
                     params[name].copy_(t.to(device=device, dtype=dtype))
                 filled.add(name)
@@ -477,9 +585,10 @@ def load_weights(model: Transformer, path: Path, device, dtype):
                          + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
 
 
-def load_model(name_or_path, device="cpu", dtype=None):
+def load_model(name_or_path, device="cpu", dtype=None, tp: TP | None = None):
     """-> (model, tokenizer). dtype None means float32 on CPU and bfloat16 on CUDA. The tokenizer is
-    None when the directory has no tokenizer files (then callers pass token ids)."""
+    None when the directory has no tokenizer files (then callers pass token ids). tp: this process's rank of a
+    tensor-parallel model (the process group must exist); it loads only its slices."""
     device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device} requested but CUDA is not available: use --device cpu")
@@ -489,7 +598,7 @@ def load_model(name_or_path, device="cpu", dtype=None):
     path = resolve(name_or_path)
     cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
     with torch.device("meta"):
-        model = Transformer(cfg)
+        model = Transformer(cfg, tp)
     model = model.to_empty(device=device).to(dtype)
     if cfg.tie_word_embeddings:  # to_empty makes new tensors; tie the head to the embedding again
         model.lm_head.weight = model.model.embed_tokens.weight

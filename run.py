@@ -14,16 +14,22 @@ same tokens for the same seed.
 import argparse
 import json
 import os
+import queue
+import signal
+import socket
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from draft import Drafter, Proposals, SSDConfig, Speculator
-from model import ModelConfig, load_model, resolve
+from model import TP, ModelConfig, check_tp, load_model, resolve
 from verify import Verifier
 
 DEFAULT_PROMPT = "def binary_search(items, target):\n    \"\"\"Return the index of target in the sorted list items.\"\"\"\n"
@@ -174,6 +180,7 @@ class Channel:
             x.share_memory_()
         ctx = mp.get_context("spawn")
         self.outcome_ready, self.proposals_ready = ctx.Event(), ctx.Event()
+        self.loaded = ctx.Event()  # the speculator has its model: start the clocks only then
         self.pin = pin
 
     def tensors(self):
@@ -208,6 +215,7 @@ def speculator_main(draft, draft_device, threads, prompts, K, temperature, seed,
         model, _ = load_model(draft, device=draft_device)
         spec = Speculator(model, K, temperature, seed + 1, kv_tokens, ssd, block_size)
         b = len(prompts)
+        ch.loaded.set()
         spec.prefill(prompts)
         spec.pre_speculate(list(range(b)))
         parent = mp.parent_process()
@@ -250,6 +258,9 @@ def decode_ssd_parallel(verifier, prompts, out, K, args):
     proc.start()
     child_stats = {}
     try:
+        s = time.perf_counter()
+        wait_for(ch.loaded, proc.is_alive, "speculator")  # process start-up and model load: not decode time
+        startup_s = time.perf_counter() - s
         t_start = time.perf_counter()
         t0 = verifier.prefill(prompts)
         prefill_s = time.perf_counter() - t_start
@@ -275,11 +286,11 @@ def decode_ssd_parallel(verifier, prompts, out, K, args):
             rows = out.active()
             ch.outcome_ready.set()
         decode_s = time.perf_counter() - start
+        kind, child_stats = errors.get(timeout=30)  # read before join: a full pipe would block the child's exit
+        if kind == "error":
+            raise RuntimeError(f"speculator failed: {child_stats}")
         proc.join(timeout=30)
-        while not errors.empty():
-            kind, val = errors.get()
-            if kind == "stats":
-                child_stats = val
+        child_stats["startup_seconds"] = startup_s
         return prefill_s, decode_s, wait, child_stats
     except BaseException:
         ch.ctl[1] = 1
@@ -299,6 +310,247 @@ def decode_ssd_parallel(verifier, prompts, out, K, args):
                     msg = val
             if msg and sys.exc_info()[0] is not KeyboardInterrupt:
                 raise RuntimeError(f"speculator failed: {msg}") from None
+
+
+# ----------------------------------------------------------------------------------------------------
+# Tensor-parallel target (--target-devices, as the paper runs Llama-3.1-70B on 4 GPUs)
+#
+# Rank 0 is the verifier in this process and talks to the speculator as in every other mode; ranks
+# 1..world-1 are spawned workers holding the other slices of the target (model.py splits heads, MLP and
+# vocabulary and does the all-reduces). For each Verifier call rank 0 broadcasts the arguments as tensors and
+# every rank makes the same call, so the forwards run in lockstep and all ranks keep identical KV caches.
+
+TP_TIMEOUT = timedelta(minutes=10)  # a collective waiting longer fails (gloo) or aborts the process (NCCL)
+PREFILL, VERIFY, FINISH, STOP = 1, 2, 3, 4  # rank 0's commands
+
+
+def tp_backend(devices: list[str]) -> str:
+    """NCCL over distinct GPUs, gloo over CPUs."""
+    kinds = {torch.device(d).type for d in devices}
+    if kinds == {"cpu"}:
+        return "gloo"
+    if kinds != {"cuda"}:
+        raise ValueError(f"target_devices={devices}: use only cuda:N devices (NCCL) or only cpu (gloo), not a mix")
+    idx = [torch.device(d).index or 0 for d in devices]
+    if len(set(idx)) != len(idx):
+        raise ValueError(f"target_devices={devices} repeats a GPU: tensor parallelism needs one GPU per rank")
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if max(idx) >= visible:
+        raise ValueError(f"target_devices={devices}: only {visible} GPUs are visible")
+    return "nccl"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))  # the OS picks a free port
+        return s.getsockname()[1]
+
+
+def tp_init(rank, world, port, backend, device):
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL uses the current device of each rank
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=TP_TIMEOUT)
+
+
+class TPWorkers:
+    """Rank 0's handle on ranks 1..world-1: spawns them (they load their slices while rank 0 loads its own),
+    joins their process group, and stops them in close(): a STOP command when they wait for one, else
+    terminate, so Ctrl-C or an error anywhere leaves no process behind."""
+
+    def __init__(self, target, devices: list[str], threads: int | None):
+        self.world, self.device = len(devices), torch.device(devices[0])
+        check_tp(ModelConfig.from_hf(json.loads((resolve(target) / "config.json").read_text())), self.world)
+        backend = tp_backend(devices)
+        if dist.is_initialized():
+            raise ValueError("this process already has a torch.distributed process group: a tensor-parallel "
+                             "target needs its own (call generate() outside torch.distributed jobs)")
+        self.rank0 = TP(0, self.world)
+        self.idle = False  # True while every worker waits for a command (only then can a STOP be sent)
+        port, ctx = free_port(), mp.get_context("spawn")
+        self.errors = ctx.Queue()
+        self.procs = [ctx.Process(target=tp_worker_main, daemon=True, args=(
+            r, self.world, port, backend, devices[r], target, threads, os.getpid(), self.errors))
+            for r in range(1, self.world)]
+        for p in self.procs:
+            p.start()
+        try:
+            tp_init(0, self.world, port, backend, self.device)
+        except BaseException:
+            self.close()
+            raise
+
+    def wait_ready(self):
+        """Block until every worker has loaded its slices; a worker that fails or dies raises here."""
+        ready = 0
+        while ready < len(self.procs):
+            try:
+                kind, msg = self.errors.get(timeout=0.1)
+            except queue.Empty:
+                if not all(p.is_alive() for p in self.procs):
+                    raise RuntimeError(self.failure() or "a tensor-parallel rank died while loading")
+                continue
+            if kind == "error":
+                raise RuntimeError(f"tensor-parallel {msg}")
+            ready += 1
+
+    def failure(self, killed=()) -> str | None:
+        """The first error a worker reported, else the first worker that died on its own, else None."""
+        while True:
+            try:
+                kind, msg = self.errors.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "error":
+                return f"tensor-parallel {msg}"
+        for r, p in enumerate(self.procs, 1):
+            if p.exitcode not in (0, None) and p not in killed:
+                return f"tensor-parallel rank {r} died (exit code {p.exitcode})"
+        return None
+
+    def close(self):
+        """Stop the workers and leave the process group; raise a worker's error (unless the user interrupted)."""
+        if self.idle:
+            try:
+                dist.broadcast(torch.tensor([STOP, 0, 0, 0], device=self.device), src=0)
+            except Exception:  # a dead worker: reported below
+                pass
+        for p in self.procs:
+            p.join(timeout=30 if self.idle else 0)
+        killed = [p for p in self.procs if p.is_alive()]
+        for p in killed:
+            p.terminate()
+        for p in killed:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        msg = self.failure(killed)
+        if msg and not isinstance(sys.exc_info()[1], KeyboardInterrupt):
+            raise RuntimeError(msg) from None
+
+
+def exit_with_parent(parent_pid):
+    """Workers poll for rank 0's process: if it was killed too hard to stop them, they exit on their own."""
+    while os.getppid() == parent_pid:
+        time.sleep(0.5)
+    os._exit(1)
+
+
+def tp_worker_main(rank, world, port, backend, device, target, threads, parent_pid, errors):
+    """Rank 1..world-1: load this rank's slices of the target, then run rank 0's Verifier calls."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches every process of the terminal; rank 0 stops us
+    threading.Thread(target=exit_with_parent, args=(parent_pid,), daemon=True).start()
+    try:
+        if threads:
+            torch.set_num_threads(threads)
+        tp_init(rank, world, port, backend, device)
+        model, _ = load_model(target, device=device, tp=TP(rank, world))
+        errors.put(("ready", rank))
+        TPVerifier(model).serve()
+        dist.destroy_process_group()
+    except BaseException as e:
+        traceback.print_exc()
+        errors.put(("error", f"rank {rank} failed: {type(e).__name__}: {e}"))
+        sys.exit(1)
+
+
+class TPVerifier:
+    """One rank of a tensor-parallel verifier, with Verifier's methods (prefill, verify, finish).
+
+    On rank 0 (the one given `workers`) each call first broadcasts its arguments; ranks 1.. receive them in
+    serve() and make the same call. model.py all-gathers the logits onto every rank, so every rank runs
+    accept_reject on the same numbers with an identically seeded generator, draws the same (n, t) and rolls
+    its cache back the same way: only the arguments travel, never the outcome."""
+
+    def __init__(self, model, settings: tuple | None = None, workers: TPWorkers | None = None):
+        self.model, self.workers, self.rank, self.dev = model, workers, model.tp.rank, model.device
+        if workers:
+            workers.wait_ready()
+        box = [settings]  # Verifier's (temperature, seed, kv_tokens, block_size): pickled once, not per round
+        dist.broadcast_object_list(box, src=0)
+        self.verifier = Verifier(model, *box[0])
+        if workers:
+            workers.idle = True
+
+    # -- rank 0: the calls the decode loops make, exactly as on a Verifier
+    def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
+        lengths = [len(p) for p in prompts]
+        self._send(PREFILL, len(prompts), sum(lengths))
+        t0 = self._prefill(len(prompts), sum(lengths), torch.tensor(lengths), torch.tensor([x for p in prompts for x in p]))
+        self.workers.idle = True
+        return t0
+
+    def verify(self, rows: list[int], tokens, q, deterministic):
+        (b, K), send_q = tokens.shape, self.verifier.temperature > 0
+        self._send(VERIFY, b, K, int(send_q))
+        ints = torch.cat([torch.tensor(list(rows))[:, None], tokens.cpu().long(),
+                          deterministic.cpu().long()[:, None]], 1)  # [b, K+2]: row, x_1..x_K, deterministic
+        n, t = self._verify(b, K, send_q, ints, q)
+        self.workers.idle = True
+        return n, t
+
+    def finish(self, rows):
+        rows = list(rows)
+        if rows:  # nothing to free, nothing to say
+            self._send(FINISH, len(rows))
+            self._finish(len(rows), torch.tensor(rows))
+            self.workers.idle = True
+
+    # -- ranks 1..world-1
+    def serve(self):
+        """Run rank 0's commands until it sends STOP."""
+        while True:
+            op, a, b, c = self._share(None, (4,)).tolist()
+            if op == STOP:
+                return
+            if op == PREFILL:
+                self._prefill(a, b)
+            elif op == VERIFY:
+                self._verify(a, b, bool(c))
+            elif op == FINISH:
+                self._finish(a)
+            else:
+                raise RuntimeError(f"unknown command {op} from rank 0")
+
+    # -- every rank: receive (or, on rank 0, send) the arguments, then make the local call
+    def _send(self, op, a=0, b=0, c=0):
+        self.workers.idle = False
+        self._share(torch.tensor([op, a, b, c]), (4,))
+
+    def _share(self, x, shape, dtype=torch.long):
+        """Rank 0's tensor x, on every rank (the others pass None and receive it)."""
+        if self.rank == 0:
+            buf = x.to(self.dev, dtype).contiguous()
+        else:
+            buf = torch.empty(shape, dtype=dtype, device=self.dev)
+        if buf.numel():  # ar rounds have K = 0: empty tensors need no message
+            dist.broadcast(buf, src=0, group=self.model.tp.group)
+        return buf
+
+    def _prefill(self, b, total, lengths=None, tokens=None):
+        lengths = self._share(lengths, (b,)).tolist()
+        tokens = self._share(tokens, (total,)).cpu()
+        return self.verifier.prefill([p.tolist() for p in tokens.split(lengths)])
+
+    def _verify(self, b, K, send_q, ints=None, q=None):
+        ints = self._share(ints, (b, K + 2))  # [b, K+2]: row, x_1..x_K, deterministic flag
+        V = self.model.config.vocab_size
+        # at temperature 0 the test reads only the tokens (greedy), so q, [b, K, V], need not travel
+        q = self._share(q, (b, K, V), torch.float32) if send_q else torch.zeros((), device=self.dev).expand(b, K, V)
+        n, t = self.verifier.verify(ints[:, 0].tolist(), ints[:, 1:K + 1], q, ints[:, K + 1].bool())
+        # A guard, one tiny broadcast per round: if the ranks' outcomes ever differed (a reduction that is not
+        # bitwise equal on every rank), their caches would drift apart silently; stop loudly instead.
+        mine = torch.stack([n, t])  # [2, b]
+        if not torch.equal(self._share(mine if self.rank == 0 else None, (2, b)), mine):
+            raise RuntimeError(f"rank {self.rank} drew a different verification outcome than rank 0: ranks out of lockstep")
+        return n, t
+
+    def _finish(self, b, rows=None):
+        self.verifier.finish(self._share(rows, (b,)).tolist())
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -328,12 +580,14 @@ def encode(tokenizer, prompt, chat):
 def generate(prompts, target="tiny", draft="tiny-draft", mode="sd", max_new_tokens=128, temperature=0.0, k=4,
              seed=0, ignore_eos=False, fan_out="geometric", budget=8, saguaro_c=1.0, fallback="auto",
              parallel=True, target_device=None, draft_device=None, target_threads=None, draft_threads=None,
-             kv_tokens=None, block_size=16, chat=False, stream=None) -> GenerateResult:
+             kv_tokens=None, block_size=16, chat=False, stream=None,
+             target_devices: list[str] | None = None) -> GenerateResult:
     """Generate up to max_new_tokens for each prompt (strings, or lists of token ids).
 
     mode: "ar" (target only), "sd" (speculative decoding, K draft tokens per round) or "ssd" (speculative
     speculative decoding with Saguaro: fan_out, budget B, saguaro_c C, fallback policy, parallel).
-    stream(row, tokens_so_far) is called as tokens are accepted."""
+    target_devices: two or more devices (e.g. ["cuda:0", ..., "cuda:3"]) run the target tensor parallel, one
+    rank per device (it replaces target_device). stream(row, tokens_so_far) is called as tokens are accepted."""
     if mode not in ("ar", "sd", "ssd"):
         raise ValueError(f"unknown mode {mode!r}: use 'ar', 'sd' or 'ssd'")
     if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
@@ -357,8 +611,12 @@ def generate(prompts, target="tiny", draft="tiny-draft", mode="sd", max_new_toke
         target_threads = target_threads or cores
     old_threads = torch.get_num_threads()
     torch.set_num_threads(target_threads)
+    workers = None  # ranks 1.. of a tensor-parallel target
     try:
-        tmodel, tok = load_model(target, device=target_device)
+        if target_devices and len(target_devices) > 1:
+            workers = TPWorkers(target, list(target_devices), target_threads)
+        target_device = target_devices[0] if target_devices else target_device
+        tmodel, tok = load_model(target, device=target_device, tp=workers.rank0 if workers else None)
         cfg = tmodel.config
         ids = [encode(tok, p, chat) for p in prompts]
         for p in ids:
@@ -377,7 +635,8 @@ def generate(prompts, target="tiny", draft="tiny-draft", mode="sd", max_new_toke
         eos = [] if ignore_eos else sorted(set(cfg.eos_token_ids) | ({tok.eos_token_id} if tok and tok.eos_token_id is not None else set()))
         b, longest = len(ids), max(len(p) for p in ids)
         per_row = longest + max_new_tokens + 2 * K + 4 + 2 * block_size
-        verifier = Verifier(tmodel, temperature, seed, kv_tokens or b * per_row, block_size)
+        settings = (temperature, seed, kv_tokens or b * per_row, block_size)
+        verifier = TPVerifier(tmodel, settings, workers) if workers else Verifier(tmodel, *settings)
         out = Output(b, max_new_tokens, eos, K, stream)
         stats = {}
         if mode in ("ar", "sd"):
@@ -411,6 +670,8 @@ def generate(prompts, target="tiny", draft="tiny-draft", mode="sd", max_new_toke
         return GenerateResult(out.tokens, text, stats)
     finally:
         torch.set_num_threads(old_threads)
+        if workers:
+            workers.close()
 
 
 def validate_ssd(ssd: SSDConfig, K: int):
@@ -448,6 +709,8 @@ def main(argv=None):
     ap.add_argument("--no-parallel", action="store_true", help="run ssd's two sides interleaved in one process")
     ap.add_argument("--device", default=None, help="device for both models (default: GPUs if any, else cpu)")
     ap.add_argument("--target-device", default=None)
+    ap.add_argument("--target-devices", default=None,
+                    help="tensor-parallel target, one rank per device: cuda:0,cuda:1,cuda:2,cuda:3 (or cpu,cpu)")
     ap.add_argument("--draft-device", default=None)
     ap.add_argument("--target-threads", type=int, default=None)
     ap.add_argument("--draft-threads", type=int, default=None)
@@ -480,7 +743,8 @@ def main(argv=None):
                        budget=a.budget, saguaro_c=a.saguaro_c, fallback=a.fallback, parallel=not a.no_parallel,
                        target_device=a.target_device or a.device, draft_device=a.draft_device or a.device,
                        target_threads=a.target_threads, draft_threads=a.draft_threads, kv_tokens=a.kv_tokens,
-                       chat=a.chat, stream=stream)
+                       chat=a.chat, stream=stream,
+                       target_devices=a.target_devices.split(",") if a.target_devices else None)
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130

@@ -1,0 +1,635 @@
+"""Benchmark AR, SD and SSD (Saguaro) side by side, with the peers, the paper's theory and a tuner.
+
+    python bench.py                                             # the tiny pair, every engine, batch 1, greedy
+    python bench.py --modes ar,sd,ssd --temperatures 0,0.7,1 --batch-sizes 1,2,4,8,16 --plot bench.png
+    python bench.py --modes ssd --fan-out uniform,geometric --saguaro-c 1,0.5,0 --temperatures 1
+    python bench.py --tune                                      # pick K, the budget B and the fallback
+    python bench.py --target llama-8b --draft llama-1b --prompt-file prompts.jsonl --chat
+
+Engines, all on the same models, prompts, max_new_tokens (EOS ignored) and machine:
+  ar, sd, ssd    this engine (`run.generate`); ssd runs its verifier and speculator as two processes;
+  hf             transformers `generate()` (autoregressive, the peer of ar);
+  hf-assisted    transformers assisted generation (`assistant_model=`, the peer of sd; constant K, no
+                 confidence-based early stop, so it drafts exactly K tokens a round as sd does).
+
+Cores (DESIGN.md section 6). On the CPU, ssd splits the cores between its two processes (run.py's default:
+the target gets cores - cores // 2 threads, the draft cores // 2). Every baseline runs twice: with the
+target's own share (label @1t on a 2-core machine: the paper's framing, SSD adds a device for the draft)
+and with all cores (@2t: the same total hardware). Speed-ups compare against the same-thread baselines.
+
+What is measured. Decode throughput = new tokens after the first / decode wall time (prefill reported
+separately; for transformers, decode time = time(max_new_tokens) - time(1 new token)). One run = every
+batch of the prompt set once; a warm-up run (the first batch) comes first; each figure is from the median
+run (by decode tok/s) of --repeats runs. Other agents may share the machine: repeat and read medians.
+"""
+import argparse
+import ast
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from fallback import critical_batch_size, predicted_sd_speedup, predicted_speedup
+from model import ModelConfig, resolve
+from run import default_devices, encode, generate
+
+MODES = ("ar", "sd", "ssd", "hf", "hf-assisted")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Prompts: deterministic sets from the held-out standard-library files, or the user's file
+
+def heldout_sources():
+    """(path, source, ast tree) of each held-out stdlib file that parses, in sorted order."""
+    from scripts.train_tiny import read_text, split_files
+    for path in split_files()[1]:
+        src = read_text(path)
+        try:
+            yield path, src, ast.parse(src)
+        except SyntaxError:
+            continue
+
+
+def round_robin(per_file, n, what):
+    """Take one prompt from each file in turn (so n prompts span many files), until n."""
+    out, i = [], 0
+    while len(out) < n and any(i < len(f) for f in per_file):
+        out += [f[i] for f in per_file if i < len(f)][:n - len(out)]
+        i += 1
+    if len(out) < n:
+        raise ValueError(f"only {len(out)} {what} prompts in the held-out files: lower --prompts")
+    return out
+
+
+def code_prompts(n, max_chars=400):
+    """A function's signature and docstring (dedented, ending after the docstring); the model writes the body."""
+    import textwrap
+    per_file = []
+    for _, src, tree in heldout_sources():
+        lines = src.splitlines(keepends=True)
+        found = []
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and ast.get_docstring(node):
+                text = textwrap.dedent("".join(lines[node.lineno - 1:node.body[0].end_lineno]))
+                if len(text) <= max_chars:
+                    found.append(text.rstrip("\n") + "\n")
+        per_file.append(found)
+    return round_robin(per_file, n, "code")
+
+
+def prose_prompts(n, max_chars=300):
+    """Prose from the same files: the opening of a docstring (its first paragraph, the model continues it)
+    and blocks of two or more comment lines."""
+    import inspect
+    per_file = []
+    for _, src, tree in heldout_sources():
+        docs = []
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                doc = ast.get_docstring(node, clean=False)
+                para = inspect.cleandoc(doc).split("\n\n")[0] if doc else ""
+                if len(para) >= 40:
+                    docs.append('"""' + para[:max_chars] + "\n")
+        comments, block = [], []
+        for line in src.splitlines() + [""]:
+            s = line.strip()
+            if s.startswith("#") and not s.startswith("#!"):
+                block.append(s)
+            else:
+                if len(block) >= 2:
+                    comments.append("\n".join(block)[:max_chars] + "\n")
+                block = []
+        per_file += [docs, comments]  # round_robin then alternates a file's docstrings and its comments
+    return round_robin(per_file, n, "prose")
+
+
+def file_prompts(path, n=None):
+    """One prompt per line, or JSONL with a "prompt" field per line."""
+    lines = [x for x in Path(path).read_text().splitlines() if x.strip()]
+    if not lines:
+        raise ValueError(f"--prompt-file {path} has no prompts: write one per line, or JSONL with a 'prompt' field")
+    if all(x.lstrip().startswith("{") for x in lines):
+        try:
+            lines = [json.loads(x)["prompt"] for x in lines]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise ValueError(f"--prompt-file {path}: every JSONL line needs a string 'prompt' field") from None
+    return lines[:n] if n else lines
+
+
+def encode_prompts(texts, target, max_len, chat=False):
+    """Token ids for every engine alike. With the target's tokenizer as run.py encodes them (BOS first);
+    a checkpoint without a tokenizer (the tests' random ones) gets the UTF-8 bytes modulo the vocabulary.
+    Prompts longer than max_len keep their last max_len tokens."""
+    path = resolve(target)
+    V = ModelConfig.from_hf(json.loads((path / "config.json").read_text())).vocab_size
+    tok = None
+    if any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(path)
+    ids = [encode(tok, t, chat) if tok else [b % V for b in t.encode()] for t in texts]
+    return [x[-max_len:] for x in ids]
+
+
+def batches_of(ids, b):
+    """The prompt set as full batches of b: prompts in order, cycled when there are fewer than b."""
+    count = math.ceil(len(ids) / b) * b
+    seq = [ids[j % len(ids)] for j in range(count)]
+    return [seq[i:i + b] for i in range(0, count, b)]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Configurations and one run of each engine
+
+@dataclass(frozen=True)
+class Config:
+    engine: str                  # ar, sd, ssd, hf, hf-assisted
+    temperature: float
+    batch: int
+    k: int = 0                   # draft tokens per round (0 for ar / hf)
+    threads: int = 1             # the target's CPU threads
+    draft_threads: int | None = None  # ssd only: the speculator's
+    fan_out: str = "geometric"   # ssd only, from here on
+    budget: int = 8
+    saguaro_c: float = 1.0
+    fallback: str = "auto"
+    label: str = ""
+
+
+def split_cores(cores):
+    """ssd's threads on the CPU, as run.generate splits them: (target, draft)."""
+    return max(1, cores - cores // 2), max(1, cores // 2)
+
+
+def make_configs(a, cores):
+    """Every configuration the sweep asks for. Baselines run with the target's share of the cores and with all
+    of them; ssd variants along every axis given (K x fan-out x C x fallback x budget)."""
+    ts, td = split_cores(cores)
+    threads = sorted({ts, cores})
+    ks, fans, cs, fbs, budgets = a.k, a.fan_out, a.saguaro_c, a.fallback, a.budget
+    out = []
+    for T in a.temperatures:
+        for b in a.batch_sizes:
+            for mode in a.modes:
+                if mode == "hf-assisted" and b > 1:
+                    continue  # transformers assisted generation supports batch 1 only
+                for K in (ks if mode in ("sd", "ssd", "hf-assisted") else [0]):
+                    kl = f" k={K}" if len(ks) > 1 and K else ""
+                    if mode != "ssd":
+                        out += [Config(mode, T, b, K, th, label=f"{mode}{kl}@{th}t") for th in threads]
+                        continue
+                    for fan in fans:
+                        for c in cs:
+                            for fb in fbs:
+                                for B in budgets:
+                                    var = "".join([f" {fan}" if len(fans) > 1 else "", f" C={c:g}" if len(cs) > 1 else "",
+                                                   f" {fb}" if len(fbs) > 1 else "", f" B={B}" if len(budgets) > 1 else ""])
+                                    out.append(Config("ssd", T, b, K, ts, td, fan, B, c, fb, f"ssd{kl}{var}@{ts}+{td}t"))
+    return out
+
+
+def run_engine(cfg: Config, batches, a):
+    """One run of this engine (ar, sd, ssd) over every batch -> summed counters."""
+    tot = dict(new=0, first=0, decode_s=0.0, prefill_s=0.0, rounds=0, row_rounds=0, accepted=0, proposed=0, hits=0,
+               misses=0, tok_hit=0.0, tok_miss=0.0, wait_s=0.0, busy_s=0.0, fallback_rounds={}, b_star=None)
+    for i, batch in enumerate(batches):
+        s = generate(batch, target=a.target, draft=a.draft, mode=cfg.engine, max_new_tokens=a.max_new_tokens,
+                     temperature=cfg.temperature, k=cfg.k or 1, seed=a.seed + i, ignore_eos=True, fan_out=cfg.fan_out,
+                     budget=cfg.budget, saguaro_c=cfg.saguaro_c, fallback=cfg.fallback, target_threads=cfg.threads,
+                     draft_threads=cfg.draft_threads).stats
+        hist = s["accept_len_histogram"]
+        tot["new"] += s["new_tokens"]
+        tot["first"] += s["batch"]  # the first token of each row comes from the prefill
+        tot["decode_s"] += s["decode_seconds"]
+        tot["prefill_s"] += s["prefill_seconds"]
+        tot["rounds"] += s["rounds"]
+        tot["row_rounds"] += sum(hist)
+        tot["accepted"] += sum(j * h for j, h in enumerate(hist))
+        tot["proposed"] += sum(hist) * (len(hist) - 1)
+        if cfg.engine == "ssd":
+            tot["hits"] += s["hits"]
+            tot["misses"] += s["misses"]
+            tot["tok_hit"] += s["tokens_per_round_hit"] * s["hits"]     # one lookup per row-round
+            tot["tok_miss"] += s["tokens_per_round_miss"] * s["misses"]
+            tot["wait_s"] += s["verifier_wait_seconds"]
+            tot["busy_s"] += s["draft_busy_seconds"]
+            for kind, n in s["fallback_rounds"].items():
+                tot["fallback_rounds"][kind] = tot["fallback_rounds"].get(kind, 0) + n
+            tot["b_star"] = s["b_star"]
+    return tot
+
+
+class HF:
+    """The transformers peers; each model is loaded once (float32 on the CPU, bfloat16 on CUDA, as load_model)."""
+
+    def __init__(self, a):
+        self.a, self.models = a, {}
+        self.device = default_devices()[0]
+
+    def model(self, name):
+        if name not in self.models:
+            from transformers import AutoModelForCausalLM
+            dtype = torch.float32 if self.device == "cpu" else torch.bfloat16
+            m = AutoModelForCausalLM.from_pretrained(resolve(name), dtype=dtype).to(self.device).eval()
+            self.models[name] = m
+        return self.models[name]
+
+    def generate(self, batch, n, cfg, seed):
+        """transformers generate() on a left-padded batch, EOS ignored; returns seconds."""
+        m = self.model(self.a.target)
+        L = max(len(p) for p in batch)
+        x = torch.tensor([[0] * (L - len(p)) + p for p in batch], device=self.device)
+        mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in batch], device=self.device)
+        kw = dict(do_sample=True, temperature=cfg.temperature, top_k=0, top_p=1.0) if cfg.temperature > 0 \
+            else dict(do_sample=False)
+        if cfg.engine == "hf-assisted":
+            d = self.model(self.a.draft)
+            # a constant K drafted tokens per round, as sd; no confidence-based early stop
+            d.generation_config.num_assistant_tokens = cfg.k
+            d.generation_config.num_assistant_tokens_schedule = "constant"
+            d.generation_config.assistant_confidence_threshold = 0.0
+            kw["assistant_model"] = d
+        torch.manual_seed(seed)
+        sync()
+        t = time.perf_counter()
+        with torch.no_grad():
+            m.generate(x, attention_mask=mask, max_new_tokens=n, eos_token_id=None, pad_token_id=0, **kw)
+        sync()
+        return time.perf_counter() - t
+
+    def run(self, cfg: Config, batches):
+        """One run over every batch -> the same counters as run_engine (timings only)."""
+        old = torch.get_num_threads()
+        torch.set_num_threads(cfg.threads)
+        try:
+            tot = dict(new=0, first=0, decode_s=0.0, prefill_s=0.0)
+            for i, batch in enumerate(batches):
+                t1 = self.generate(batch, 1, cfg, self.a.seed + i)   # prefill + the first token
+                tn = self.generate(batch, self.a.max_new_tokens, cfg, self.a.seed + i)
+                tot["new"] += self.a.max_new_tokens * len(batch)
+                tot["first"] += len(batch)
+                tot["prefill_s"] += t1
+                tot["decode_s"] += max(tn - t1, 1e-9)
+            return tot
+        finally:
+            torch.set_num_threads(old)
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+# ----------------------------------------------------------------------------------------------------
+# Summaries: the median run, its figures
+
+def summarize(cfg: Config, runs):
+    """The median run (by decode tok/s; the lower middle one for an even count) -> the row's figures."""
+    speeds = [(r["new"] - r["first"]) / r["decode_s"] for r in runs]
+    m = runs[speeds.index(statistics.median_low(speeds))]
+    tok_s = (m["new"] - m["first"]) / m["decode_s"]
+    row = {**asdict(cfg), "runs_tok_s": speeds, "decode_tok_s": tok_s, "decode_tok_s_per_seq": tok_s / cfg.batch,
+           "decode_seconds": m["decode_s"], "prefill_seconds": m["prefill_s"], "new_tokens": m["new"]}
+    if "rounds" in m:  # this engine's counters
+        row.update(rounds=m["rounds"], row_rounds=m["row_rounds"],
+                   tokens_per_round=(m["new"] - m["first"]) / m["row_rounds"] if m["row_rounds"] else 0.0,
+                   acceptance_rate=m["accepted"] / m["proposed"] if m["proposed"] else None)
+    if cfg.engine == "ssd":
+        looks = m["hits"] + m["misses"]
+        row.update(hits=m["hits"], misses=m["misses"], cache_hit_rate=m["hits"] / looks if looks else 0.0,
+                   tokens_per_round_hit=m["tok_hit"] / m["hits"] if m["hits"] else 0.0,
+                   tokens_per_round_miss=m["tok_miss"] / m["misses"] if m["misses"] else 0.0,
+                   verifier_wait_seconds=m["wait_s"], draft_busy_seconds=m["busy_s"],
+                   verifier_wait_pct=100 * m["wait_s"] / m["decode_s"], draft_busy_pct=100 * m["busy_s"] / m["decode_s"],
+                   fallback_rounds=m["fallback_rounds"], b_star=m["b_star"])
+    return row
+
+
+def find(rows, engine, like, threads=None, k=None):
+    """The row of `engine` at the same temperature and batch as `like` (and threads / K if given)."""
+    for r in rows:
+        if (r["engine"] == engine and r["temperature"] == like["temperature"] and r["batch"] == like["batch"]
+                and (threads is None or r["threads"] == threads) and (k is None or r["k"] == k)):
+            return r
+    return None
+
+
+def add_speedups(rows):
+    """Speed-up vs this engine's AR and SD with the same target threads (and the same K for SD)."""
+    for r in rows:
+        ar = find(rows, "ar", r, r["threads"])
+        sd = find(rows, "sd", r, r["threads"], r["k"] or None)
+        r["speedup_vs_ar"] = r["decode_tok_s"] / ar["decode_tok_s"] if ar else None
+        r["speedup_vs_sd"] = r["decode_tok_s"] / sd["decode_tok_s"] if sd and r["engine"] != "ar" else None
+
+
+# ----------------------------------------------------------------------------------------------------
+# Theory: the paper's predicted speed-up beside the measured one
+
+@dataclass
+class Measured:
+    """What the theory needs, measured in one sweep (seconds unless said otherwise).
+
+    T_ar          AR's decode time per round at this batch, with ssd's target threads: the unit of time
+                  ("plain decoding" costs 1 per token).
+    sd_round      SD's decode time per round (same threads, same K); E_sd its tokens per round.
+    rounds        ssd's rounds (of the whole batch); decode_s, wait_s, busy_s its decode time, the verifier's
+                  wait for proposals, the speculator's busy time (pre-speculation + answering + fallback).
+    neural_rounds ssd rounds whose misses used the neural backup; fast_rounds, those that used n-gram/random.
+    p_hit, E_hit, E_miss  cache hit rate per sequence, tokens per round after a hit / after a miss.
+    b             batch size; E_f tokens per round of a fast backup (None: fallback.py's default)."""
+    T_ar: float
+    rounds: int
+    decode_s: float
+    wait_s: float
+    busy_s: float
+    p_hit: float
+    E_hit: float
+    E_miss: float
+    b: int = 1
+    neural_rounds: int = 0
+    fast_rounds: int = 0
+    sd_round: float | None = None
+    E_sd: float | None = None
+    E_f: float | None = None
+
+
+def theory(m: Measured) -> dict:
+    """The terms of Theorem 7 / Corollary 16 from measurements, and the speed-ups they predict over AR.
+
+    How each term is derived (times in units of T_ar, AR's time per token at this batch and threads):
+      T_SD  = sd_round / T_ar - 1: SD's round is one verification plus the drafting, so what SD's round
+              takes beyond an AR step is its drafting (this folds any extra cost of verifying K+1 tokens
+              instead of 1 into T_SD, which is why SD's prediction E_SD / (1 + T_SD) reproduces SD's
+              measured speed by construction: it is a decomposition, not a forecast).
+      T_b   = the backup's time on a miss: the neural backup drafts K tokens just in time, exactly SD's
+              drafting, so T_b = T_SD (without an SD row: the verifier's wait per fallback round); n-gram and
+              random proposals cost ~0 on the verifier's path (their draft-side feed happens during the next
+              verification and counts in T_p). Averaged over the fallback rounds by the backup each used.
+      T_p   = (busy_s - neural_rounds * T_SD * T_ar) / rounds / T_ar: the speculator's busy time per round
+              without its just-in-time drafting, i.e. the time to build the next round's cache.
+      p_hit, E_hit, E_miss: counted directly; w = p_hit^b (the batch waits if any sequence misses).
+      c     = the verifier's own time per round in ssd ((decode_s - wait_s) / rounds) / T_ar: what one
+              verification of K+1 tokens costs in AR steps.
+    Predictions: ssd_pred is the paper's formula (a verification costs one AR step, c = 1); ssd_pred_c is
+    the same model with the measured c (every time normalised to the measured verification, then converted
+    back to AR steps). Assumptions: i.i.d. acceptance, so E and p_hit do not depend on timing; a hit round
+    lasts max(verification, pre-speculation), i.e. the two processes overlap perfectly and the channel costs
+    nothing; the CPU cores of the two processes do not slow each other (shared caches and memory bandwidth
+    do in practice). b* is the batch size where the fast backup starts to beat the neural one
+    (fallback.critical_batch_size) from the same p_hit, E_hit, T_p, with T_f ~ 0 and E_f measured if given."""
+    T_sd = m.sd_round / m.T_ar - 1 if m.sd_round else None
+    fb_rounds = m.neural_rounds + m.fast_rounds
+    backup_s = T_sd * m.T_ar if T_sd is not None else (m.wait_s / fb_rounds if fb_rounds else 0.0)
+    T_b = m.neural_rounds * backup_s / fb_rounds / m.T_ar if fb_rounds else 0.0
+    T_p = max(0.0, m.busy_s - m.neural_rounds * backup_s) / m.rounds / m.T_ar
+    c = (m.decode_s - m.wait_s) / m.rounds / m.T_ar
+    pred = predicted_speedup(m.p_hit, m.E_hit, m.E_miss, T_p, T_b, m.b)
+    pred_c = predicted_speedup(m.p_hit, m.E_hit, m.E_miss, T_p / c, T_b / c, m.b) / c
+    return {"T_p": T_p, "T_b": T_b, "T_SD": T_sd, "c": c, "ssd_pred": pred, "ssd_pred_c": pred_c,
+            "sd_pred": predicted_sd_speedup(m.E_sd, T_sd) if T_sd is not None and m.E_sd else None,
+            "b_star": critical_batch_size(m.p_hit, m.E_hit, T_p, m.E_f, None)}
+
+
+def add_theory(rows):
+    """A theory dict on every ssd row that has its same-thread AR row (and SD row, when measured)."""
+    for r in rows:
+        ar = find(rows, "ar", r, r["threads"])
+        if r["engine"] != "ssd" or not ar or not r["rounds"]:
+            continue
+        sd = find(rows, "sd", r, r["threads"], r["k"])
+        fast = [x for x in rows if x["engine"] == "ssd" and x["temperature"] == r["temperature"] and x["k"] == r["k"]
+                and x["batch"] == r["batch"] and x["fallback"] in ("ngram", "random") and x["misses"]]
+        fr = r["fallback_rounds"]
+        r["theory"] = theory(Measured(
+            T_ar=ar["decode_seconds"] / ar["rounds"], rounds=r["rounds"], decode_s=r["decode_seconds"],
+            wait_s=r["verifier_wait_seconds"], busy_s=r["draft_busy_seconds"], p_hit=r["cache_hit_rate"],
+            E_hit=r["tokens_per_round_hit"] or r["tokens_per_round"], E_miss=r["tokens_per_round_miss"], b=r["batch"],
+            neural_rounds=fr.get("neural", 0), fast_rounds=fr.get("ngram", 0) + fr.get("random", 0),
+            sd_round=sd["decode_seconds"] / sd["rounds"] if sd else None, E_sd=sd["tokens_per_round"] if sd else None,
+            E_f=fast[0]["tokens_per_round_miss"] if fast else None))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Report
+
+def hardware():
+    cpu = platform.processor() or platform.machine()
+    try:
+        names = [x.split(":", 1)[1].strip() for x in open("/proc/cpuinfo") if x.startswith("model name")]
+        cpu = names[0] if names else cpu
+    except OSError:
+        pass
+    dev = default_devices()
+    gpu = f", {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else ""
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "device": f"{dev[0]}/{dev[1]}{gpu}",
+            "python": platform.python_version()}
+
+
+def fmt(x, spec=".2f", none="-"):
+    return none if x is None else format(x, spec)
+
+
+def print_tables(rows, a, n_prompts):
+    groups = sorted({(r["temperature"], r["batch"]) for r in rows})
+    for T, b in groups:
+        g = [r for r in rows if r["temperature"] == T and r["batch"] == b]
+        print(f"\ntemperature {T:g}, batch {b}, {n_prompts} {a.prompt_set} prompts, max_new_tokens {a.max_new_tokens}, "
+              f"median of {a.repeats} runs")
+        w = max(len(r["label"]) for r in g)
+        print(f"{'engine':<{w}}  {'tok/s/seq':>9} {'tok/s':>8} {'vs AR':>6} {'vs SD':>6} {'tok/rnd':>7} {'accept':>6} "
+              f"{'hit':>5} {'wait%':>5} {'busy%':>5}")
+        for r in g:
+            print(f"{r['label']:<{w}}  {r['decode_tok_s_per_seq']:>9.1f} {r['decode_tok_s']:>8.1f} "
+                  f"{fmt(r['speedup_vs_ar']):>6} {fmt(r['speedup_vs_sd']):>6} {fmt(r.get('tokens_per_round')):>7} "
+                  f"{fmt(r.get('acceptance_rate')):>6} {fmt(r.get('cache_hit_rate')):>5} "
+                  f"{fmt(r.get('verifier_wait_pct'), '.0f'):>5} {fmt(r.get('draft_busy_pct'), '.0f'):>5}")
+        th = [r for r in g if "theory" in r]
+        if th:
+            print(f"theory (Theorem 7{', Corollary 16' if b > 1 else ''}; times in AR steps; see bench.theory):")
+            print(f"{'engine':<{w}}  {'p_hit':>5} {'E_hit':>5} {'E_miss':>6} {'T_p':>5} {'T_b':>5} {'T_SD':>5} {'c':>5} "
+                  f"{'pred':>5} {'pred_c':>6} {'meas':>5} {'SD pred':>7} {'b*':>4}")
+            for r in th:
+                t = r["theory"]
+                print(f"{r['label']:<{w}}  {r['cache_hit_rate']:>5.2f} {r['tokens_per_round_hit']:>5.2f} "
+                      f"{r['tokens_per_round_miss']:>6.2f} {t['T_p']:>5.2f} {t['T_b']:>5.2f} {fmt(t['T_SD']):>5} "
+                      f"{t['c']:>5.2f} {t['ssd_pred']:>5.2f} {t['ssd_pred_c']:>6.2f} {fmt(r['speedup_vs_ar']):>5} "
+                      f"{fmt(t['sd_pred']):>7} {fmt(t['b_star'], 'd'):>4}")
+
+
+def plot(rows, path):
+    """Speed-up over AR vs temperature and vs batch size, and hit rate vs the fan-out budget B."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ValueError("--plot needs matplotlib: pip install matplotlib") from None
+    fig, ax = plt.subplots(1, 3, figsize=(15, 4))
+    b0 = min(r["batch"] for r in rows)
+    T0 = min(r["temperature"] for r in rows)
+    for label in sorted({r["label"] for r in rows if r["engine"] != "ar"}):
+        mine = [r for r in rows if r["label"] == label and r["speedup_vs_ar"]]
+        xs = sorted((r["temperature"], r["speedup_vs_ar"]) for r in mine if r["batch"] == b0)
+        if xs:
+            ax[0].plot(*zip(*xs), marker="o", label=label)
+        xs = sorted((r["batch"], r["speedup_vs_ar"]) for r in mine if r["temperature"] == T0)
+        if xs:
+            ax[1].plot(*zip(*xs), marker="o", label=label)
+    ssd = [r for r in rows if r["engine"] == "ssd" and r["batch"] == b0]
+    for T in sorted({r["temperature"] for r in ssd}):
+        for fan in sorted({r["fan_out"] for r in ssd}):
+            pts = {}
+            for r in ssd:
+                if r["temperature"] == T and r["fan_out"] == fan:
+                    pts.setdefault(r["budget"], []).append(r["cache_hit_rate"])
+            xs = sorted((B, statistics.mean(v)) for B, v in pts.items())
+            ax[2].plot(*zip(*xs), marker="o", label=f"T={T:g} {fan}")
+    for x, (title, xl, yl) in zip(ax, [(f"batch {b0}", "temperature", "speed-up over AR"),
+                                       (f"temperature {T0:g}", "batch size", "speed-up over AR"),
+                                       (f"ssd, batch {b0}", "fan-out budget B", "cache hit rate")]):
+        x.set_title(title), x.set_xlabel(xl), x.set_ylabel(yl), x.grid(alpha=0.3), x.legend(fontsize=7)
+    ax[1].set_xscale("log", base=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot written to {path}")
+
+
+# ----------------------------------------------------------------------------------------------------
+# The sweep, the tuner, the command line
+
+def measure(configs, batches, a, hf):
+    """Warm-up, then --repeats runs of each configuration -> summarised rows (a tqdm bar over the runs)."""
+    bar = tqdm(total=len(configs) * (a.warmup + a.repeats), desc="bench", unit="run", file=sys.stderr)
+    rows = []
+    for cfg in configs:
+        one = (lambda bs: hf.run(cfg, bs)) if cfg.engine.startswith("hf") else (lambda bs: run_engine(cfg, bs, a))
+        bar.set_postfix_str(f"{cfg.label} T={cfg.temperature:g} b={cfg.batch}")
+        for _ in range(a.warmup):
+            one(batches[cfg.batch][:1])
+            bar.update()
+        runs = []
+        for _ in range(a.repeats):
+            runs.append(one(batches[cfg.batch]))
+            bar.update()
+        rows.append(summarize(cfg, runs))
+    bar.close()
+    add_speedups(rows)
+    add_theory(rows)
+    return rows
+
+
+TUNE_K, TUNE_BUDGET, TUNE_FALLBACK = (2, 3, 4, 6), (4, 8, 16), ("auto", "neural")
+DEFAULTS = dict(k=4, budget=8, fallback="auto")  # run.py's defaults
+
+
+def tune(a, batches, hf):
+    """Measure ssd on a small grid (K x B x fallback) at batch 1 and the first temperature; pick the fastest."""
+    T = a.temperatures[0]
+    ts, td = split_cores(os.cpu_count() or 1)
+    base = Config("ssd", T, 1, threads=ts, draft_threads=td, fan_out=a.fan_out[0], saguaro_c=a.saguaro_c[0])
+    grid = [replace(base, k=K, budget=B, fallback=f, label=f"ssd k={K} B={B} {f}")
+            for K in TUNE_K for B in TUNE_BUDGET for f in TUNE_FALLBACK]
+    rows = measure(grid, batches, a, hf)
+    best = max(rows, key=lambda r: r["decode_tok_s"])
+    default = next(r for r in rows if all(r[k] == v for k, v in DEFAULTS.items()))
+    flags = (f"--mode ssd --k {best['k']} --budget {best['budget']} --fallback {best['fallback']} "
+             f"--temperature {T:g}" + (f" --fan-out {best['fan_out']}" if best["fan_out"] != "geometric" else "")
+             + (f" --saguaro-c {best['saguaro_c']:g}" if best["saguaro_c"] != 1 else ""))
+    print(f"\ntune (temperature {T:g}, batch 1, median of {a.repeats} runs, decode tok/s):")
+    for r in sorted(rows, key=lambda r: -r["decode_tok_s"]):
+        print(f"  {r['label']:<24} {r['decode_tok_s']:>8.1f}  hit {r['cache_hit_rate']:.2f}  wait {r['verifier_wait_pct']:.0f}%")
+    gain = best["decode_tok_s"] / default["decode_tok_s"]
+    print(f"best: K={best['k']} B={best['budget']} fallback={best['fallback']}: {best['decode_tok_s']:.1f} tok/s, "
+          f"{gain:.2f}x the defaults (K=4 B=8 auto: {default['decode_tok_s']:.1f} tok/s)")
+    print(f"use it: python run.py --target {a.target} --draft {a.draft} {flags}")
+    return rows, {"best": {k: best[k] for k in ("k", "budget", "fallback", "decode_tok_s")}, "gain_over_default": gain,
+                  "default_tok_s": default["decode_tok_s"], "run_flags": flags}
+
+
+def csv(kind):
+    return lambda s: [kind(x) for x in s.split(",") if x.strip()]
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description="AR vs SD vs SSD (and transformers) side by side.")
+    ap.add_argument("--target", default="tiny")
+    ap.add_argument("--draft", default="tiny-draft")
+    ap.add_argument("--modes", type=csv(str), default=list(MODES), help="comma-separated: " + ",".join(MODES))
+    ap.add_argument("--prompts", type=int, default=8, help="number of prompts")
+    ap.add_argument("--prompt-set", default="code", choices=["code", "prose"])
+    ap.add_argument("--prompt-file", default=None, help="one prompt per line, or JSONL with a 'prompt' field")
+    ap.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template (instruct models)")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1, help="warm-up runs (on the first batch) per configuration")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--temperatures", type=csv(float), default=[0.0])
+    ap.add_argument("--batch-sizes", type=csv(int), default=[1])
+    ap.add_argument("--k", type=csv(int), default=[4])
+    ap.add_argument("--fan-out", type=csv(str), default=["geometric"])
+    ap.add_argument("--saguaro-c", type=csv(float), default=[1.0])
+    ap.add_argument("--fallback", type=csv(str), default=["auto"])
+    ap.add_argument("--budget", type=csv(int), default=[8])
+    ap.add_argument("--tune", action="store_true", help="choose K, B and the fallback for this machine")
+    ap.add_argument("--plot", default=None, help="write speed-up / hit-rate plots to this PNG (needs matplotlib)")
+    a = ap.parse_args(argv)
+    bad = [m for m in a.modes if m not in MODES]
+    if bad:
+        raise ValueError(f"unknown mode(s) {','.join(bad)}: use a subset of {','.join(MODES)}")
+    bad = [f for f in a.fallback if f not in ("auto", "neural", "ngram", "random")]
+    if bad:
+        raise ValueError(f"unknown fallback(s) {','.join(bad)}: use auto, neural, ngram or random")
+    bad = [f for f in a.fan_out if f not in ("uniform", "geometric")]
+    if bad:
+        raise ValueError(f"unknown fan-out(s) {','.join(bad)}: use uniform or geometric")
+    if min(a.batch_sizes + a.k + a.budget + [a.prompts, a.repeats, a.max_new_tokens]) < 1 or a.warmup < 0:
+        raise ValueError("--batch-sizes, --k, --budget, --prompts, --repeats and --max-new-tokens must be >= 1")
+    return a
+
+
+def main(argv=None):
+    try:
+        a = parse_args(argv)
+        texts = file_prompts(a.prompt_file, a.prompts) if a.prompt_file else \
+            (code_prompts if a.prompt_set == "code" else prose_prompts)(a.prompts)
+        if a.prompt_file:
+            a.prompt_set = Path(a.prompt_file).name
+        ctx = ModelConfig.from_hf(json.loads((resolve(a.target) / "config.json").read_text())).max_position_embeddings
+        max_k = max(a.k + list(TUNE_K if a.tune else []))
+        max_len = ctx - a.max_new_tokens - max_k - 2
+        if max_len < 1:
+            raise ValueError(f"--max-new-tokens {a.max_new_tokens} leaves no room for a prompt in the target's "
+                             f"context of {ctx}: lower it")
+        ids = encode_prompts(texts, a.target, max_len, a.chat)
+        sizes = [1] if a.tune else a.batch_sizes
+        batches = {b: batches_of(ids, b) for b in sizes}
+        hf = HF(a)
+        hw = hardware()
+        if a.tune:
+            rows, tuned = tune(a, batches, hf)
+        else:
+            rows, tuned = measure(make_configs(a, hw["cores"]), batches, a, hf), None
+            print_tables(rows, a, len(ids))
+        print(f"\nhardware: {hw['cpu']}, {hw['cores']} cores, torch {hw['torch']}, device {hw['device']}; "
+              f"ssd threads target+draft = {'+'.join(map(str, split_cores(hw['cores'])))}")
+        if a.plot and not a.tune:
+            plot(rows, a.plot)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    settings = {k: v for k, v in vars(a).items()}
+    print(json.dumps({"hardware": hw, "settings": settings, "prompt_tokens": [len(x) for x in ids], "results": rows,
+                      "tune": tuned}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
