@@ -94,7 +94,7 @@ class Drafter:
                              self.K, self.temperature, self.gen)
         for i, r in enumerate(rows):
             self.proposed[r] = tok[i].tolist()
-        self.pending = [[] if r in self.proposed else p for r, p in enumerate(self.pending)]
+            self.pending[r] = []  # fed by decode_k
         b = len(rows)
         return Proposals(tok, q, torch.full((b,), self.temperature == 0), torch.zeros(b, dtype=torch.bool))
 

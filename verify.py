@@ -5,6 +5,8 @@ Read top to bottom:
    function of the target's logits and the proposals, batched over rows. Each proposed token is tested with
    the distribution it was actually drawn from (q, Saguaro's q', or one-hot for deterministic proposals), so
    the emitted tokens follow the target's law exactly, whatever the draft did (DESIGN.md section 5).
+2. `Verifier`: the target model with its paged KV cache. Each round is one forward over [r, x_1..x_K] for
+   every sequence at once, `accept_reject`, then a rollback (`truncate`) of the rejected tokens' K/V.
 """
 import numbers
 
@@ -97,7 +99,6 @@ class Verifier:
         self.seqs = [self.cache.new_seq() for _ in prompts]
         logits = self.model.forward_cached(self.cache, self.seqs, [x for p in prompts for x in p],
                                            [len(p) for p in prompts], last_only=True)  # [b, V]
-        b, V = logits.shape
         self.last = self._bonus(logits[:, None, :])
         return self.last.clone()
 
