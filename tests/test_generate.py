@@ -1,0 +1,377 @@
+"""generate() end to end (issue 4): modes ar and sd against transformers, the output law at temperature 1,
+seeds, EOS and max_new_tokens, bad input and the command line.
+
+References are transformers models reloaded from the checkpoint directory (`hf_model(path)`), never the
+in-memory model that wrote it. Greedy references are transformers' own `generate(do_sample=False)`, one
+prompt at a time (no padding), so a ragged batch here is compared row by row against unpadded runs.
+
+The statistical test (`test_sd_law_matches_target`) compares the empirical joint law of the first 3 emitted
+tokens of N independent rows with the target's exact law, computed by enumerating all V^3 continuations
+(`exact_law`), in total variation (TV). The bound (`tv_bound`) is pure sampling noise:
+  E[TV] = 1/2 sum_x E|p^(x) - p(x)| <= 1/2 sum_x sqrt(p(x)(1 - p(x)) / N)          (Jensen, per cell)
+and TV is a function of N independent rows that moves by at most 1/N when one row changes, so McDiarmid
+gives P(TV >= E[TV] + eps) <= exp(-2 N eps^2) = delta for eps = sqrt(ln(1/delta) / (2N)), delta = 1e-6.
+A correct engine exceeds the bound with probability < 1e-6; the negative control (the right proposals
+verified with the wrong q) must exceed it. The helpers here are reused by tests/test_ssd.py.
+"""
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import run
+import verify
+from conftest import hf_model, make_checkpoint
+from run import generate
+
+torch.set_num_threads(1)
+
+# the main pair: a small llama target (V = 100), and three drafts with the same vocabulary
+TARGET_KW = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, eos_token_id=None,
+                 max_position_embeddings=256)
+RANDOM_DRAFT_KW = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, eos_token_id=None,
+                       max_position_embeddings=256)
+PROMPTS = [[1, 5, 7, 9, 11], [1, 3], [1, 8, 22, 33, 44, 55, 66, 77, 88]]  # ragged on purpose
+NEW = 24  # greedy tokens compared per prompt
+
+
+# ----------------------------------------------------------------------------------------------------
+# Helpers (also used by test_ssd.py)
+
+def gen(prompts, target, draft=None, **kw):
+    """generate() on one thread per side (CI has 2 cores shared by everything)."""
+    kw.setdefault("target_threads", 1)
+    kw.setdefault("draft_threads", 1)
+    return generate(prompts, target=str(target), draft=str(draft or target), **kw)
+
+
+def edit_weights(path: Path, fn):
+    """Rewrite a single-file checkpoint's tensors in place: fn(name, tensor) -> tensor."""
+    w = load_file(path / "model.safetensors")
+    save_file({k: fn(k, v).contiguous() for k, v in w.items()}, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+def edit_config(path: Path, **fields):
+    """Set fields of config.json and generation_config.json (when present) in place."""
+    for name in ("config.json", "generation_config.json"):
+        f = path / name
+        if f.exists():
+            cfg = json.loads(f.read_text())
+            cfg.update(fields)
+            f.write_text(json.dumps(cfg))
+    return path
+
+
+def copy_checkpoint(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def perturbed_copy(src: Path, dst: Path, noise: float, seed: int) -> Path:
+    """The same model plus relative Gaussian noise on every weight: agrees with src often, not always,
+    so speculative rounds accept some tokens and reject others."""
+    g = torch.Generator().manual_seed(seed)
+    copy_checkpoint(src, dst)
+    return edit_weights(dst, lambda k, w: w + noise * w.std() * torch.randn(w.shape, generator=g))
+
+
+def hf_greedy(path: Path, prompts, max_new_tokens: int, eos=None):
+    """transformers' greedy continuation of each prompt (run alone, unpadded), and the smallest gap between
+    the top two logits along the way (a near tie could flip on harmless float differences)."""
+    m = hf_model(path)
+    m.generation_config.eos_token_id = eos
+    m.generation_config.pad_token_id = 0
+    outs, gap = [], math.inf
+    for p in prompts:
+        x = torch.tensor([p])
+        with torch.no_grad():
+            o = m.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False,
+                           output_scores=True, return_dict_in_generate=True)
+        outs.append(o.sequences[0, len(p):].tolist())
+        for s in o.scores:
+            top = s[0].float().topk(2).values
+            gap = min(gap, float(top[0] - top[1]))
+    return outs, gap
+
+
+def exact_law(path: Path, prompt, n_tokens: int, temperature: float) -> dict:
+    """The target's exact law of its first n_tokens sampled tokens after `prompt`, by enumeration: one
+    full forward of prompt + every one of the V^n continuations. Returns {tuple of tokens: probability}."""
+    m = hf_model(path)
+    V = m.config.vocab_size
+    conts = torch.cartesian_prod(*[torch.arange(V)] * n_tokens).view(-1, n_tokens)  # [V^n, n]
+    x = torch.cat([torch.tensor(prompt).expand(len(conts), -1), conts], 1)         # [V^n, L + n]
+    with torch.no_grad():
+        logits = m(x).logits.double()                                              # [V^n, L + n, V]
+    L = len(prompt)
+    logp = torch.log_softmax(logits[:, L - 1:L - 1 + n_tokens] / temperature, -1)  # [V^n, n, V]
+    logp = logp.gather(-1, conts[..., None]).squeeze(-1).sum(-1)                   # [V^n]
+    law = {tuple(c): float(p) for c, p in zip(conts.tolist(), logp.exp())}
+    assert abs(sum(law.values()) - 1) < 1e-9
+    return law
+
+
+def empirical_law(rows, n_tokens: int) -> dict:
+    counts = {}
+    for r in rows:
+        assert len(r) >= n_tokens, r
+        key = tuple(r[:n_tokens])
+        counts[key] = counts.get(key, 0) + 1
+    return {k: c / len(rows) for k, c in counts.items()}
+
+
+def tv(p: dict, q: dict) -> float:
+    return 0.5 * sum(abs(p.get(k, 0.0) - q.get(k, 0.0)) for k in set(p) | set(q))
+
+
+def tv_bound(law: dict, N: int, delta: float = 1e-6) -> float:
+    """Sampling-noise bound on TV(empirical of N rows, law), exceeded with probability <= delta (module doc)."""
+    mean = 0.5 * sum(math.sqrt(p * (1 - p) / N) for p in law.values())
+    return mean + math.sqrt(math.log(1 / delta) / (2 * N))
+
+
+def make_small_vocab_pair(root: Path, V: int = 4, head_scale: float = 2.5):
+    """A target and a different draft over V tokens with peaked, non-degenerate next-token laws (the
+    LM heads are scaled up so the laws are far from uniform, and target and draft disagree)."""
+    kw = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1, bos_token_id=None,
+              eos_token_id=None, max_position_embeddings=32)
+    scale = lambda k, w: w * head_scale if k == "lm_head.weight" else w
+    tgt = edit_weights(make_checkpoint(root / "target", "llama", seed=10, **kw), scale)
+    dft = edit_weights(make_checkpoint(root / "draft", "llama", seed=11, **kw), scale)
+    return tgt, dft
+
+
+# ----------------------------------------------------------------------------------------------------
+# Fixtures
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("generate")
+    tgt = make_checkpoint(root / "target", "llama", seed=0, **TARGET_KW)
+    d = dict(target=tgt,
+             random=make_checkpoint(root / "random", "llama", seed=1, **RANDOM_DRAFT_KW),
+             perturbed=perturbed_copy(tgt, root / "perturbed", noise=0.05, seed=2),
+             copy=copy_checkpoint(tgt, root / "copy"))
+    d["ref"], gap = hf_greedy(tgt, PROMPTS, NEW)
+    assert gap > 1e-4, f"the fixture's greedy path has a near tie (gap {gap:.2e}): pick another seed"
+    return d
+
+
+@pytest.fixture(scope="module")
+def small_vocab(tmp_path_factory):
+    tgt, dft = make_small_vocab_pair(tmp_path_factory.mktemp("small_vocab"))
+    prompt = [0, 3, 1]
+    law = exact_law(tgt, prompt, 3, 1.0)
+    assert max(law.values()) < 0.5, "target law is near-degenerate: the test would be weak"
+    # the draft's own law is far from the target's, so proposals are often rejected
+    assert tv(exact_law(dft, prompt, 3, 1.0), law) > 0.2
+    return tgt, dft, prompt, law
+
+
+# ----------------------------------------------------------------------------------------------------
+# Greedy: exactly transformers' tokens
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_ar_greedy_matches_transformers(ckpts, batch):
+    res = gen(PROMPTS[:batch], ckpts["target"], mode="ar", max_new_tokens=NEW)
+    assert res.tokens == ckpts["ref"][:batch]
+    assert res.stats["new_tokens"] == NEW * batch and res.stats["mode"] == "ar"
+
+
+@pytest.mark.parametrize("draft", ["random", "perturbed", "copy"])
+@pytest.mark.parametrize("K", [1, 3, 7])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_sd_greedy_matches_transformers(ckpts, draft, K, batch):
+    res = gen(PROMPTS[:batch], ckpts["target"], ckpts[draft], mode="sd", k=K, max_new_tokens=NEW)
+    assert res.tokens == ckpts["ref"][:batch]
+    s = res.stats
+    hist = s["accept_len_histogram"]
+    assert len(hist) == K + 1 and sum(hist) > 0
+    if draft == "copy":  # the draft is the target: every proposal is its argmax, all K accepted (n = K)
+        assert s["acceptance_rate"] > 0.9, s
+        assert hist[K] > 0, hist
+    if draft == "random":  # an unrelated draft: rejections happen
+        assert s["acceptance_rate"] < 0.5 and hist[0] > 0, s
+    if draft == "perturbed" and K > 1:  # partial runs: some tokens accepted, then a rejection
+        assert 0 < s["acceptance_rate"] < 1 and sum(hist[1:K]) > 0, s
+
+
+# ----------------------------------------------------------------------------------------------------
+# Temperature 1: the output law is the target's
+
+N_LAW = 20000
+
+
+def test_sd_law_matches_target(small_vocab):
+    """Joint law of the first 3 tokens from sd (K = 2): token 1 is the prefill's, tokens 2-3 come from the
+    first round (accepted drafts or the residual bonus) or, after an early rejection, the second."""
+    tgt, dft, prompt, law = small_vocab
+    res = gen([prompt] * N_LAW, tgt, dft, mode="sd", k=2, temperature=1.0, max_new_tokens=3, seed=123)
+    emp = empirical_law(res.tokens, 3)
+    assert 0.1 < res.stats["acceptance_rate"] < 0.9, res.stats  # both branches of the test are exercised
+    assert tv(emp, law) < tv_bound(law, N_LAW), (tv(emp, law), tv_bound(law, N_LAW))
+
+
+def test_sd_law_negative_control_wrong_q(small_vocab, monkeypatch):
+    """The same check must catch a verifier that tests the draft's tokens with the wrong law (uniform q
+    instead of the q they were drawn from): the output is then no longer the target's."""
+    tgt, dft, prompt, law = small_vocab
+    orig = verify.accept_reject
+
+    def wrong_q(target_logits, draft_tokens, draft_probs, deterministic, temperature, generator):
+        uniform = torch.full_like(draft_probs, 1.0 / draft_probs.shape[-1])
+        return orig(target_logits, draft_tokens, uniform, deterministic, temperature, generator)
+
+    monkeypatch.setattr(verify, "accept_reject", wrong_q)
+    res = gen([prompt] * N_LAW, tgt, dft, mode="sd", k=2, temperature=1.0, max_new_tokens=3, seed=123)
+    d = tv(empirical_law(res.tokens, 3), law)
+    assert d > tv_bound(law, N_LAW), (d, tv_bound(law, N_LAW))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Seeds, EOS, max_new_tokens
+
+@pytest.mark.parametrize("mode", ["ar", "sd"])
+def test_seeded_runs_repeat(ckpts, mode):
+    kw = dict(mode=mode, k=3, temperature=1.0, max_new_tokens=16)
+    a = gen(PROMPTS, ckpts["target"], ckpts["perturbed"], seed=7, **kw).tokens
+    b = gen(PROMPTS, ckpts["target"], ckpts["perturbed"], seed=7, **kw).tokens
+    c = gen(PROMPTS, ckpts["target"], ckpts["perturbed"], seed=8, **kw).tokens
+    assert a == b
+    assert a != c
+    assert all(len(x) == 16 for x in a + c)
+
+
+def pick_eos(ref, K, prompt):
+    """A token (not in the prompt) whose first occurrence in ref is inside a round, two or more tokens
+    before its end, so that with an always-accepting draft the EOS sits inside an accepted run with more
+    accepted tokens after it. ref[0] comes from the prefill; round r >= 1 emits ref[1 + (r-1)(K+1) : 1 + r(K+1)]."""
+    for i, x in enumerate(ref):
+        if i >= 2 and x not in ref[:i] and x not in prompt and (i - 1) % (K + 1) < K - 1:
+            return x, i
+    raise AssertionError(f"no usable EOS candidate in {ref}: pick another seed")
+
+
+@pytest.fixture(scope="module")
+def eos_ckpts(ckpts, tmp_path_factory):
+    """The target (and a copy as draft) with eos_token_id set to a token the greedy path emits mid-run."""
+    K = 7
+    eos, at = pick_eos(ckpts["ref"][0], K, PROMPTS[0])
+    root = tmp_path_factory.mktemp("eos")
+    tgt = edit_config(copy_checkpoint(ckpts["target"], root / "target"), eos_token_id=eos)
+    copy = edit_config(copy_checkpoint(ckpts["target"], root / "copy"), eos_token_id=eos)
+    ref, _ = hf_greedy(tgt, PROMPTS, NEW, eos=eos)  # transformers stops at EOS (kept)
+    assert ref[0] == ckpts["ref"][0][:at + 1]
+    return dict(target=tgt, copy=copy, eos=eos, K=K, ref=ref)
+
+
+@pytest.mark.parametrize("mode,draft,K", [("ar", None, 0), ("sd", "copy", 7), ("sd", "random", 3)])
+def test_eos_ends_sequence(ckpts, eos_ckpts, mode, draft, K):
+    e = eos_ckpts
+    d = e["copy"] if draft == "copy" else ckpts.get(draft)
+    res = gen(PROMPTS, e["target"], d, mode=mode, k=max(K, 1), max_new_tokens=NEW)
+    assert res.tokens == e["ref"]
+    for out in res.tokens:
+        assert e["eos"] not in out[:-1]
+    assert res.tokens[0][-1] == e["eos"] and len(res.tokens[0]) < NEW
+    assert res.stats["new_tokens"] == sum(len(x) for x in e["ref"])
+    # ignore_eos runs past it: the full greedy continuation
+    res = gen(PROMPTS, e["target"], d, mode=mode, k=max(K, 1), max_new_tokens=NEW, ignore_eos=True)
+    assert res.tokens == ckpts["ref"]
+
+
+@pytest.mark.parametrize("max_new", [1, 2, 5, 12])
+def test_max_new_tokens_cuts_exactly(ckpts, max_new):
+    """With an always-accepting draft and K = 7 each round emits 8 tokens: the cut falls inside a round."""
+    res = gen(PROMPTS, ckpts["target"], ckpts["copy"], mode="sd", k=7, max_new_tokens=max_new)
+    assert res.tokens == [r[:max_new] for r in ckpts["ref"]]
+    assert res.stats["new_tokens"] == 3 * max_new
+
+
+# ----------------------------------------------------------------------------------------------------
+# Bad input: one-line ValueError
+
+@pytest.fixture(scope="module")
+def bad_ckpts(ckpts, tmp_path_factory):
+    root = tmp_path_factory.mktemp("bad")
+    small_ctx = edit_config(copy_checkpoint(ckpts["target"], root / "small_ctx"), max_position_embeddings=16)
+    other_vocab = make_checkpoint(root / "other_vocab", "llama", seed=3, **{**RANDOM_DRAFT_KW, "vocab_size": 50})
+    return dict(small_ctx=small_ctx, other_vocab=other_vocab)
+
+
+def expect_value_error(match, **kw):
+    with pytest.raises(ValueError) as e:
+        gen(**kw)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.strip(), msg
+    assert match in msg, msg
+    return msg
+
+
+def test_bad_input(ckpts, bad_ckpts):
+    t, d = ckpts["target"], ckpts["random"]
+    base = dict(prompts=[PROMPTS[0]], target=t, draft=d, max_new_tokens=4)
+    expect_value_error("mode", **{**base, "mode": "beam"})
+    expect_value_error("k=0", **{**base, "mode": "sd", "k": 0})
+    expect_value_error("temperature", **{**base, "mode": "sd", "temperature": -0.5})
+    expect_value_error("context", **{**base, "target": bad_ckpts["small_ctx"], "prompts": [list(range(1, 21))]})
+    expect_value_error("context", **{**base, "target": bad_ckpts["small_ctx"], "max_new_tokens": 64})
+    expect_value_error("vocabulary", **{**base, "mode": "sd", "draft": bad_ckpts["other_vocab"]})
+    expect_value_error("vocabulary", **{**base, "mode": "ssd", "parallel": False, "draft": bad_ckpts["other_vocab"]})
+    expect_value_error("100", **{**base, "prompts": [[1, 100, 3]]})
+
+
+def test_bad_input_negative_token_id_is_named(ckpts):
+    """A negative id is out of range too, and the message must name it (not the largest id of the prompt)."""
+    msg = expect_value_error("vocabulary", prompts=[[1, -3, 5]], target=ckpts["target"], max_new_tokens=4)
+    assert "-3" in msg, msg
+
+
+# ----------------------------------------------------------------------------------------------------
+# The command line
+
+def test_cli_bad_target_is_one_error_line(capsys, tmp_path):
+    rc = run.main(["--target", str(tmp_path / "no_such_model"), "--mode", "ar", "--max-new-tokens", "2", "--json"])
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert rc == 1
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+
+
+def save_word_tokenizer(path: Path, V: int):
+    """A word-level tokenizer over V tokens "<unk>", "<s>", "</s>", "w3" .. "w{V-1}" (ids = their index)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from transformers import PreTrainedTokenizerFast
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, V)}}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tk.decoder = decoders.WordPiece()  # joins word-level tokens with spaces
+    PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>",
+                            unk_token="<unk>").save_pretrained(path)
+
+
+def test_cli_json_with_tokenizer(ckpts, tmp_path, capsys):
+    tgt = copy_checkpoint(ckpts["target"], tmp_path / "with_tokenizer")
+    save_word_tokenizer(tgt, 100)
+    rc = run.main(["--target", str(tgt), "--draft", str(ckpts["perturbed"]), "--mode", "sd", "--json",
+                   "--max-new-tokens", "5", "--prompt", "w5 w7 w9"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    lines = out.strip().splitlines()
+    assert len(lines) == 1, out
+    got = json.loads(lines[0])
+    # the prompt is encoded with BOS (id 1) first; EOS is the tokenizer's "</s>" (id 2), kept if emitted
+    ref, _ = hf_greedy(tgt, [[1, 5, 7, 9]], 5, eos=2)
+    assert got["tokens"] == ref[0]
+    names = {0: "<unk>", 1: "<s>", 2: "</s>"}
+    assert isinstance(got["text"], str) and got["text"].split() == [names.get(x, f"w{x}") for x in ref[0]]
+    s = got["stats"]
+    for key in ("mode", "new_tokens", "prefill_seconds", "decode_seconds", "decode_tok_s", "rounds",
+                "mean_tokens_per_round", "acceptance_rate", "accept_len_histogram"):
+        assert key in s, key
+    assert s["mode"] == "sd" and s["new_tokens"] == len(got["tokens"])
