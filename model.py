@@ -423,7 +423,9 @@ class Transformer(nn.Module):
             check_tp(cfg, self.tp.world)
         vocab = cfg.vocab_size // (self.tp.world if self.tp else 1)  # TP: this rank's vocabulary rows
         self.model = nn.Module()  # HF nests the body under "model."; keep its parameter names
-        self.model.embed_tokens = nn.Embedding(vocab, cfg.hidden_size)
+        # no random init (weights are always loaded): normal_ on the meta device imports torch._dynamo,
+        # seconds in every freshly spawned process (speculator, tensor-parallel ranks)
+        self.model.embed_tokens = nn.Embedding(vocab, cfg.hidden_size, _weight=torch.empty(vocab, cfg.hidden_size))
         self.model.layers = nn.ModuleList(Block(cfg, self.tp) for _ in range(cfg.num_hidden_layers))
         self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, vocab, bias=False)
@@ -432,8 +434,11 @@ class Transformer(nn.Module):
         self.init_rope()
 
     def init_rope(self):
-        # not a parameter: recomputed after loading (modules built on the meta device hold no data)
-        self.register_buffer("inv_freq", rope_inv_freq(self.config).to(self.lm_head.weight.device), persistent=False)
+        # not a parameter: recomputed after loading (modules built on the meta device hold no data). Computed on
+        # the CPU: arithmetic on the meta device imports torch._dynamo, seconds in every fresh process.
+        with torch.device("cpu"):
+            inv_freq = rope_inv_freq(self.config)
+        self.register_buffer("inv_freq", inv_freq.to(self.lm_head.weight.device), persistent=False)
 
     @property
     def device(self):

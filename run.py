@@ -149,7 +149,8 @@ def decode_ssd_serial(verifier, spec, prompts, out):
     while True:
         verifier.finish(finished)
         spec.finish(finished)
-        keep = [i for i, r in enumerate(rows) if r not in finished]
+        done = set(finished)
+        keep = [i for i, r in enumerate(rows) if r not in done]
         rows, n, t = [rows[i] for i in keep], n[keep], t[keep]
         if not rows:
             break
@@ -225,7 +226,7 @@ def speculator_main(draft, draft_device, threads, prompts, K, temperature, seed,
             if ch.ctl[1] > 0:  # stop
                 break
             active = ch.active.nonzero().flatten().tolist()
-            spec.finish([r for r in rows if r not in active])
+            spec.finish(sorted(set(rows) - set(active)))
             rows = active
             if not rows:
                 break
@@ -237,6 +238,9 @@ def speculator_main(draft, draft_device, threads, prompts, K, temperature, seed,
             ch.proposals_ready.set()
             spec.pre_speculate(rows)
         errors.put(("stats", spec.stats()))
+        errors.close()
+        errors.join_thread()
+        os._exit(0)  # done: skip the interpreter's slow teardown of torch, which the verifier would wait for
     except KeyboardInterrupt:
         pass
     except BaseException as e:  # reaches the user as one line; the traceback goes to stderr for debugging
@@ -452,6 +456,12 @@ def tp_worker_main(rank, world, port, backend, device, target, threads, parent_p
         errors.put(("ready", rank))
         TPVerifier(model).serve()
         dist.destroy_process_group()
+        # done: skip the interpreter's teardown of torch (seconds), which rank 0 would wait for in close()
+        errors.close()
+        errors.join_thread()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     except BaseException as e:
         traceback.print_exc()
         errors.put(("error", f"rank {rank} failed: {type(e).__name__}: {e}"))
@@ -625,8 +635,9 @@ def generate(prompts, target="tiny", draft="tiny-draft", mode="sd", max_new_toke
             if len(p) + max_new_tokens + K + 1 > cfg.max_position_embeddings:
                 raise ValueError(f"prompt of {len(p)} tokens + max_new_tokens={max_new_tokens} exceeds the target's "
                                  f"context of {cfg.max_position_embeddings}: shorten the prompt or max_new_tokens")
-            if max(p) >= cfg.vocab_size or min(p) < 0:
-                raise ValueError(f"prompt token id {max(p)} outside the vocabulary of size {cfg.vocab_size}")
+            bad = [x for x in p if not 0 <= x < cfg.vocab_size]
+            if bad:
+                raise ValueError(f"prompt token id {bad[0]} outside the vocabulary of size {cfg.vocab_size}")
         if mode != "ar":
             dcfg = ModelConfig.from_hf(json.loads((resolve(draft) / "config.json").read_text()))
             if dcfg.vocab_size != cfg.vocab_size:
