@@ -20,10 +20,15 @@ and with all cores (@2t: the same total hardware). Speed-ups compare against the
 What is measured. Decode throughput = new tokens after the first / decode wall time (prefill reported
 separately; for transformers, decode time = time(max_new_tokens) - time(1 new token)). One run = every
 batch of the prompt set once; a warm-up run (the first batch) comes first; each figure is from the median
-run (by decode tok/s) of --repeats runs. Other agents may share the machine: repeat and read medians.
+run (by decode tok/s) of --repeats runs (on a shared machine, raise --repeats).
+
+Then: a table per (temperature, batch), the paper's predicted speed-up beside the measured one for every ssd
+row (`theory` says how each term is measured), the hardware line, and one JSON line with every figure.
 """
 import argparse
 import ast
+import functools
+import importlib.util
 import json
 import math
 import os
@@ -32,6 +37,7 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
+from itertools import product
 from pathlib import Path
 
 import torch
@@ -47,15 +53,18 @@ MODES = ("ar", "sd", "ssd", "hf", "hf-assisted")
 # ----------------------------------------------------------------------------------------------------
 # Prompts: deterministic sets from the held-out standard-library files, or the user's file
 
+@functools.cache
 def heldout_sources():
-    """(path, source, ast tree) of each held-out stdlib file that parses, in sorted order."""
+    """(path, source, ast tree) of each held-out stdlib file that parses, in sorted order (parsed once)."""
     from scripts.train_tiny import read_text, split_files
+    out = []
     for path in split_files()[1]:
         src = read_text(path)
         try:
-            yield path, src, ast.parse(src)
+            out.append((path, src, ast.parse(src)))
         except SyntaxError:
             continue
+    return out
 
 
 def round_robin(per_file, n, what):
@@ -170,35 +179,33 @@ def split_cores(cores):
 
 def make_configs(a, cores):
     """Every configuration the sweep asks for. Baselines run with the target's share of the cores and with all
-    of them; ssd variants along every axis given (K x fan-out x C x fallback x budget)."""
+    of them; ssd variants along every axis given (K x fan-out x C x fallback x budget). A label names only the
+    axes that vary."""
     ts, td = split_cores(cores)
     threads = sorted({ts, cores})
-    ks, fans, cs, fbs, budgets = a.k, a.fan_out, a.saguaro_c, a.fallback, a.budget
+
+    def tag(name, values, v):  # e.g. " B=8" when the sweep varies this axis, else nothing
+        return f" {name}{format(v, 'g') if isinstance(v, float) else v}" if len(values) > 1 else ""
+
     out = []
-    for T in a.temperatures:
-        for b in a.batch_sizes:
-            for mode in a.modes:
-                if mode == "hf-assisted" and b > 1:
-                    continue  # transformers assisted generation supports batch 1 only
-                for K in (ks if mode in ("sd", "ssd", "hf-assisted") else [0]):
-                    kl = f" k={K}" if len(ks) > 1 and K else ""
-                    if mode != "ssd":
-                        out += [Config(mode, T, b, K, th, label=f"{mode}{kl}@{th}t") for th in threads]
-                        continue
-                    for fan in fans:
-                        for c in cs:
-                            for fb in fbs:
-                                for B in budgets:
-                                    var = "".join([f" {fan}" if len(fans) > 1 else "", f" C={c:g}" if len(cs) > 1 else "",
-                                                   f" {fb}" if len(fbs) > 1 else "", f" B={B}" if len(budgets) > 1 else ""])
-                                    out.append(Config("ssd", T, b, K, ts, td, fan, B, c, fb, f"ssd{kl}{var}@{ts}+{td}t"))
+    for T, b, mode in product(a.temperatures, a.batch_sizes, a.modes):
+        if mode == "hf-assisted" and b > 1:
+            continue  # transformers assisted generation supports batch 1 only
+        if mode == "ssd":
+            for K, fan, c, fb, B in product(a.k, a.fan_out, a.saguaro_c, a.fallback, a.budget):
+                var = "".join([tag("k=", a.k, K), tag("", a.fan_out, fan), tag("C=", a.saguaro_c, c),
+                               tag("", a.fallback, fb), tag("B=", a.budget, B)])
+                out.append(Config("ssd", T, b, K, ts, td, fan, B, c, fb, f"ssd{var}@{ts}+{td}t"))
+        else:
+            for K, th in product(a.k if mode in ("sd", "hf-assisted") else [0], threads):
+                out.append(Config(mode, T, b, K, th, label=f"{mode}{tag('k=', a.k, K) if K else ''}@{th}t"))
     return out
 
 
 def run_engine(cfg: Config, batches, a):
     """One run of this engine (ar, sd, ssd) over every batch -> summed counters."""
     tot = dict(new=0, first=0, decode_s=0.0, prefill_s=0.0, rounds=0, row_rounds=0, accepted=0, proposed=0, hits=0,
-               misses=0, tok_hit=0.0, tok_miss=0.0, wait_s=0.0, busy_s=0.0, fallback_rounds={}, b_star=None)
+               misses=0, tok_hit=0.0, tok_miss=0.0, wait_s=0.0, busy_s=0.0, fallback_rounds={}, b_star=None, hist=[])
     for i, batch in enumerate(batches):
         s = generate(batch, target=a.target, draft=a.draft, mode=cfg.engine, max_new_tokens=a.max_new_tokens,
                      temperature=cfg.temperature, k=cfg.k or 1, seed=a.seed + i, ignore_eos=True, fan_out=cfg.fan_out,
@@ -213,6 +220,7 @@ def run_engine(cfg: Config, batches, a):
         tot["row_rounds"] += sum(hist)
         tot["accepted"] += sum(j * h for j, h in enumerate(hist))
         tot["proposed"] += sum(hist) * (len(hist) - 1)
+        tot["hist"] = [x + y for x, y in zip(tot["hist"], hist)] if tot["hist"] else list(hist)
         if cfg.engine == "ssd":
             tot["hits"] += s["hits"]
             tot["misses"] += s["misses"]
@@ -236,6 +244,8 @@ class HF:
     def model(self, name):
         if name not in self.models:
             from transformers import AutoModelForCausalLM
+            from transformers.utils import logging
+            logging.disable_progress_bar()
             dtype = torch.float32 if self.device == "cpu" else torch.bfloat16
             m = AutoModelForCausalLM.from_pretrained(resolve(name), dtype=dtype).to(self.device).eval()
             self.models[name] = m
@@ -298,7 +308,7 @@ def summarize(cfg: Config, runs):
     row = {**asdict(cfg), "runs_tok_s": speeds, "decode_tok_s": tok_s, "decode_tok_s_per_seq": tok_s / cfg.batch,
            "decode_seconds": m["decode_s"], "prefill_seconds": m["prefill_s"], "new_tokens": m["new"]}
     if "rounds" in m:  # this engine's counters
-        row.update(rounds=m["rounds"], row_rounds=m["row_rounds"],
+        row.update(rounds=m["rounds"], row_rounds=m["row_rounds"], accept_len_histogram=m["hist"],
                    tokens_per_round=(m["new"] - m["first"]) / m["row_rounds"] if m["row_rounds"] else 0.0,
                    acceptance_rate=m["accepted"] / m["proposed"] if m["proposed"] else None)
     if cfg.engine == "ssd":
@@ -443,6 +453,8 @@ def print_tables(rows, a, n_prompts):
         g = [r for r in rows if r["temperature"] == T and r["batch"] == b]
         print(f"\ntemperature {T:g}, batch {b}, {n_prompts} {a.prompt_set} prompts, max_new_tokens {a.max_new_tokens}, "
               f"median of {a.repeats} runs")
+        if b > 1 and "hf-assisted" in a.modes:
+            print("(no hf-assisted row: transformers assisted generation supports batch 1 only)")
         w = max(len(r["label"]) for r in g)
         print(f"{'engine':<{w}}  {'tok/s/seq':>9} {'tok/s':>8} {'vs AR':>6} {'vs SD':>6} {'tok/rnd':>7} {'accept':>6} "
               f"{'hit':>5} {'wait%':>5} {'busy%':>5}")
@@ -497,6 +509,8 @@ def plot(rows, path):
                                        (f"ssd, batch {b0}", "fan-out budget B", "cache hit rate")]):
         x.set_title(title), x.set_xlabel(xl), x.set_ylabel(yl), x.grid(alpha=0.3), x.legend(fontsize=7)
     ax[1].set_xscale("log", base=2)
+    bs = sorted({r["batch"] for r in rows})
+    ax[1].set_xticks(bs, [str(b) for b in bs])
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"plot written to {path}")
@@ -533,7 +547,7 @@ DEFAULTS = dict(k=4, budget=8, fallback="auto")  # run.py's defaults
 def tune(a, batches, hf):
     """Measure ssd on a small grid (K x B x fallback) at batch 1 and the first temperature; pick the fastest."""
     T = a.temperatures[0]
-    ts, td = split_cores(os.cpu_count() or 1)
+    ts, td = split_cores(a.cores)
     base = Config("ssd", T, 1, threads=ts, draft_threads=td, fan_out=a.fan_out[0], saguaro_c=a.saguaro_c[0])
     grid = [replace(base, k=K, budget=B, fallback=f, label=f"ssd k={K} B={B} {f}")
             for K in TUNE_K for B in TUNE_BUDGET for f in TUNE_FALLBACK]
@@ -555,7 +569,11 @@ def tune(a, batches, hf):
 
 
 def csv(kind):
-    return lambda s: [kind(x) for x in s.split(",") if x.strip()]
+    """An argparse type: "1,2,4" -> [1, 2, 4]."""
+    def parse(s):
+        return [kind(x) for x in s.split(",") if x.strip()]
+    parse.__name__ = f"comma-separated {kind.__name__}"  # argparse names it in its error message
+    return parse
 
 
 def parse_args(argv):
@@ -578,6 +596,8 @@ def parse_args(argv):
     ap.add_argument("--saguaro-c", type=csv(float), default=[1.0])
     ap.add_argument("--fallback", type=csv(str), default=["auto"])
     ap.add_argument("--budget", type=csv(int), default=[8])
+    ap.add_argument("--cores", type=int, default=os.cpu_count() or 1,
+                    help="CPU cores every engine may use in total (default: all); ssd splits them")
     ap.add_argument("--tune", action="store_true", help="choose K, B and the fallback for this machine")
     ap.add_argument("--plot", default=None, help="write speed-up / hit-rate plots to this PNG (needs matplotlib)")
     a = ap.parse_args(argv)
@@ -590,14 +610,16 @@ def parse_args(argv):
     bad = [f for f in a.fan_out if f not in ("uniform", "geometric")]
     if bad:
         raise ValueError(f"unknown fan-out(s) {','.join(bad)}: use uniform or geometric")
-    if min(a.batch_sizes + a.k + a.budget + [a.prompts, a.repeats, a.max_new_tokens]) < 1 or a.warmup < 0:
-        raise ValueError("--batch-sizes, --k, --budget, --prompts, --repeats and --max-new-tokens must be >= 1")
+    if min(a.batch_sizes + a.k + a.budget + [a.prompts, a.repeats, a.max_new_tokens, a.cores]) < 1 or a.warmup < 0:
+        raise ValueError("--batch-sizes, --k, --budget, --prompts, --repeats, --max-new-tokens and --cores must be >= 1")
     return a
 
 
 def main(argv=None):
     try:
         a = parse_args(argv)
+        if a.plot and importlib.util.find_spec("matplotlib") is None:  # fail before the sweep, not after it
+            raise ValueError("--plot needs matplotlib: pip install matplotlib")
         texts = file_prompts(a.prompt_file, a.prompts) if a.prompt_file else \
             (code_prompts if a.prompt_set == "code" else prose_prompts)(a.prompts)
         if a.prompt_file:
@@ -616,10 +638,10 @@ def main(argv=None):
         if a.tune:
             rows, tuned = tune(a, batches, hf)
         else:
-            rows, tuned = measure(make_configs(a, hw["cores"]), batches, a, hf), None
+            rows, tuned = measure(make_configs(a, a.cores), batches, a, hf), None
             print_tables(rows, a, len(ids))
         print(f"\nhardware: {hw['cpu']}, {hw['cores']} cores, torch {hw['torch']}, device {hw['device']}; "
-              f"ssd threads target+draft = {'+'.join(map(str, split_cores(hw['cores'])))}")
+              f"{a.cores} used; ssd threads target+draft = {'+'.join(map(str, split_cores(a.cores)))}")
         if a.plot and not a.tune:
             plot(rows, a.plot)
     except (ValueError, FileNotFoundError, RuntimeError) as e:

@@ -566,10 +566,12 @@ class TPVerifier:
 # ----------------------------------------------------------------------------------------------------
 # generate()
 
-def default_devices():
-    """Two or more GPUs: target cuda:0, draft cuda:1; one GPU: both on it; else the CPU."""
+def default_devices(target_gpus=1):
+    """The target on cuda:0 (..cuda:{target_gpus-1} when tensor parallel) and the draft on the next GPU;
+    with too few GPUs the draft shares cuda:0; without GPUs both on the CPU."""
     if torch.cuda.is_available():
-        return ("cuda:0", "cuda:1") if torch.cuda.device_count() >= 2 else ("cuda:0", "cuda:0")
+        n = torch.cuda.device_count()
+        return "cuda:0", f"cuda:{target_gpus}" if n > target_gpus else "cuda:0"
     return "cpu", "cpu"
 
 
@@ -611,7 +613,7 @@ def generate(prompts, target="tiny", draft="tiny-draft", mode="sd", max_new_toke
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
     K = k if mode != "ar" else 0
-    dev_t, dev_d = default_devices()
+    dev_t, dev_d = default_devices(len(target_devices) if target_devices else 1)
     target_device, draft_device = target_device or dev_t, draft_device or dev_d
     cores = os.cpu_count() or 1
     if mode == "ssd" and parallel:  # the two processes split the cores (when on the CPU)
