@@ -195,6 +195,17 @@ class Channel:
                 cudart.cudaHostRegister(x.data_ptr(), x.numel() * x.element_size(), 0)
 
 
+def start_without_sigint(proc):
+    """Start a child that ignores Ctrl-C from its first instruction (a Python started with SIGINT ignored
+    keeps it so): the terminal's Ctrl-C reaches every process, but only this one decides how to stop, and
+    a child interrupted while still importing torch would print a traceback."""
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        proc.start()
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
 def wait_for(event, alive, what, timeout=None):
     """Wait on an event while checking that the other side is alive (a dead peer must not hang us)."""
     start = time.perf_counter()
@@ -259,7 +270,7 @@ def decode_ssd_parallel(verifier, prompts, out, K, args):
     proc = ctx.Process(target=speculator_main, daemon=True, args=(
         args["draft"], args["draft_device"], args["draft_threads"], prompts, K, args["temperature"], args["seed"],
         args["draft_kv_tokens"], args["block_size"], args["ssd"], ch, errors))
-    proc.start()
+    start_without_sigint(proc)
     child_stats = {}
     try:
         s = time.perf_counter()
@@ -378,7 +389,7 @@ class TPWorkers:
             r, self.world, port, backend, devices[r], target, threads, os.getpid(), self.errors))
             for r in range(1, self.world)]
         for p in self.procs:
-            p.start()
+            start_without_sigint(p)
         try:
             tp_init(0, self.world, port, backend, self.device)
         except BaseException:
