@@ -32,7 +32,7 @@ from draft import Drafter, Proposals, SSDConfig, Speculator
 from model import TP, ModelConfig, check_tp, load_model, resolve
 from verify import Verifier
 
-DEFAULT_PROMPT = "def binary_search(items, target):\n    \"\"\"Return the index of target in the sorted list items.\"\"\"\n"
+DEFAULT_PROMPT = "class Stack:\n    def __init__(self):\n"
 
 
 @dataclass

@@ -12,7 +12,7 @@ Steps, all resumable from --work-dir (a scratch dir outside the repo):
 
 Command (defaults as below; 2 CPU cores, no GPU):
     nohup python scripts/train_tiny.py --out checkpoints > train.log 2>&1 &
-How long it took: 104 min wall (see checkpoints/README.md for the breakdown). The shipped run shared
+How long it took: 81 min wall, 07:55-09:17 (breakdown in checkpoints/README.md). The shipped run shared
 its 2 cores with other jobs, which made steps up to 4x slower than measured alone (5-6 s per target
 step, 2.4 s per draft step), so it was stopped and resumed with changed schedules (a resume only needs
 the same --work-dir): --target-steps 420 until step 119, 300 until 137, 220 until the end (the cosine
