@@ -204,8 +204,9 @@ def make_configs(a, cores):
 
 def run_engine(cfg: Config, batches, a):
     """One run of this engine (ar, sd, ssd) over every batch -> summed counters."""
-    tot = dict(new=0, first=0, decode_s=0.0, prefill_s=0.0, rounds=0, row_rounds=0, accepted=0, proposed=0, hits=0,
-               misses=0, tok_hit=0.0, tok_miss=0.0, wait_s=0.0, busy_s=0.0, fallback_rounds={}, b_star=None, hist=[])
+    tot = dict(new=0, first=0, decode_s=0.0, prefill_s=0.0, rounds=0, row_rounds=0, accepted=0, proposed=0, trials=0, hits=0,
+               misses=0, tok_hit=0.0, tok_miss=0.0, wait_s=0.0, busy_s=0.0, fallback_rounds={}, b_star=None, hist=[],
+               hits_per_depth=[], lookups_per_depth=[])
     for i, batch in enumerate(batches):
         s = generate(batch, target=a.target, draft=a.draft, mode=cfg.engine, max_new_tokens=a.max_new_tokens,
                      temperature=cfg.temperature, k=cfg.k or 1, seed=a.seed + i, ignore_eos=True, fan_out=cfg.fan_out,
@@ -220,6 +221,8 @@ def run_engine(cfg: Config, batches, a):
         tot["row_rounds"] += sum(hist)
         tot["accepted"] += sum(j * h for j, h in enumerate(hist))
         tot["proposed"] += sum(hist) * (len(hist) - 1)
+        # the paper's per-token a: a round is Bernoulli trials stopped at the first rejection or after K accepts
+        tot["trials"] += sum(h * min(j + 1, len(hist) - 1) for j, h in enumerate(hist))
         tot["hist"] = [x + y for x, y in zip(tot["hist"], hist)] if tot["hist"] else list(hist)
         if cfg.engine == "ssd":
             tot["hits"] += s["hits"]
@@ -231,6 +234,8 @@ def run_engine(cfg: Config, batches, a):
             for kind, n in s["fallback_rounds"].items():
                 tot["fallback_rounds"][kind] = tot["fallback_rounds"].get(kind, 0) + n
             tot["b_star"] = s["b_star"]
+            for key in ("hits_per_depth", "lookups_per_depth"):
+                tot[key] = [x + y for x, y in zip(tot[key], s[key])] if tot[key] else list(s[key])
     return tot
 
 
@@ -310,7 +315,8 @@ def summarize(cfg: Config, runs):
     if "rounds" in m:  # this engine's counters
         row.update(rounds=m["rounds"], row_rounds=m["row_rounds"], accept_len_histogram=m["hist"],
                    tokens_per_round=(m["new"] - m["first"]) / m["row_rounds"] if m["row_rounds"] else 0.0,
-                   acceptance_rate=m["accepted"] / m["proposed"] if m["proposed"] else None)
+                   acceptance_rate=m["accepted"] / m["proposed"] if m["proposed"] else None,
+                   acceptance_a=m["accepted"] / m["trials"] if m["trials"] else None)
     if cfg.engine == "ssd":
         looks = m["hits"] + m["misses"]
         row.update(hits=m["hits"], misses=m["misses"], cache_hit_rate=m["hits"] / looks if looks else 0.0,
@@ -318,7 +324,8 @@ def summarize(cfg: Config, runs):
                    tokens_per_round_miss=m["tok_miss"] / m["misses"] if m["misses"] else 0.0,
                    verifier_wait_seconds=m["wait_s"], draft_busy_seconds=m["busy_s"],
                    verifier_wait_pct=100 * m["wait_s"] / m["decode_s"], draft_busy_pct=100 * m["busy_s"] / m["decode_s"],
-                   fallback_rounds=m["fallback_rounds"], b_star=m["b_star"])
+                   fallback_rounds=m["fallback_rounds"], b_star=m["b_star"], hits_per_depth=m["hits_per_depth"],
+                   lookups_per_depth=m["lookups_per_depth"])
     return row
 
 
@@ -447,7 +454,13 @@ def fmt(x, spec=".2f", none="-"):
     return none if x is None else format(x, spec)
 
 
+LEGEND = ("accept: accepted / proposed draft tokens; a: the paper's per-token acceptance (capped-geometric MLE); "
+          "hit: cache hit rate; wait%: verifier waiting for proposals / decode time; busy%: speculator busy / decode "
+          "time (it includes the first round's pre-speculation, done during the prefill)")
+
+
 def print_tables(rows, a, n_prompts):
+    print("\n" + LEGEND)
     groups = sorted({(r["temperature"], r["batch"]) for r in rows})
     for T, b in groups:
         g = [r for r in rows if r["temperature"] == T and r["batch"] == b]
@@ -466,11 +479,11 @@ def print_tables(rows, a, n_prompts):
         th = [r for r in g if "theory" in r]
         if th:
             print(f"theory (Theorem 7{', Corollary 16' if b > 1 else ''}; times in AR steps; see bench.theory):")
-            print(f"{'engine':<{w}}  {'p_hit':>5} {'E_hit':>5} {'E_miss':>6} {'T_p':>5} {'T_b':>5} {'T_SD':>5} {'c':>5} "
+            print(f"{'engine':<{w}}  {'a':>5} {'p_hit':>5} {'E_hit':>5} {'E_miss':>6} {'T_p':>5} {'T_b':>5} {'T_SD':>5} {'c':>5} "
                   f"{'pred':>5} {'pred_c':>6} {'meas':>5} {'SD pred':>7} {'b*':>4}")
             for r in th:
                 t = r["theory"]
-                print(f"{r['label']:<{w}}  {r['cache_hit_rate']:>5.2f} {r['tokens_per_round_hit']:>5.2f} "
+                print(f"{r['label']:<{w}}  {r['acceptance_a']:>5.2f} {r['cache_hit_rate']:>5.2f} {r['tokens_per_round_hit']:>5.2f} "
                       f"{r['tokens_per_round_miss']:>6.2f} {t['T_p']:>5.2f} {t['T_b']:>5.2f} {fmt(t['T_SD']):>5} "
                       f"{t['c']:>5.2f} {t['ssd_pred']:>5.2f} {t['ssd_pred_c']:>6.2f} {fmt(r['speedup_vs_ar']):>5} "
                       f"{fmt(t['sd_pred']):>7} {fmt(t['b_star'], 'd'):>4}")
