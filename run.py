@@ -199,6 +199,8 @@ def start_without_sigint(proc):
     """Start a child that ignores Ctrl-C from its first instruction (a Python started with SIGINT ignored
     keeps it so): the terminal's Ctrl-C reaches every process, but only this one decides how to stop, and
     a child interrupted while still importing torch would print a traceback."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+        return proc.start()
     old = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         proc.start()
