@@ -590,9 +590,9 @@ def load_weights(model: Transformer, path: Path, device, dtype):
                          + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
 
 
-def load_model(name_or_path, device="cpu", dtype=None, tp: TP | None = None):
+def load_model(name_or_path, device="cpu", dtype=None, tp: TP | None = None, tokenizer: bool = True):
     """-> (model, tokenizer). dtype None means float32 on CPU and bfloat16 on CUDA. The tokenizer is
-    None when the directory has no tokenizer files (then callers pass token ids). tp: this process's rank of a
+    None when the directory has no tokenizer files or tokenizer=False (then callers pass token ids). tp: this process's rank of a
     tensor-parallel model (the process group must exist); it loads only its slices."""
     device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -610,9 +610,9 @@ def load_model(name_or_path, device="cpu", dtype=None, tp: TP | None = None):
     load_weights(model, path, device, dtype)
     model.init_rope()
     model.eval().requires_grad_(False)
-    tokenizer = None
-    if any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
+    tok = None  # tokenizer=False skips it (and the seconds transformers takes to import) where ids suffice
+    if tokenizer and any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         from transformers import AutoTokenizer
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    return model, tokenizer
+        tok = AutoTokenizer.from_pretrained(path)
+    return model, tok

@@ -226,7 +226,7 @@ def speculator_main(draft, draft_device, threads, prompts, K, temperature, seed,
         if threads:
             torch.set_num_threads(threads)
         ch.pin_here()
-        model, _ = load_model(draft, device=draft_device)
+        model, _ = load_model(draft, device=draft_device, tokenizer=False)
         spec = Speculator(model, K, temperature, seed + 1, kv_tokens, ssd, block_size)
         b = len(prompts)
         ch.loaded.set()
@@ -465,7 +465,7 @@ def tp_worker_main(rank, world, port, backend, device, target, threads, parent_p
         if threads:
             torch.set_num_threads(threads)
         tp_init(rank, world, port, backend, device)
-        model, _ = load_model(target, device=device, tp=TP(rank, world))
+        model, _ = load_model(target, device=device, tp=TP(rank, world), tokenizer=False)
         errors.put(("ready", rank))
         TPVerifier(model).serve()
         dist.destroy_process_group()
@@ -668,7 +668,7 @@ def generate(prompts, target="tiny", draft="tiny-draft", mode="sd", max_new_toke
         if mode in ("ar", "sd"):
             drafter = None
             if mode == "sd":
-                dmodel, _ = load_model(draft, device=draft_device)
+                dmodel, _ = load_model(draft, device=draft_device, tokenizer=False)
                 drafter = Drafter(dmodel, K, temperature, seed + 1, kv_tokens or b * per_row, block_size)
             prefill_s, decode_s = decode_ar_sd(verifier, drafter, ids, out, K)
         else:
@@ -681,7 +681,7 @@ def generate(prompts, target="tiny", draft="tiny-draft", mode="sd", max_new_toke
                     draft=draft, draft_device=draft_device, draft_threads=draft_threads, temperature=temperature,
                     seed=seed, draft_kv_tokens=draft_kv, block_size=block_size, ssd=ssd))
             else:
-                dmodel, _ = load_model(draft, device=draft_device)
+                dmodel, _ = load_model(draft, device=draft_device, tokenizer=False)
                 spec = Speculator(dmodel, K, temperature, seed + 1, draft_kv, ssd, block_size)
                 prefill_s, decode_s, wait = decode_ssd_serial(verifier, spec, ids, out)
                 stats = spec.stats()
