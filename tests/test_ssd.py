@@ -6,7 +6,6 @@ Helpers (checkpoint editing, transformers references, exact laws, the TV noise b
 come from tests/test_generate.py. Most runs use parallel=False (one process, the same tokens as the
 two-process run for the same seed); a handful check parallel=True against it, since each spawns a process.
 """
-import math
 import multiprocessing
 import os
 import signal

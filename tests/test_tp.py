@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 from conftest import make_checkpoint
 from safetensors.torch import load_file, save_file
 
-from model import TP, ModelConfig, Transformer, load_model
+from model import TP, Transformer, load_model
 from run import TPVerifier, TPWorkers, free_port, generate, tp_init
 
 TOL = 1e-5
