@@ -129,6 +129,12 @@ class SSDConfig:
     fast_fallback: str = "ngram"        # the backup "auto" switches to at batch sizes >= b*
 
 
+def recent_median(xs, window=64):
+    """Median of the last `window` measurements: robust to outliers, constant cost per round."""
+    recent = sorted(xs[-window:])
+    return recent[len(recent) // 2]
+
+
 class Speculator(Drafter):
     """SSD's draft side. Per round: `respond` to the verifier's outcome (n, t) from the speculation cache
     or a fallback, then `pre_speculate` the next round's outcomes while the verifier works.
@@ -284,9 +290,9 @@ class Speculator(Drafter):
         """b* from what was measured so far (fallback.critical_batch_size documents the formula)."""
         if not self.verify_seconds or not self.pre_seconds or not self.accept.ready:
             return default_critical_batch_size(self.K, self.temperature)  # documented defaults until measured
-        T_v = sorted(self.verify_seconds)[len(self.verify_seconds) // 2]
-        T_p = sorted(self.pre_seconds)[len(self.pre_seconds) // 2] / T_v
-        T_f = (sorted(self.fast_seconds)[len(self.fast_seconds) // 2] / T_v) if self.fast_seconds else 0.0
+        T_v = recent_median(self.verify_seconds)  # latencies in verifications, from the recent rounds
+        T_p = recent_median(self.pre_seconds) / T_v
+        T_f = recent_median(self.fast_seconds) / T_v if self.fast_seconds else 0.0
         st = self.cache_index.stats
         E_hit = self.accept.expected_tokens(self.K)
         E_f = self.accept_fast.expected_tokens(self.K) if self.accept_fast.ready else None
