@@ -62,10 +62,6 @@ def decode_k(model: Transformer, cache: PagedKVCache, seqs, first, K, temperatur
         x, q, q_raw = draw(logits, temperature, generator, None if F is None else F[i], c)
         tokens.append(x), qs.append(q), raws.append(q_raw)
         step_in, step_counts = x, [1] * len(seqs)
-    b, V = len(seqs), model.config.vocab_size
-    if K == 0:
-        return (torch.zeros(b, 0, dtype=torch.long, device=model.device), torch.zeros(b, 0, V, device=model.device),
-                torch.stack(raws, 1) if raws else torch.zeros(b, 0, V, device=model.device))
     return torch.stack(tokens, 1), torch.stack(qs, 1), torch.stack(raws, 1)
 
 
@@ -154,7 +150,6 @@ class Speculator(Drafter):
         self.pre_seconds, self.fast_seconds, self.verify_seconds = [], [], []
         self.fallback_used = {"neural": 0, "ngram": 0, "random": 0}
         self.b_star = None
-        self.tokens_hit, self.rounds_hit, self.tokens_miss, self.rounds_miss = 0, 0, 0, 0
 
     # -- fan-out: which outcomes (j, t) to cache
     def fan_out_for(self, fast: bool) -> list[int]:

@@ -273,7 +273,6 @@ def decode_ssd_parallel(verifier, prompts, out, K, args):
         args["draft"], args["draft_device"], args["draft_threads"], prompts, K, args["temperature"], args["seed"],
         args["draft_kv_tokens"], args["block_size"], args["ssd"], ch, errors))
     start_without_sigint(proc)
-    child_stats = {}
     try:
         s = time.perf_counter()
         wait_for(ch.loaded, proc.is_alive, "speculator")  # process start-up and model load: not decode time
@@ -293,10 +292,10 @@ def decode_ssd_parallel(verifier, prompts, out, K, args):
             wait_for(ch.proposals_ready, proc.is_alive, "speculator")
             wait += time.perf_counter() - w
             v = time.perf_counter()
-            n, t = verifier.verify(rows, ch.tokens[rows], ch.q[rows], ch.det[rows])
+            tokens = ch.tokens[rows]  # [b, K]: read the shared buffer once per round
+            n, t = verifier.verify(rows, tokens, ch.q[rows], ch.det[rows])
             ch.ctl[2] = time.perf_counter() - v
-            hit = ch.hit[rows].clone()
-            finished = out.round(rows, ch.tokens[rows], n, t, hit)
+            finished = out.round(rows, tokens, n, t, ch.hit[rows])
             verifier.finish(finished)
             ch.n[rows], ch.t[rows] = n.cpu(), t.cpu()
             ch.active[finished] = False
