@@ -533,21 +533,26 @@ def plot(rows, path):
 # The sweep, the tuner, the command line
 
 def measure(configs, batches, a, hf):
-    """Warm-up, then --repeats runs of each configuration -> summarised rows (a tqdm bar over the runs)."""
+    """Warm-up, then --repeats runs of each configuration -> summarised rows (a tqdm bar over the runs).
+    The repeats are interleaved (every configuration once, then again): these machines drift, and a slow
+    minute then lands on all configurations alike instead of on one of them."""
     bar = tqdm(total=len(configs) * (a.warmup + a.repeats), desc="bench", unit="run", file=sys.stderr)
-    rows = []
-    for cfg in configs:
-        one = (lambda bs: hf.run(cfg, bs)) if cfg.engine.startswith("hf") else (lambda bs: run_engine(cfg, bs, a))
+
+    def one(cfg, bs):
         bar.set_postfix_str(f"{cfg.label} T={cfg.temperature:g} b={cfg.batch}")
+        out = hf.run(cfg, bs) if cfg.engine.startswith("hf") else run_engine(cfg, bs, a)
+        bar.update()
+        return out
+
+    for cfg in configs:
         for _ in range(a.warmup):
-            one(batches[cfg.batch][:1])
-            bar.update()
-        runs = []
-        for _ in range(a.repeats):
-            runs.append(one(batches[cfg.batch]))
-            bar.update()
-        rows.append(summarize(cfg, runs))
+            one(cfg, batches[cfg.batch][:1])
+    runs = [[] for _ in configs]
+    for _ in range(a.repeats):
+        for cfg, r in zip(configs, runs):
+            r.append(one(cfg, batches[cfg.batch]))
     bar.close()
+    rows = [summarize(cfg, r) for cfg, r in zip(configs, runs)]
     add_speedups(rows)
     add_theory(rows)
     return rows
