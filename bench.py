@@ -395,6 +395,9 @@ def theory(m: Measured) -> dict:
       p_hit, E_hit, E_miss: counted directly; w = p_hit^b (the batch waits if any sequence misses).
       c     = the verifier's own time per round in ssd ((decode_s - wait_s) / rounds) / T_ar: what one
               verification of K+1 tokens costs in AR steps.
+      sd_bound = (1 + T_SD) / c: the most SSD can gain over SD at equal tokens per round (every round a hit,
+              no wait), SD's round over SSD's verifier time. A hit hides SD's drafting and nothing else, so
+              a draft that is cheap next to the verification leaves SSD little to gain.
     Predictions: ssd_pred is the paper's formula (a verification costs one AR step, c = 1); ssd_pred_c is
     the same model with the measured c (every time normalised to the measured verification, then converted
     back to AR steps). Assumptions: i.i.d. acceptance, so E and p_hit do not depend on timing; a hit round
@@ -411,6 +414,7 @@ def theory(m: Measured) -> dict:
     pred = predicted_speedup(m.p_hit, m.E_hit, m.E_miss, T_p, T_b, m.b)
     pred_c = predicted_speedup(m.p_hit, m.E_hit, m.E_miss, T_p / c, T_b / c, m.b) / c
     return {"T_p": T_p, "T_b": T_b, "T_SD": T_sd, "c": c, "ssd_pred": pred, "ssd_pred_c": pred_c,
+            "sd_bound": (1 + T_sd) / c if T_sd is not None and c > 0 else None,
             "sd_pred": predicted_sd_speedup(m.E_sd, T_sd) if T_sd is not None and m.E_sd else None,
             "b_star": critical_batch_size(m.p_hit, m.E_hit, T_p, m.E_f, None)}
 
@@ -480,13 +484,13 @@ def print_tables(rows, a, n_prompts):
         if th:
             print(f"theory (Theorem 7{', Corollary 16' if b > 1 else ''}; times in AR steps; see bench.theory):")
             print(f"{'engine':<{w}}  {'a':>5} {'p_hit':>5} {'E_hit':>5} {'E_miss':>6} {'T_p':>5} {'T_b':>5} {'T_SD':>5} {'c':>5} "
-                  f"{'pred':>5} {'pred_c':>6} {'meas':>5} {'SD pred':>7} {'b*':>4}")
+                  f"{'pred':>5} {'pred_c':>6} {'meas':>5} {'SD pred':>7} {'b*':>4} {'SSD/SD max':>10}")
             for r in th:
                 t = r["theory"]
                 print(f"{r['label']:<{w}}  {r['acceptance_a']:>5.2f} {r['cache_hit_rate']:>5.2f} {r['tokens_per_round_hit']:>5.2f} "
                       f"{r['tokens_per_round_miss']:>6.2f} {t['T_p']:>5.2f} {t['T_b']:>5.2f} {fmt(t['T_SD']):>5} "
                       f"{t['c']:>5.2f} {t['ssd_pred']:>5.2f} {t['ssd_pred_c']:>6.2f} {fmt(r['speedup_vs_ar']):>5} "
-                      f"{fmt(t['sd_pred']):>7} {fmt(t['b_star'], 'd'):>4}")
+                      f"{fmt(t['sd_pred']):>7} {fmt(t['b_star'], 'd'):>4} {fmt(t['sd_bound']):>10}")
 
 
 def plot(rows, path):

@@ -19,6 +19,7 @@ def test_theory_known_values():
     # Theorem 7: (0.8 * 3 + 0.2 * 2) / (0.8 * max(1, 0.6) + 0.2 * (1 + 0.5)) = 2.8 / 1.1; SD: 3 / 1.5
     assert t["ssd_pred"] == pytest.approx(2.8 / 1.1) and t["ssd_pred_c"] == pytest.approx(2.8 / 1.1)
     assert t["sd_pred"] == pytest.approx(2.0)
+    assert t["sd_bound"] == pytest.approx(1.5)  # SD's round 1.5 AR steps over the verifier's 1: SSD/SD <= 1.5
     # Corollary 16, b = 2: w = 0.64 -> 2.8 / (0.64 + 0.36 * 1.5)
     assert bench.theory(bench.Measured(**{**vars(m), "b": 2}))["ssd_pred"] == pytest.approx(2.8 / 1.18)
     # a verification that costs two AR steps (c = 2) halves the time unit: 2.8 / (0.8 + 0.2 * 1.25) / 2
@@ -65,5 +66,5 @@ def test_smoke_json_line(tmp_path, capsys):
     for r in rows.values():
         assert r["decode_tok_s"] > 0 and r["new_tokens"] == 8 and r["speedup_vs_ar"] is not None
     assert {"cache_hit_rate", "verifier_wait_pct", "draft_busy_pct", "tokens_per_round_hit", "b_star"} <= set(rows["ssd"])
-    assert {"ssd_pred", "ssd_pred_c", "sd_pred", "T_p", "T_b", "c", "b_star"} <= set(rows["ssd"]["theory"])
+    assert {"ssd_pred", "ssd_pred_c", "sd_pred", "sd_bound", "T_p", "T_b", "c", "b_star"} <= set(rows["ssd"]["theory"])
     assert any(line.startswith("ssd@1+1t") for line in out)  # the table's row label
