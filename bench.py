@@ -45,7 +45,7 @@ from tqdm import tqdm
 
 from fallback import critical_batch_size, predicted_sd_speedup, predicted_speedup
 from model import ModelConfig, resolve
-from run import default_devices, encode, generate
+from run import default_devices, encode, generate, split_cores
 
 MODES = ("ar", "sd", "ssd", "hf", "hf-assisted")
 
@@ -170,11 +170,6 @@ class Config:
     saguaro_c: float = 1.0
     fallback: str = "auto"
     label: str = ""
-
-
-def split_cores(cores):
-    """ssd's threads on the CPU, as run.generate splits them: (target, draft)."""
-    return max(1, cores - cores // 2), max(1, cores // 2)
 
 
 def make_configs(a, cores):

@@ -587,6 +587,11 @@ def default_devices(target_gpus=1):
     return "cpu", "cpu"
 
 
+def split_cores(cores: int) -> tuple[int, int]:
+    """ssd on the CPU: (target threads, draft threads), the verifier taking the larger half."""
+    return max(1, cores - cores // 2), max(1, cores // 2)
+
+
 def encode(tokenizer, prompt, chat):
     if not isinstance(prompt, str):
         return list(prompt)
@@ -629,8 +634,8 @@ def generate(prompts, target="tiny", draft="tiny-draft", mode="sd", max_new_toke
     target_device, draft_device = target_device or dev_t, draft_device or dev_d
     cores = os.cpu_count() or 1
     if mode == "ssd" and parallel:  # the two processes split the cores (when on the CPU)
-        target_threads = target_threads or max(1, cores - cores // 2)
-        draft_threads = draft_threads or max(1, cores // 2)
+        ts, td = split_cores(cores)
+        target_threads, draft_threads = target_threads or ts, draft_threads or td
     else:
         target_threads = target_threads or cores
     old_threads = torch.get_num_threads()

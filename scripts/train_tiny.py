@@ -32,6 +32,10 @@ import sysconfig
 import time
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # so `python scripts/train_tiny.py` can import scripts.eval_tiny
+    sys.path.insert(0, str(REPO))
+
 SEED = 1234
 VOCAB_SIZE = 4096
 BOS, EOS = "<s>", "</s>"
@@ -252,28 +256,6 @@ def train_draft(draft, target, train_ids, args):
 # ----------------------------------------------------------------------------------------------------
 # Evaluation and export
 
-def pair_metrics(target, draft, windows, device):
-    """On held-out windows -> dict: target/draft CE loss, greedy agreement, expected acceptance at T=1
-    (mean over positions of sum_x min(p(x), q(x)))."""
-    import torch
-    import torch.nn.functional as F
-    tot = {"target_loss": 0.0, "draft_loss": 0.0, "agreement": 0.0, "acceptance": 0.0}
-    n = 0
-    with torch.no_grad():
-        for i in range(0, len(windows), 8):
-            chunk = torch.stack(windows[i:i + 8]).to(device)  # [b, T+1]
-            x, y = chunk[:, :-1], chunk[:, 1:]
-            lp = target(input_ids=x).logits.float()  # [b, T, V]
-            lq = draft(input_ids=x).logits.float()
-            m = y.numel()
-            tot["target_loss"] += F.cross_entropy(lp.flatten(0, 1), y.flatten(), reduction="sum").item()
-            tot["draft_loss"] += F.cross_entropy(lq.flatten(0, 1), y.flatten(), reduction="sum").item()
-            tot["agreement"] += (lp.argmax(-1) == lq.argmax(-1)).sum().item()
-            tot["acceptance"] += torch.minimum(lp.softmax(-1), lq.softmax(-1)).sum(-1).sum().item()
-            n += m
-    return {k: v / n for k, v in tot.items()}
-
-
 def export(model, tok, out_dir: Path):
     import torch
     from transformers import GenerationConfig
@@ -287,7 +269,7 @@ def export(model, tok, out_dir: Path):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / "checkpoints"))
+    ap.add_argument("--out", default=str(REPO / "checkpoints"))
     ap.add_argument("--work-dir", default="/tmp/train_tiny", help="scratch dir for resumable state (not the repo)")
     ap.add_argument("--device", default=None, help="default: cuda if available else cpu")
     ap.add_argument("--seq-len", type=int, default=256)
@@ -328,7 +310,9 @@ def main():
     train_draft(draft, target, train_ids, args)
     print(f"draft distillation: {time.time() - t0:.0f}s", flush=True)
 
-    metrics = pair_metrics(target, draft, heldout_batches(heldout_ids, args.seq_len, args.eval_windows), args.device)
+    from scripts.eval_tiny import evaluate_pair  # the same metrics eval_tiny.py reports for the shipped pair
+    windows = torch.stack(heldout_batches(heldout_ids, args.seq_len, args.eval_windows)).to(args.device)
+    metrics = evaluate_pair(target, draft, windows)
     metrics["train_seconds"] = round(time.time() - t_start)
     print("held-out: " + json.dumps(metrics), flush=True)
     (work / "metrics.json").write_text(json.dumps(metrics, indent=1))
