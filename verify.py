@@ -4,7 +4,7 @@ Read top to bottom:
 1. `accept_reject`: the standard speculative-decoding test (Leviathan et al. 2023; Chen et al. 2023) as a pure
    function of the target's logits and the proposals, batched over rows. Each proposed token is tested with
    the distribution it was actually drawn from (q, Saguaro's q', or one-hot for deterministic proposals), so
-   the emitted tokens follow the target's law exactly, whatever the draft did (DESIGN.md section 5).
+   the emitted tokens follow the target's law exactly, whatever the draft did (docs/design.md section 9).
 2. `Verifier`: the target model with its paged KV cache. Each round is one forward over [r, x_1..x_K] for
    every sequence at once, `accept_reject`, then a rollback (`truncate`) of the rejected tokens' K/V.
 """

@@ -326,6 +326,51 @@ def test_exhaustion_names_kv_tokens(llama):
         cache.fork(sid, 7)
 
 
+def cache_state(cache):
+    return (list(cache.free_blocks), list(cache.refcount),
+            {sid: (list(s.blocks), s.length) for sid, s in cache.seqs.items()})
+
+
+def test_too_few_free_blocks_raises_before_touching_anything(llama):
+    """Some blocks free but fewer than a forward needs: nothing is appended, no block is taken."""
+    cache = llama.new_cache(24, 4)  # 6 blocks
+    a, b = cache.new_seq(), cache.new_seq()
+    step(llama, cache, a, rand_tokens(8, 82))  # 2 blocks, full
+    step(llama, cache, b, rand_tokens(5, 83))  # 2 blocks, the second holds 1 token
+    assert cache.num_free_blocks() == 2
+    before = cache_state(cache)
+    # a needs 2 new blocks (free: 2), b needs 1 more: short by one, and a alone would fit
+    with pytest.raises(RuntimeError, match="3 more blocks.*2 of 6 free.*kv_tokens") as e:
+        cache.prepare([a, b], [8, 4])
+    assert "\n" not in str(e.value)
+    assert cache_state(cache) == before
+    cache.prepare([a, b], [8, 3])  # exactly the 2 free blocks: fits, and the cache is full
+    assert cache.num_free_blocks() == 0
+
+
+def test_fork_copy_on_write_takes_the_last_block(llama):
+    cache = llama.new_cache(16, 4)  # 4 blocks
+    sid = cache.new_seq()
+    step(llama, cache, sid, rand_tokens(10, 84))  # 3 blocks, 1 free
+    child = cache.fork(sid, 6)  # shares block 0, copies the partial block 1 into the last free block
+    assert cache.num_free_blocks() == 0
+    before = cache_state(cache)
+    with pytest.raises(RuntimeError, match="1 more blocks.*0 of 4 free"):
+        cache.fork(sid, 7)  # needs a copy too: refused without raising any refcount
+    assert cache_state(cache) == before
+    edge = cache.fork(sid, 8)  # a block boundary needs no new block
+    cache.truncate(sid, 6)     # sid's block 1 is now partial and shared with edge; block 2 is freed
+    other = cache.new_seq()
+    cache.append(other, 1)     # takes it: the cache is full again
+    before = cache_state(cache)
+    with pytest.raises(RuntimeError, match="kv_tokens"):  # the copy on write of an append needs a block
+        cache.append(sid, 1)
+    assert cache_state(cache) == before
+    for s in (sid, child, edge, other):
+        cache.free(s)
+    assert all_returned(cache)
+
+
 # ----------------------------------------------------------------------------------------------------
 # 4. Loader errors and defaults
 

@@ -20,7 +20,7 @@ from conftest import make_checkpoint
 from safetensors.torch import load_file, save_file
 
 from model import TP, Transformer, load_model
-from run import TPVerifier, TPWorkers, free_port, generate, tp_init
+from run import TPVerifier, TPWorkers, generate, tp_init, tp_store
 
 TOL = 1e-5
 V = 100  # vocab of the tiny checkpoints
@@ -64,7 +64,7 @@ def tp_logits(rank, world, paths) -> dict:
 def rank1_main(port, paths, out):
     torch.set_num_threads(1)
     try:
-        tp_init(1, 2, port, "gloo", "cpu")
+        tp_init(1, 2, tp_store(2, 60, port), "gloo", "cpu")
         out.put(tp_logits(1, 2, paths))
         torch.distributed.destroy_process_group()
     except BaseException as e:
@@ -78,11 +78,11 @@ def test_tp2_logits_equal_tp1(ckpts):
     """This process is rank 0 of a gloo group, a spawned process rank 1."""
     paths = {k: str(v) for k, v in ckpts.items()}
     ctx = mp.get_context("spawn")
-    out, port = ctx.Queue(), free_port()
-    proc = ctx.Process(target=rank1_main, args=(port, paths, out))
+    out, store = ctx.Queue(), tp_store(2, 60)
+    proc = ctx.Process(target=rank1_main, args=(store.port, paths, out))
     proc.start()
     try:
-        tp_init(0, 2, port, "gloo", "cpu")
+        tp_init(0, 2, store, "gloo", "cpu")
         got = {0: tp_logits(0, 2, paths), 1: out.get(timeout=120)}
     finally:
         if torch.distributed.is_initialized():
