@@ -44,7 +44,7 @@ import torch
 from tqdm import tqdm
 
 from fallback import critical_batch_size, predicted_sd_speedup, predicted_speedup
-from model import ModelConfig, resolve
+from model import DTYPES, ModelConfig, resolve
 from run import default_devices, encode, generate, split_cores
 
 MODES = ("ar", "sd", "ssd", "hf", "hf-assisted")
@@ -206,7 +206,7 @@ def run_engine(cfg: Config, batches, a):
         s = generate(batch, target=a.target, draft=a.draft, mode=cfg.engine, max_new_tokens=a.max_new_tokens,
                      temperature=cfg.temperature, k=cfg.k or 1, seed=a.seed + i, ignore_eos=True, fan_out=cfg.fan_out,
                      budget=cfg.budget, saguaro_c=cfg.saguaro_c, fallback=cfg.fallback, target_threads=cfg.threads,
-                     draft_threads=cfg.draft_threads).stats
+                     draft_threads=cfg.draft_threads, dtype=a.dtype).stats
         hist = s["accept_len_histogram"]
         tot["new"] += s["new_tokens"]
         tot["first"] += s["batch"]  # the first token of each row comes from the prefill
@@ -648,6 +648,10 @@ def parse_args(argv):
                     help="CPU cores (threads) every engine may use in total: baselines run with ssd's target "
                          "share and with all N, ssd splits them between its two processes "
                          "(default: all cores, %(default)s here)")
+    ap.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
+                    help="weights and activations of this engine's models (ar, sd, ssd; the transformers peers "
+                         "stay float32 on the CPU, bfloat16 on CUDA): auto is bfloat16 on CUDA and float32 on the "
+                         "CPU (default: %(default)s)")
     ap.add_argument("--tune", action="store_true",
                     help="instead of the sweep, time ssd at batch 1 with the first --temperatures, --fan-out and "
                          "--saguaro-c values over K in " + ",".join(map(str, TUNE_K)) + ", B in "

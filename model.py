@@ -139,11 +139,22 @@ def check_tp(cfg: ModelConfig, world: int):
                          f"{', '.join(map(str, tp_sizes(cfg)))}")
 
 
+# Below this many elements (256 KB in float32: a verification of 8 tokens at hidden size 8192) an all-reduce is
+# latency-bound, so summing bf16/fp16 partials in float32 costs nothing measurable; prefills stay in the model dtype.
+FP32_REDUCE_MAX = 1 << 16
+
+
 def all_reduce(x, tp: TP | None):
-    """Sum the partial outputs of a row-split layer over the ranks (identity without TP)."""
-    if tp is not None:
+    """Sum the partial outputs of a row-split layer over the ranks (identity without TP). Small bf16/fp16 messages
+    are summed in float32 and rounded once, as TP = 1's GEMM does, instead of rounding after every addition."""
+    if tp is None:
+        return x
+    if x.dtype == torch.float32 or x.numel() > FP32_REDUCE_MAX:
         dist.all_reduce(x, group=tp.group)
-    return x
+        return x
+    y = x.float()
+    dist.all_reduce(y, group=tp.group)
+    return y.to(x.dtype)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -164,6 +175,22 @@ class Linear(nn.Linear):
             rows = x.reshape(-1, x.shape[-1])                                               # [M, in], 1 < M <= 16
             return (self.weight @ rows.t()).t().contiguous().reshape(*x.shape[:-1], -1)   # [out, M] -> [..., out]
         return F.linear(x, self.weight)
+
+
+# torch >= 2.8 multiplies bf16/fp16 matrices into a float32 result on CUDA (aten::mm.dtype, cuBLAS); "meta" runs
+# the same call without data, so that a CPU-only test checks it
+MM_FP32_OUT = ("cuda", "meta") if "dtype" in torch.ops.aten.mm.overloads() else ()
+
+
+def matmul_fp32(x, w):
+    """x [..., in] @ w [out, in].T -> float32 [..., out] for bf16/fp16 x and w, the result never rounded to their
+    dtype. A product of two bf16 (or fp16) numbers is exact in float32, so this is the float32 product of the
+    upcast inputs, up to the order of the sums. On CUDA cuBLAS computes it from the bf16 weight, read once (it
+    accumulates in float32 anyway; only the output is wider); elsewhere (the CPU's bf16 runs, torch < 2.8) the
+    weight is upcast, a float32 copy of it per call."""
+    if x.device.type in MM_FP32_OUT:
+        return torch.mm(x.reshape(-1, x.shape[-1]), w.t(), out_dtype=torch.float32).view(*x.shape[:-1], -1)
+    return F.linear(x.float(), w.float())
 
 
 class RMSNorm(nn.Module):
@@ -493,8 +520,11 @@ class Transformer(nn.Module):
         return all_reduce(x, self.tp)
 
     def head(self, x):
-        """Final norm and LM head -> float32 logits over the whole vocabulary."""
-        logits = self.lm_head(self.model.norm(x))
+        """Final norm and LM head -> float32 logits over the whole vocabulary. In bf16 the logits that pick tokens
+        are computed in float32 (matmul_fp32): rounded to bf16 (spacing 0.125 in [16, 32)) near-ties would become
+        ties or flip between a 1-token decode and a (K+1)-token verification of the same tokens."""
+        h = self.model.norm(x)
+        logits = self.lm_head(h) if h.dtype == torch.float32 else matmul_fp32(h, self.lm_head.weight)
         if self.tp is not None:
             # every rank gathers the full logits (not only rank 0), so run.py's ranks all run the same
             # accept/reject on the same numbers with identically seeded generators and stay in lockstep
@@ -606,9 +636,10 @@ def read_tensor(f, fname, name, param, tp: TP | None):
     return t
 
 
-def load_weights(model: Transformer, path: Path, device, dtype):
-    """Stream tensors from safetensors (one file or index-listed shards) straight into the model, one at
-    a time on the target device, so host memory never holds a second copy of the checkpoint."""
+def load_weights(model: Transformer, path: Path):
+    """Stream tensors from safetensors (one file or index-listed shards) straight into the model's parameters
+    (already on their device, in their dtype), one at a time, so no memory ever holds a second copy of the
+    checkpoint."""
     from safetensors import safe_open
     index = path / "model.safetensors.index.json"
     if index.exists():
@@ -631,7 +662,7 @@ def load_weights(model: Transformer, path: Path, device, dtype):
                                      f"{model.config.model_type} model")
                 t = read_tensor(f, fname, name, params[name], model.tp)
                 with torch.no_grad():
-                    params[name].copy_(t.to(device=device, dtype=dtype))
+                    params[name].copy_(t)  # converts dtype and device on the way: no temporary of the tensor
                 filled.add(name)
     missing = sorted(set(params) - filled)
     if missing:
@@ -639,9 +670,41 @@ def load_weights(model: Transformer, path: Path, device, dtype):
                          + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
 
 
+# --dtype names, as vLLM's; "auto" is bfloat16 on CUDA and float32 elsewhere
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype, device) -> torch.dtype:
+    """The dtype of a model's weights and activations on `device`: "auto" (or None), a DTYPES name or a torch dtype."""
+    device = torch.device(device)
+    if dtype is None or dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    resolved = DTYPES.get(dtype) if isinstance(dtype, str) else dtype
+    if resolved not in DTYPES.values():
+        raise ValueError(f"unknown dtype {dtype!r}: use auto, {', '.join(DTYPES)} (--dtype)")
+    if resolved == torch.bfloat16 and device.type == "cuda" and torch.cuda.is_available() \
+            and torch.cuda.get_device_capability(device)[0] < 8:
+        raise ValueError(f"{device} has no bfloat16 arithmetic (a GPU older than Ampere): use dtype float16 "
+                         f"(--dtype float16) or float32")
+    return resolved
+
+
+def materialize(model: nn.Module, device, dtype):
+    """Give the parameters of a model built on the meta device storage on `device`, allocated directly in `dtype`
+    and once each (a tied head shares the embedding's): loading then needs the weights' memory and no more
+    (to_empty would allocate float32 first, and the tied tensor twice). Contents are uninitialised."""
+    new = {}  # id(meta parameter) -> its replacement
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            if id(p) not in new:
+                new[id(p)] = nn.Parameter(torch.empty(p.shape, device=device, dtype=dtype), requires_grad=False)
+            setattr(module, name, new[id(p)])
+
+
 def load_model(name_or_path, device="cpu", dtype=None, tp: TP | None = None, tokenizer: bool = True):
-    """-> (model, tokenizer) from an HF directory or a GGUF file. dtype None means float32 on CPU and bfloat16 on
-    CUDA (GGUF weights are dequantised into it). The tokenizer is None when the directory has no tokenizer files
+    """-> (model, tokenizer) from an HF directory or a GGUF file. dtype: "auto" or None (float32 on CPU, bfloat16 on
+    CUDA), a DTYPES name or a torch dtype; the parameters are allocated in it and the checkpoint (GGUF weights too,
+    dequantised) is converted tensor by tensor. The tokenizer is None when the directory has no tokenizer files
     (a GGUF file no tokenizer metadata) or tokenizer=False (then callers pass token ids). tp: this process's rank of a
     tensor-parallel model (the process group must exist); it loads only its slices."""
     device = torch.device(device)
@@ -649,19 +712,17 @@ def load_model(name_or_path, device="cpu", dtype=None, tp: TP | None = None, tok
         raise ValueError(f"device {device} requested but CUDA is not available: use --device cpu")
     if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
         raise ValueError(f"device {device} does not exist ({torch.cuda.device_count()} GPUs visible)")
-    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    dtype = resolve_dtype(dtype, device)
     path = resolve(name_or_path)
     gguf_file = read_gguf(path) if path.is_file() else None
     cfg = gguf_config(gguf_file) if gguf_file else ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
     with torch.device("meta"):
         model = Transformer(cfg, tp)
-    model = model.to_empty(device=device).to(dtype)
-    if cfg.tie_word_embeddings:  # to_empty makes new tensors; tie the head to the embedding again
-        model.lm_head.weight = model.model.embed_tokens.weight
+    materialize(model, device, dtype)
     if gguf_file:
         load_gguf_weights(model, gguf_file, device, dtype)
     else:
-        load_weights(model, path, device, dtype)
+        load_weights(model, path)
     model.init_rope()
     model.eval().requires_grad_(False)
     # tokenizer=False skips it (and the seconds transformers takes to import) where ids suffice

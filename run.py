@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 import traceback
+import warnings
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -28,7 +29,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from draft import Drafter, Proposals, SSDConfig, Speculator
-from model import TP, ModelConfig, check_tp, load_config, load_model, load_tokenizer, resolve
+from model import DTYPES, TP, ModelConfig, check_tp, load_config, load_model, load_tokenizer, resolve, resolve_dtype
 from verify import Verifier
 
 DEFAULT_PROMPT = "class Stack:\n    def __init__(self):\n"
@@ -238,14 +239,14 @@ def wait_for(event, alive, what, timeout=None):
     event.clear()
 
 
-def speculator_main(draft, draft_device, threads, prompts, K, temperature, seed, kv_tokens, block_size, ssd, ch,
-                    errors):
+def speculator_main(draft, draft_device, dtype, threads, prompts, K, temperature, seed, kv_tokens, block_size, ssd,
+                    ch, errors):
     """The speculator process: load the draft, pre-speculate round 0, then answer each outcome."""
     try:
         if threads:
             torch.set_num_threads(threads)
         ch.pin_here()
-        model, _ = load_model(draft, device=draft_device, tokenizer=False)
+        model, _ = load_model(draft, device=draft_device, dtype=dtype, tokenizer=False)
         spec = Speculator(model, K, temperature, seed + 1, kv_tokens, ssd, block_size)
         b = len(prompts)
         ch.loaded.set()
@@ -288,8 +289,8 @@ def decode_ssd_parallel(verifier, prompts, out, K, args):
     ch.pin_here()
     errors = mp.get_context("spawn").Queue()
     proc = start_child(speculator_main, (
-        args["draft"], args["draft_device"], args["draft_threads"], prompts, K, args["temperature"], args["seed"],
-        args["draft_kv_tokens"], args["block_size"], args["ssd"], ch, errors))
+        args["draft"], args["draft_device"], args["draft_dtype"], args["draft_threads"], prompts, K,
+        args["temperature"], args["seed"], args["draft_kv_tokens"], args["block_size"], args["ssd"], ch, errors))
     try:
         s = time.perf_counter()
         wait_for(ch.loaded, proc.is_alive, "speculator")  # process start-up and model load: not decode time
@@ -407,7 +408,7 @@ class TPWorkers:
     collectives would spin on the GPU, the watch thread aborts the process group. A rank that stops answering
     ends the run after timeout_s (the collective timeout)."""
 
-    def __init__(self, target, devices: list[str], threads: int | None, timeout_s: float = TP_TIMEOUT_S):
+    def __init__(self, target, devices: list[str], threads: int | None, timeout_s: float = TP_TIMEOUT_S, dtype=None):
         if not timeout_s > 0:
             raise ValueError(f"tp_timeout={timeout_s}: give the seconds a rank may wait in a collective, > 0")
         self.world, self.device, self.timeout_s = len(devices), torch.device(devices[0]), timeout_s
@@ -422,7 +423,7 @@ class TPWorkers:
         self.store = tp_store(self.world, timeout_s)
         self.errors = mp.get_context("spawn").Queue()
         self.procs = [start_child(tp_worker_main, (r, self.world, self.store.port, backend, devices[r], target,
-                                                   threads, timeout_s, os.getpid(), self.errors))
+                                                   dtype, threads, timeout_s, os.getpid(), self.errors))
                       for r in range(1, self.world)]
         try:
             self.wait(lambda: self.store.check([f"joined/{r}" for r in range(1, self.world)]), "start-up")
@@ -489,8 +490,11 @@ class TPWorkers:
                 dist.broadcast(torch.tensor([STOP, 0, 0, 0], device=self.device), src=0)
             except Exception:  # a dead worker: reported below
                 pass
+        # after an error, give a worker that is dying a moment to be seen dead (a SIGKILLed rank's sockets
+        # close before its exit code shows): it is reported as dead, not killed by us
+        deadline = time.time() + (30 if self.idle else 1)
         for p in self.procs:
-            p.join(timeout=30 if self.idle else 0)
+            p.join(timeout=max(0.0, deadline - time.time()))
         killed = [p for p in self.procs if p.is_alive()]
         for p in killed:
             p.terminate()
@@ -519,7 +523,7 @@ def exit_with_parent(parent_pid):
     os._exit(1)
 
 
-def tp_worker_main(rank, world, port, backend, device, target, threads, timeout_s, parent_pid, errors):
+def tp_worker_main(rank, world, port, backend, device, target, dtype, threads, timeout_s, parent_pid, errors):
     """Rank 1..world-1: load this rank's slices of the target, then run rank 0's Verifier calls."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches every process of the terminal; rank 0 stops us
     threading.Thread(target=exit_with_parent, args=(parent_pid,), daemon=True).start()
@@ -527,7 +531,7 @@ def tp_worker_main(rank, world, port, backend, device, target, threads, timeout_
         if threads:
             torch.set_num_threads(threads)
         tp_init(rank, world, tp_store(world, timeout_s, port), backend, device, timeout_s)
-        model, _ = load_model(target, device=device, tp=TP(rank, world), tokenizer=False)
+        model, _ = load_model(target, device=device, dtype=dtype, tp=TP(rank, world), tokenizer=False)
         errors.put(("ready", rank))
         TPVerifier(model).serve()
         dist.destroy_process_group()
@@ -650,6 +654,12 @@ def default_devices(target_gpus=1):
     return "cpu", "cpu"
 
 
+def same_gpu(a, b) -> bool:
+    """Whether two device names are one CUDA device ("cuda" is cuda:0, a fresh process's current device)."""
+    a, b = torch.device(a), torch.device(b)
+    return a.type == b.type == "cuda" and (a.index or 0) == (b.index or 0)
+
+
 def split_cores(cores: int) -> tuple[int, int]:
     """ssd on the CPU: (target threads, draft threads), the verifier taking the larger half."""
     return max(1, cores - cores // 2), max(1, cores // 2)
@@ -673,7 +683,7 @@ def generate(prompts, target="tiny", draft="tiny-draft", mode="sd", max_new_toke
              seed=0, ignore_eos=False, fan_out="geometric", budget=8, saguaro_c=1.0, fallback="auto",
              parallel=True, target_device=None, draft_device=None, target_threads=None, draft_threads=None,
              kv_tokens=None, block_size=16, chat=False, stream=None,
-             target_devices: list[str] | None = None, tp_timeout: float = TP_TIMEOUT_S) -> GenerateResult:
+             target_devices: list[str] | None = None, tp_timeout: float = TP_TIMEOUT_S, dtype="auto") -> GenerateResult:
     """Generate up to max_new_tokens for each prompt (strings, or lists of token ids).
 
     mode: "ar" (target only), "sd" (speculative decoding, K draft tokens per round) or "ssd" (speculative
@@ -681,8 +691,10 @@ def generate(prompts, target="tiny", draft="tiny-draft", mode="sd", max_new_toke
     target_devices: two or more devices (e.g. ["cuda:0", ..., "cuda:3"]) run the target tensor parallel, one
     rank per device (it replaces target_device); tp_timeout: seconds a rank may wait in one collective before
     the run fails. kv_tokens: the target's KV cache in tokens (default: sized for the prompts and
-    max_new_tokens); the draft's cache gets the same plus room for SSD's branches.
-    stream(row, tokens_so_far) is called as tokens are accepted."""
+    max_new_tokens); the draft's cache gets the same plus room for SSD's branches. dtype: both models' weights and
+    activations, "auto" (bfloat16 on CUDA, float32 on the CPU, per model), "float32", "bfloat16" or "float16"
+    (or a torch dtype); logits are float32 in every dtype. stream(row, tokens_so_far) is called as tokens are
+    accepted."""
     if mode not in ("ar", "sd", "ssd"):
         raise ValueError(f"unknown mode {mode!r}: use 'ar', 'sd' or 'ssd'")
     if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
@@ -698,6 +710,13 @@ def generate(prompts, target="tiny", draft="tiny-draft", mode="sd", max_new_toke
     K = k if mode != "ar" else 0
     dev_t, dev_d = default_devices(len(target_devices) if target_devices else 1)
     target_device, draft_device = target_device or dev_t, draft_device or dev_d
+    target_device = target_devices[0] if target_devices else target_device
+    target_dtype, draft_dtype = resolve_dtype(dtype, target_device), resolve_dtype(dtype, draft_device)
+    if mode == "ssd" and parallel and any(same_gpu(d, draft_device) for d in target_devices or [target_device]):
+        # the two processes would take turns on one GPU: SSD's drafting would not overlap the verification
+        warnings.warn(f"ssd: the draft shares {draft_device} with the target, so the verifier and speculator processes "
+                      f"will time-slice one GPU with no overlap; give the draft its own GPU (--draft-device) or use "
+                      f"--mode sd", stacklevel=2)
     cores = os.cpu_count() or 1
     if mode == "ssd" and parallel:  # the two processes split the cores (when on the CPU)
         ts, td = split_cores(cores)
@@ -709,9 +728,9 @@ def generate(prompts, target="tiny", draft="tiny-draft", mode="sd", max_new_toke
     workers = None  # ranks 1.. of a tensor-parallel target
     try:
         if target_devices and len(target_devices) > 1:
-            workers = TPWorkers(target, list(target_devices), target_threads, tp_timeout)
-        target_device = target_devices[0] if target_devices else target_device
-        tmodel, tok = load_model(target, device=target_device, tp=workers.rank0 if workers else None)
+            workers = TPWorkers(target, list(target_devices), target_threads, tp_timeout, target_dtype)
+        tmodel, tok = load_model(target, device=target_device, dtype=target_dtype,
+                                 tp=workers.rank0 if workers else None)
         cfg = tmodel.config
         ids = [encode(tok, p, chat) for p in prompts]
         for p in ids:
@@ -743,7 +762,7 @@ def generate(prompts, target="tiny", draft="tiny-draft", mode="sd", max_new_toke
         if mode in ("ar", "sd"):
             drafter = None
             if mode == "sd":
-                dmodel, _ = load_model(draft, device=draft_device, tokenizer=False)
+                dmodel, _ = load_model(draft, device=draft_device, dtype=draft_dtype, tokenizer=False)
                 drafter = Drafter(dmodel, K, temperature, seed + 1, kv_tokens, block_size)
             prefill_s, decode_s = decode_ar_sd(verifier, drafter, ids, out, K)
         else:
@@ -753,10 +772,10 @@ def generate(prompts, target="tiny", draft="tiny-draft", mode="sd", max_new_toke
             draft_kv = kv_tokens + b * ssd.budget * (K + 3 + 2 * block_size)
             if parallel:
                 prefill_s, decode_s, wait, stats = decode_ssd_parallel(verifier, ids, out, K, dict(
-                    draft=draft, draft_device=draft_device, draft_threads=draft_threads, temperature=temperature,
-                    seed=seed, draft_kv_tokens=draft_kv, block_size=block_size, ssd=ssd))
+                    draft=draft, draft_device=draft_device, draft_dtype=draft_dtype, draft_threads=draft_threads,
+                    temperature=temperature, seed=seed, draft_kv_tokens=draft_kv, block_size=block_size, ssd=ssd))
             else:
-                dmodel, _ = load_model(draft, device=draft_device, tokenizer=False)
+                dmodel, _ = load_model(draft, device=draft_device, dtype=draft_dtype, tokenizer=False)
                 spec = Speculator(dmodel, K, temperature, seed + 1, draft_kv, ssd, block_size)
                 prefill_s, decode_s, wait = decode_ssd_serial(verifier, spec, ids, out)
                 stats = spec.stats()
@@ -845,6 +864,10 @@ def main(argv=None):
                    help="CPU threads of the target (default: all cores; in parallel ssd the larger half)")
     g.add_argument("--draft-threads", type=int, default=None, metavar="N",
                    help="CPU threads of the speculator process in parallel ssd (default: the smaller half)")
+    g.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
+                   help="weights and activations of both models (the logits are float32 in every dtype): auto is "
+                        "bfloat16 on CUDA and float32 on the CPU; bfloat16 runs on the CPU too, slowly, to check a "
+                        "GPU's numerics there (default: %(default)s)")
     g.add_argument("--kv-tokens", type=int, default=None, metavar="TOKENS",
                    help="target KV cache size in tokens (default: sized for the prompt and --max-new-tokens); "
                         "the draft's cache gets the same plus room for ssd's branches")
@@ -872,7 +895,7 @@ def main(argv=None):
                        budget=a.budget, saguaro_c=a.saguaro_c, fallback=a.fallback, parallel=not a.no_parallel,
                        target_device=a.target_device or a.device, draft_device=a.draft_device or a.device,
                        target_threads=a.target_threads, draft_threads=a.draft_threads, kv_tokens=a.kv_tokens,
-                       chat=a.chat, stream=stream, tp_timeout=a.tp_timeout,
+                       chat=a.chat, stream=stream, tp_timeout=a.tp_timeout, dtype=a.dtype,
                        target_devices=a.target_devices.split(",") if a.target_devices else None)
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
