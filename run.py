@@ -32,7 +32,10 @@ from draft import Drafter, Proposals, SSDConfig, Speculator
 from model import DTYPES, TP, ModelConfig, check_tp, load_config, load_model, load_tokenizer, resolve, resolve_dtype
 from verify import Verifier
 
-DEFAULT_PROMPT = "class Stack:\n    def __init__(self):\n"
+# Ends where an editor leaves the cursor, at the body's indentation: "\n        " is one token of the tiny pair's
+# tokenizer, as in the files it was trained on. A bare final "\n" is the token before a line at column 0, which
+# cannot follow `def ...:`; the tiny target then ends the text at once.
+DEFAULT_PROMPT = "class Stack:\n    def __init__(self):\n        "
 
 
 @dataclass

@@ -9,7 +9,9 @@ Measures (1) both models' held-out cross-entropy, (2) greedy agreement (draft ar
 (3) expected acceptance at temperature 1, mean over positions of sum_x min(p(x), q(x)), all with
 transformers' LlamaForCausalLM in float32 loaded from the bf16 files; (4) wall-clock of one target
 forward over 8 tokens vs one draft forward over 1 token with the project's model (model.load_model) on
-one CPU thread, medians after warm-up; (5) a sample from the target at temperature 0.7 after `def `.
+one CPU thread, medians after warm-up; (5) a sample from the target at temperature 0.7 after `def `;
+(6) run.py's default prompt continued greedily for 128 tokens, and the share of its token 4-grams that are
+distinct (a degenerate loop scores low).
 
     python scripts/eval_tiny.py
 """
@@ -143,6 +145,21 @@ def sample(target_dir=TARGET_DIR, prompt: str = "def ", max_new_tokens: int = 12
     return tok.decode(ids[1:])
 
 
+def distinct_ngram_ratio(tokens: list[int], n: int = 4) -> float:
+    """Distinct n-grams / all n-grams of a token sequence: 1.0 never repeats, a loop of period p tends to
+    p / len. A degenerate "the the the" continuation scores low; fluent code about 0.9-1."""
+    grams = [tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1)]
+    return len(set(grams)) / len(grams) if grams else 1.0
+
+
+def default_prompt_greedy(target_dir=TARGET_DIR, max_new_tokens: int = 128) -> list[int]:
+    """What `python run.py` shows a new user: the README's default prompt, greedy, 128 tokens (target alone:
+    SD and SSD emit the same tokens at temperature 0)."""
+    from run import DEFAULT_PROMPT, generate
+    return generate(DEFAULT_PROMPT, target=str(target_dir), mode="ar", max_new_tokens=max_new_tokens,
+                    target_threads=1).tokens[0]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--checkpoints", default=str(TARGET_DIR.parent), help="dir holding tiny-target/ and tiny-draft/")
@@ -175,7 +192,11 @@ def main():
           f"(medians of {args.reps}; FLOPs/token ratio from configs {flop_ratio:.2f})")
     text = sample(tdir)
     print("(5) sample, T=0.7, prompt 'def ':\n" + text)
-    print(json.dumps({**quality, **timing, "flop_ratio": flop_ratio}))
+    tokens = default_prompt_greedy(tdir)
+    distinct4 = distinct_ngram_ratio(tokens)
+    print(f"(6) run.py's default prompt, greedy, {len(tokens)} tokens: distinct 4-grams {distinct4:.3f}\n"
+          + tok.decode(tokens))
+    print(json.dumps({**quality, **timing, "flop_ratio": flop_ratio, "distinct4_default_prompt": distinct4}))
 
 
 if __name__ == "__main__":

@@ -40,17 +40,21 @@ from run import GenerateResult, generate, same_gpu, speculator_main, tp_worker_m
 torch.set_num_threads(1)
 
 # Largest drift of a logit between two computations of the same tokens in bf16 that the tests accept. Measured on
-# the tiny target: 0.019 between a 1-token decode and (K+1)-token verifications, 0.029 between TP = 2 and TP = 1
-# (each rank's partial sums are rounded to bf16 before the all-reduce). Rounding the logits to bf16, as the head did
-# before, drifts by 0.0625.
-DRIFT = 0.04
+# the shipped tiny target (run 2 of checkpoints/README.md): 0.084 between a 1-token decode and (K+1)-token
+# verifications; most of it comes from the bf16 activations inside the layers (rounding the logits to bf16 too, as
+# the head did before, gives 0.094; test_bf16_logits_are_float32_not_rounded pins the float32 head). On the first
+# tiny pair it was 0.019, and 0.029 between TP = 2 and TP = 1.
+DRIFT = 0.1
 MARGIN = 2 * DRIFT  # AR's top-2 logit margin below which two tokens are a tie
 
-# Code prompts on which AR's greedy path of NEW tokens has no tie for 252 of its 256 positions
+# Code prompts: four written here and eight of bench.py's held-out ones. The shipped target's greedy paths meet a
+# near-tie (top-2 margin < MARGIN) early on most of them (it was 252 of 256 positions tie-free on the first pair),
+# so the runs below are compared on about 125 of the 768 positions, each before its row's first tie
+COMPARED_MIN = 100
 PROMPTS = ["class Stack:\n    def __init__(self):\n        self.items = []\n",
            "import os\n\n\ndef read_lines(path):\n    \"\"\"Return the lines of a file.\"\"\"\n",
            "def fib(n):\n",
-           "    def __repr__(self):\n"]
+           "    def __repr__(self):\n"] + __import__("bench").code_prompts(8)
 NEW = 64
 KW = dict(target="tiny", draft="tiny-draft", max_new_tokens=NEW, ignore_eos=True, target_threads=1, draft_threads=1)
 
@@ -322,7 +326,7 @@ def ar():
     top2 = steps.topk(2, -1).values
     res.margins = (top2[..., 0] - top2[..., 1]).tolist()
     res.untied = sum(compared_until_tie(t, m, t) for t, m in zip(res.tokens, res.margins))
-    assert res.untied >= 0.9 * len(PROMPTS) * NEW  # the tests below compare most positions
+    assert res.untied >= COMPARED_MIN, res.untied  # the tests below compare enough positions to mean something
     return res
 
 
