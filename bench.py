@@ -44,7 +44,7 @@ import torch
 from tqdm import tqdm
 
 from fallback import critical_batch_size, predicted_sd_speedup, predicted_speedup
-from model import DTYPES, ModelConfig, resolve
+from model import DTYPES, load_config, load_tokenizer, resolve
 from run import default_devices, encode, generate, split_cores
 
 MODES = ("ar", "sd", "ssd", "hf", "hf-assisted")
@@ -137,12 +137,8 @@ def encode_prompts(texts, target, max_len, chat=False):
     """Token ids for every engine alike. With the target's tokenizer as run.py encodes them (BOS first);
     a checkpoint without a tokenizer (the tests' random ones) gets the UTF-8 bytes modulo the vocabulary.
     Prompts longer than max_len keep their last max_len tokens."""
-    path = resolve(target)
-    V = ModelConfig.from_hf(json.loads((path / "config.json").read_text())).vocab_size
-    tok = None
-    if any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
-        from transformers import AutoTokenizer
-        tok = AutoTokenizer.from_pretrained(path)
+    V = load_config(target).vocab_size
+    tok = load_tokenizer(target)
     ids = [encode(tok, t, chat) if tok else [b % V for b in t.encode()] for t in texts]
     return [x[-max_len:] for x in ids]
 
@@ -247,7 +243,10 @@ class HF:
             from transformers.utils import logging
             logging.disable_progress_bar()
             dtype = torch.float32 if self.device == "cpu" else torch.bfloat16
-            m = AutoModelForCausalLM.from_pretrained(resolve(name), dtype=dtype).to(self.device).eval()
+            path = resolve(name)  # a GGUF file loads through transformers' own GGUF reader (gguf, accelerate)
+            kw = dict(gguf_file=path.name) if path.is_file() else {}
+            m = AutoModelForCausalLM.from_pretrained(path.parent if path.is_file() else path, dtype=dtype,
+                                                     **kw).to(self.device).eval()
             self.models[name] = m
         return self.models[name]
 
@@ -684,7 +683,7 @@ def main(argv=None):
             (code_prompts if a.prompt_set == "code" else prose_prompts)(a.prompts)
         if a.prompt_file:
             a.prompt_set = Path(a.prompt_file).name
-        ctx = ModelConfig.from_hf(json.loads((resolve(a.target) / "config.json").read_text())).max_position_embeddings
+        ctx = load_config(a.target).max_position_embeddings
         max_k = max(a.k + list(TUNE_K if a.tune else []))
         max_len = ctx - a.max_new_tokens - max_k - 2
         if max_len < 1:

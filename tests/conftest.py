@@ -62,6 +62,15 @@ def make_checkpoint(path, kind: str = "llama", sharded: bool = False, seed: int 
     return path
 
 
+def one_line(excinfo, *needles) -> str:
+    """An error's message is one line holding every needle (errors name the problem and the fix)."""
+    msg = str(excinfo.value)
+    assert "\n" not in msg, msg
+    for n in needles:
+        assert n in msg, msg
+    return msg
+
+
 def hf_model(path):
     """The transformers reference model for a checkpoint directory, float32, eval mode."""
     from transformers import AutoModelForCausalLM

@@ -23,7 +23,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import make_checkpoint
+from conftest import make_checkpoint, one_line
 from safetensors.torch import load_file
 from test_docs import capture_parser
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -57,14 +57,6 @@ PROMPTS = ["class Stack:\n    def __init__(self):\n        self.items = []\n",
            "    def __repr__(self):\n"] + __import__("bench").code_prompts(8)
 NEW = 64
 KW = dict(target="tiny", draft="tiny-draft", max_new_tokens=NEW, ignore_eos=True, target_threads=1, draft_threads=1)
-
-
-def one_line(excinfo, *needles):
-    msg = str(excinfo.value)
-    assert "\n" not in msg, msg
-    for n in needles:
-        assert n in msg, msg
-    return msg
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import hf_model, make_checkpoint
+from conftest import hf_model, make_checkpoint, one_line
 from safetensors.torch import load_file
 
 import model as model_module
@@ -43,14 +43,6 @@ PROMPT = "Write a Python function that reverses a string."
 IM_END = 2  # SmolLM2's <|im_end|>
 MAX_NEW = 64  # greedy SmolLM2 answers PROMPT in 56 tokens, the last one <|im_end|>
 KW = dict(target="smollm2-135m", chat=True, target_threads=1, draft_threads=1)
-
-
-def one_line(excinfo, *needles):
-    msg = str(excinfo.value)
-    assert "\n" not in msg, msg
-    for n in needles:
-        assert n in msg, msg
-    return msg
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -271,6 +263,19 @@ def test_converted_gguf_matches_hf(converted, kind):
     assert (got - ref).abs().max() < 1e-4, kind
     model16, _ = load_model(path, dtype=torch.bfloat16)  # dequantised straight into the requested dtype
     assert {p.dtype for p in model16.parameters()} == {torch.bfloat16}
+
+
+@needs_gguf
+def test_bench_reads_a_gguf_target(converted, capsys):
+    """bench.py takes GGUF files as --target and --draft (config, tokenizer and, for the hf rows, transformers'
+    GGUF reader): the file as its own draft is accepted everywhere."""
+    import bench
+    _, path = converted["llama"]
+    rc = bench.main(["--target", str(path), "--draft", str(path), "--modes", "ar,sd", "--prompts", "1",
+                     "--max-new-tokens", "6", "--repeats", "1", "--warmup", "0", "--cores", "1", "--k", "2"])
+    assert rc == 0
+    rows = {r["engine"]: r for r in json.loads(capsys.readouterr().out.strip().splitlines()[-1])["results"]}
+    assert rows["sd"]["new_tokens"] == 6 and rows["sd"]["acceptance_rate"] == 1.0
 
 
 # ----------------------------------------------------------------------------------------------------

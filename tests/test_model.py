@@ -14,7 +14,7 @@ import json
 
 import pytest
 import torch
-from conftest import hf_model, make_checkpoint
+from conftest import hf_model, make_checkpoint, one_line
 from safetensors.torch import load_file, save_file
 
 from model import ModelConfig, load_model, rope_inv_freq
@@ -373,14 +373,6 @@ def test_fork_copy_on_write_takes_the_last_block(llama):
 
 # ----------------------------------------------------------------------------------------------------
 # 4. Loader errors and defaults
-
-def one_line(excinfo, *needles):
-    msg = str(excinfo.value)
-    assert "\n" not in msg, msg
-    for n in needles:
-        assert n in msg, msg
-    return msg
-
 
 def rewrite_weights(path, edit):
     f = path / "model.safetensors"
