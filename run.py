@@ -789,7 +789,8 @@ def generate(prompts, target="tiny", draft="tiny-draft", mode="sd", max_new_toke
             stats["parallel"] = parallel
         stats = {**out.stats(mode, prefill_s, decode_s, b), **stats, "k": K, "temperature": temperature,
                  "target_threads": target_threads, "draft_threads": draft_threads if mode == "ssd" and parallel else None}
-        text = [tok.decode(x) for x in out.tokens] if tok is not None else None
+        # the text a user reads: special tokens (an end-of-turn <|im_end|>, </s>) stay in .tokens only
+        text = [tok.decode(x, skip_special_tokens=True) for x in out.tokens] if tok is not None else None
         return GenerateResult(out.tokens, text, stats)
     finally:
         torch.set_num_threads(old_threads)
@@ -883,7 +884,7 @@ def main(argv=None):
     def stream(row, tokens):  # print the decoded text of the first prompt as it is accepted
         if row != 0 or a.json or tokenizer[0] is None:
             return
-        text = tokenizer[0].decode(tokens)
+        text = tokenizer[0].decode(tokens, skip_special_tokens=True)
         sys.stdout.write(text[printed[0]:])
         sys.stdout.flush()
         printed[0] = len(text)

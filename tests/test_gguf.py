@@ -126,7 +126,7 @@ def test_chat_template_and_im_end(smol, chat_ids, ar_run):
                                     "<|im_start|>assistant\n")
     new = ar_run.tokens[0]
     assert new[-1] == IM_END and IM_END not in new[:-1] and len(new) < MAX_NEW  # <|im_end|> ended the answer
-    assert ar_run.text[0].endswith("<|im_end|>") and "def " in ar_run.text[0]
+    assert "<|im_end|>" not in ar_run.text[0] and "def " in ar_run.text[0]  # the text skips special tokens
 
 
 @needs_smollm2
