@@ -32,9 +32,10 @@ from draft import Drafter, Proposals, SSDConfig, Speculator
 from model import DTYPES, TP, ModelConfig, check_tp, load_config, load_model, load_tokenizer, resolve, resolve_dtype
 from verify import Verifier
 
-# Ends where an editor leaves the cursor, at the body's indentation: "\n        " is one token of the tiny pair's
-# tokenizer, as in the files it was trained on. A bare final "\n" is the token before a line at column 0, which
-# cannot follow `def ...:`; the tiny target then ends the text at once.
+# Ends where an editor leaves the cursor, at the body's indentation. Prompts that end mid-word or mid-indent meet
+# a token boundary the model rarely saw: the tiny pair's tokenizer splits "\n        self" as "\n       " + " self",
+# so the first line comes out one space too deep; a bare final "\n" (the token before a column-0 line) is worse:
+# the tiny target ends the text at once. (Token healing would fix both; this engine does not do it.)
 DEFAULT_PROMPT = "class Stack:\n    def __init__(self):\n        "
 
 
