@@ -597,8 +597,8 @@ def parse_args(argv):
         description="Benchmark AR, SD and SSD (and transformers' generate() and assisted generation) side by side "
                     "on the same models, prompts and cores. Comma-separated values sweep an axis.")
     ap.add_argument("--target", default="tiny", metavar="MODEL",
-                    help="target model: an alias (tiny, llama-8b, qwen-32b, ...), a local Hugging Face model "
-                         "directory or a hub id (default: %(default)s)")
+                    help="target model: an alias (tiny, llama-8b, qwen-32b, smollm2-135m, ...), a local Hugging Face model "
+                         "directory, a GGUF file or a hub id (default: %(default)s)")
     ap.add_argument("--draft", default="tiny-draft", metavar="MODEL",
                     help="draft model for sd, ssd and hf-assisted, named as --target (default: %(default)s)")
     ap.add_argument("--modes", type=csv(str), default=list(MODES), metavar="MODE[,MODE...]",

@@ -720,13 +720,13 @@ def load_model(name_or_path, device="cpu", dtype=None, tp: TP | None = None, tok
         model = Transformer(cfg, tp)
     materialize(model, device, dtype)
     if gguf_file:
-        load_gguf_weights(model, gguf_file, device, dtype)
+        load_gguf_weights(model, gguf_file)
     else:
         load_weights(model, path)
     model.init_rope()
     model.eval().requires_grad_(False)
     # tokenizer=False skips it (and the seconds transformers takes to import) where ids suffice
-    return model, load_tokenizer(path) if tokenizer else None
+    return model, load_tokenizer(path, gguf_file) if tokenizer else None
 
 
 def load_config(name_or_path) -> ModelConfig:
@@ -737,12 +737,13 @@ def load_config(name_or_path) -> ModelConfig:
     return ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
 
 
-def load_tokenizer(name_or_path):
+def load_tokenizer(name_or_path, gguf_file: "GGUFFile | None" = None):
     """The model's transformers tokenizer, or None when it has none. transformers builds a GGUF file's from
-    the vocabulary, merges, special tokens and chat template in its metadata (seconds: it parses the whole file)."""
+    the vocabulary, merges, special tokens and chat template in its metadata (seconds: it parses the whole file).
+    gguf_file: the file's header when the caller has parsed it already."""
     path = resolve(name_or_path)
     if path.is_file():
-        if "tokenizer.ggml.model" not in read_gguf(path).meta:
+        if "tokenizer.ggml.model" not in (gguf_file or read_gguf(path)).meta:
             return None
         folder, gguf_name = path.parent, path.name
     elif any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
@@ -1006,7 +1007,7 @@ def read_gguf_tensor(g: GGUFFile, t: GGUFTensor, name: str, param, tp: TP | None
     return w.reshape(param.shape)
 
 
-def load_gguf_weights(model: Transformer, g: GGUFFile, device, dtype):
+def load_gguf_weights(model: Transformer, g: GGUFFile):
     """Dequantise the tensors of a GGUF file one at a time straight into the model's parameters."""
     params = dict(model.named_parameters())  # a tied lm_head.weight appears once, as embed_tokens
     filled = set()
@@ -1019,7 +1020,7 @@ def load_gguf_weights(model: Transformer, g: GGUFFile, device, dtype):
                              f"{model.config.model_type} model")
         w = read_gguf_tensor(g, t, name, params[name], model.tp, model.config.head_dim)
         with torch.no_grad():
-            params[name].copy_(w.to(device=device, dtype=dtype))
+            params[name].copy_(w)  # converts to the parameter's dtype and device: no second temporary
         filled.add(name)
     missing = sorted(set(params) - filled)
     if missing:

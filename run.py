@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from draft import Drafter, Proposals, SSDConfig, Speculator
-from model import DTYPES, TP, ModelConfig, check_tp, load_config, load_model, load_tokenizer, resolve, resolve_dtype
+from model import DTYPES, TP, check_tp, load_config, load_model, load_tokenizer, resolve_dtype
 from verify import Verifier
 
 # Ends where an editor leaves the cursor, at the body's indentation. Prompts that end mid-word or mid-indent meet

@@ -18,8 +18,8 @@ Two runs made the shipped pair (checkpoints/README.md has the schedules, logs an
      the optimizer and the LR schedule start anew, warmup then cosine; the draft is distilled again from
      the new target, starting from its old weights), with bf16 autocast, about 1.5 hours of a 2-core CPU:
        python scripts/train_tiny.py --resume-from checkpoints --target-steps 1800 --draft-steps 1200 \
-           --autocast bf16 --work-dir /tmp/train_tiny2 --out /tmp/tiny_new
-     then the two directories in /tmp/tiny_new are copied over checkpoints/.
+           --autocast bf16 --out checkpoints
+     (the weights are read at the start and written at the end, so --out may be the --resume-from dir).
 A run is resumable after a kill: run the same command again with the same --work-dir.
 """
 import argparse
@@ -29,6 +29,7 @@ import math
 import os
 import sys
 import sysconfig
+import tempfile
 import time
 from pathlib import Path
 
@@ -289,7 +290,9 @@ def export(model, tok, out_dir: Path):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=str(REPO / "checkpoints"))
-    ap.add_argument("--work-dir", default="/tmp/train_tiny", help="scratch dir for resumable state (not the repo)")
+    ap.add_argument("--work-dir", default=None,
+                    help="scratch dir for resumable state, outside the repo (default: train_tiny, or "
+                         "train_tiny_resumed with --resume-from, in the system's temporary directory)")
     ap.add_argument("--device", default=None, help="default: cuda if available else cpu")
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--batch-size", type=int, default=16)
@@ -314,6 +317,9 @@ def main():
     torch.set_num_threads(2)
     torch.manual_seed(SEED)
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    # a resumed run keeps its state apart: its step counts would otherwise resume the from-scratch run's
+    args.work_dir = args.work_dir or os.path.join(tempfile.gettempdir(),
+                                                  "train_tiny_resumed" if args.resume_from else "train_tiny")
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     t_start = time.time()
