@@ -1,34 +1,31 @@
 """Benchmark AR, SD and SSD (Saguaro) side by side, with the peers, the paper's theory and a tuner.
 
-    python bench.py                                             # the tiny pair, every engine, batch 1, greedy
-    python bench.py --modes ar,sd,ssd --temperatures 0,0.7,1 --batch-sizes 1,2,4,8,16 --plot bench.png
+    python bench.py                       # the tiny pair, every engine, batch 1, greedy
+    python bench.py --modes ar,sd,ssd --temperatures 0,0.7,1 --batch-sizes 1,2,4,8,16 \
+        --plot bench.png
     python bench.py --modes ssd --fan-out uniform,geometric --saguaro-c 1,0.5,0 --temperatures 1
-    python bench.py --tune                                      # pick K, the budget B and the fallback
+    python bench.py --tune                # pick K, the budget B and the fallback
     python bench.py --target llama-8b --draft llama-1b --prompt-file prompts.jsonl --chat
 
 Engines, all on the same models, prompts, max_new_tokens (EOS ignored) and machine:
-  ar, sd, ssd    this engine (`run.generate`); ssd runs its verifier and speculator as two processes;
+  ar, sd, ssd    this engine (`run.generate`); ssd runs verifier and speculator as two processes;
   hf             transformers `generate()` (autoregressive, the peer of ar);
-  hf-assisted    transformers assisted generation (`assistant_model=`, the peer of sd; constant K, no
-                 confidence-based early stop, so it drafts exactly K tokens a round as sd does).
+  hf-assisted    transformers assisted generation (`assistant_model=`, the peer of sd), with a
+                 constant K and no confidence-based early stop, as sd.
 
-Cores (docs/design.md section 10). On the CPU, ssd splits the cores between its two processes (run.py's default:
-the target gets cores - cores // 2 threads, the draft cores // 2). Every baseline runs twice: with the
-target's own share (label @1t on a 2-core machine: the paper's framing, SSD adds a device for the draft)
-and with all cores (@2t: the same total hardware). Speed-ups compare against the same-thread baselines.
+Cores, timing and the median run: docs/design.md section 10. Baselines run with ssd's target
+share of the cores (label @1t on 2 cores) and with all of them (@2t); speed-ups compare against
+the same-thread baselines. Decode throughput = new tokens after the first / decode wall time (for
+transformers, decode time = time(max_new_tokens) - time(1 new token)).
 
-What is measured. Decode throughput = new tokens after the first / decode wall time (prefill reported
-separately; for transformers, decode time = time(max_new_tokens) - time(1 new token)). One run = every
-batch of the prompt set once; a warm-up run (the first batch) comes first; each figure is from the median
-run (by decode tok/s) of --repeats runs (on a shared machine, raise --repeats).
-
-Then: a table per (temperature, batch), the paper's predicted speed-up beside the measured one for every ssd
-row (`theory` says how each term is measured), the hardware line, and one JSON line with every figure.
+Prints a table per (temperature, batch), the paper's predicted speed-up beside the measured one
+for every ssd row (`theory`), the hardware line, and one JSON line with every figure.
 """
 import argparse
 import ast
 import functools
 import importlib.util
+import inspect
 import json
 import math
 import os
@@ -46,16 +43,20 @@ from tqdm import tqdm
 from fallback import critical_batch_size, predicted_sd_speedup, predicted_speedup
 from model import DTYPES, load_config, load_tokenizer, resolve
 from run import default_devices, encode, generate, split_cores
+from spec_cache import acceptance_trials
 
 MODES = ("ar", "sd", "ssd", "hf", "hf-assisted")
+# run.generate's defaults: the one source of this benchmark's engine settings
+RUN = {name: p.default for name, p in inspect.signature(generate).parameters.items()}
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Prompts: deterministic sets from the held-out standard-library files, or the user's file
 
 @functools.cache
 def heldout_sources():
-    """(path, source, ast tree) of each held-out stdlib file that parses, in sorted order (parsed once)."""
+    """(path, source, ast tree) of each held-out stdlib file that parses, in sorted order (parsed
+    once)."""
     from scripts.train_tiny import read_text, split_files
     out = []
     for path in split_files()[1]:
@@ -79,14 +80,16 @@ def round_robin(per_file, n, what):
 
 
 def code_prompts(n, max_chars=400):
-    """A function's signature and docstring (dedented, ending after the docstring); the model writes the body."""
+    """A function's signature and docstring (dedented, ending after the docstring); the model
+    writes the body."""
     import textwrap
     per_file = []
     for _, src, tree in heldout_sources():
         lines = src.splitlines(keepends=True)
         found = []
         for node in ast.walk(tree):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and ast.get_docstring(node):
+            if (isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                    and ast.get_docstring(node)):
                 text = textwrap.dedent("".join(lines[node.lineno - 1:node.body[0].end_lineno]))
                 if len(text) <= max_chars:
                     found.append(text.rstrip("\n") + "\n")
@@ -95,9 +98,8 @@ def code_prompts(n, max_chars=400):
 
 
 def prose_prompts(n, max_chars=300):
-    """Prose from the same files: the opening of a docstring (its first paragraph, the model continues it)
-    and blocks of two or more comment lines."""
-    import inspect
+    """Prose from the same files: the opening of a docstring (its first paragraph, the model
+    continues it) and blocks of two or more comment lines."""
     per_file = []
     for _, src, tree in heldout_sources():
         docs = []
@@ -116,7 +118,7 @@ def prose_prompts(n, max_chars=300):
                 if len(block) >= 2:
                     comments.append("\n".join(block)[:max_chars] + "\n")
                 block = []
-        per_file += [docs, comments]  # round_robin then alternates a file's docstrings and its comments
+        per_file += [docs, comments]  # round_robin alternates a file's docstrings and comments
     return round_robin(per_file, n, "prose")
 
 
@@ -124,18 +126,20 @@ def file_prompts(path, n=None):
     """One prompt per line, or JSONL with a "prompt" field per line."""
     lines = [x for x in Path(path).read_text().splitlines() if x.strip()]
     if not lines:
-        raise ValueError(f"--prompt-file {path} has no prompts: write one per line, or JSONL with a 'prompt' field")
+        raise ValueError(f"--prompt-file {path} has no prompts: write one per line, or JSONL with "
+                         f"a 'prompt' field")
     if all(x.lstrip().startswith("{") for x in lines):
         try:
             lines = [json.loads(x)["prompt"] for x in lines]
         except (json.JSONDecodeError, KeyError, TypeError):
-            raise ValueError(f"--prompt-file {path}: every JSONL line needs a string 'prompt' field") from None
+            raise ValueError(f"--prompt-file {path}: every JSONL line needs a string 'prompt' "
+                             f"field") from None
     return lines[:n] if n else lines
 
 
 def encode_prompts(texts, target, max_len, chat=False):
-    """Token ids for every engine alike. With the target's tokenizer as run.py encodes them (BOS first);
-    a checkpoint without a tokenizer (the tests' random ones) gets the UTF-8 bytes modulo the vocabulary.
+    """Token ids for every engine alike: the target's tokenizer as run.py encodes (BOS first), or,
+    without a tokenizer (the tests' random checkpoints), the UTF-8 bytes modulo the vocabulary.
     Prompts longer than max_len keep their last max_len tokens."""
     V = load_config(target).vocab_size
     tok = load_tokenizer(target)
@@ -150,7 +154,7 @@ def batches_of(ids, b):
     return [seq[i:i + b] for i in range(0, count, b)]
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Configurations and one run of each engine
 
 @dataclass(frozen=True)
@@ -161,17 +165,17 @@ class Config:
     k: int = 0                   # draft tokens per round (0 for ar / hf)
     threads: int = 1             # the target's CPU threads
     draft_threads: int | None = None  # ssd only: the speculator's
-    fan_out: str = "geometric"   # ssd only, from here on
-    budget: int = 8
-    saguaro_c: float = 1.0
-    fallback: str = "auto"
+    fan_out: str = RUN["fan_out"]  # ssd only, from here on
+    budget: int = RUN["budget"]
+    saguaro_c: float = RUN["saguaro_c"]
+    fallback: str = RUN["fallback"]
     label: str = ""
 
 
 def make_configs(a, cores):
-    """Every configuration the sweep asks for. Baselines run with the target's share of the cores and with all
-    of them; ssd variants along every axis given (K x fan-out x C x fallback x budget). A label names only the
-    axes that vary."""
+    """Every configuration the sweep asks for. Baselines run with the target's share of the cores
+    and with all of them; ssd variants along every axis given (K x fan-out x C x fallback x
+    budget). A label names only the axes that vary."""
     ts, td = split_cores(cores)
     threads = sorted({ts, cores})
 
@@ -184,24 +188,28 @@ def make_configs(a, cores):
             continue  # transformers assisted generation supports batch 1 only
         if mode == "ssd":
             for K, fan, c, fb, B in product(a.k, a.fan_out, a.saguaro_c, a.fallback, a.budget):
-                var = "".join([tag("k=", a.k, K), tag("", a.fan_out, fan), tag("C=", a.saguaro_c, c),
-                               tag("", a.fallback, fb), tag("B=", a.budget, B)])
+                var = "".join([tag("k=", a.k, K), tag("", a.fan_out, fan),
+                               tag("C=", a.saguaro_c, c), tag("", a.fallback, fb),
+                               tag("B=", a.budget, B)])
                 out.append(Config("ssd", T, b, K, ts, td, fan, B, c, fb, f"ssd{var}@{ts}+{td}t"))
         else:
             for K, th in product(a.k if mode in ("sd", "hf-assisted") else [0], threads):
-                out.append(Config(mode, T, b, K, th, label=f"{mode}{tag('k=', a.k, K) if K else ''}@{th}t"))
+                label = f"{mode}{tag('k=', a.k, K) if K else ''}@{th}t"
+                out.append(Config(mode, T, b, K, th, label=label))
     return out
 
 
 def run_engine(cfg: Config, batches, a):
     """One run of this engine (ar, sd, ssd) over every batch -> summed counters."""
-    tot = dict(new=0, first=0, decode_s=0.0, prefill_s=0.0, rounds=0, row_rounds=0, accepted=0, proposed=0, trials=0, hits=0,
-               misses=0, tok_hit=0.0, tok_miss=0.0, wait_s=0.0, busy_s=0.0, fallback_rounds={}, b_star=None, hist=[],
-               hits_per_depth=[], lookups_per_depth=[])
+    tot = dict(new=0, first=0, decode_s=0.0, prefill_s=0.0, rounds=0, row_rounds=0, accepted=0,
+               proposed=0, trials=0, hits=0, misses=0, tok_hit=0.0, tok_miss=0.0, wait_s=0.0,
+               busy_s=0.0, fallback_rounds={}, b_star=None, hist=[], hits_per_depth=[],
+               lookups_per_depth=[])
     for i, batch in enumerate(batches):
-        s = generate(batch, target=a.target, draft=a.draft, mode=cfg.engine, max_new_tokens=a.max_new_tokens,
-                     temperature=cfg.temperature, k=cfg.k or 1, seed=a.seed + i, ignore_eos=True, fan_out=cfg.fan_out,
-                     budget=cfg.budget, saguaro_c=cfg.saguaro_c, fallback=cfg.fallback, target_threads=cfg.threads,
+        s = generate(batch, target=a.target, draft=a.draft, mode=cfg.engine,
+                     max_new_tokens=a.max_new_tokens, temperature=cfg.temperature, k=cfg.k or 1,
+                     seed=a.seed + i, ignore_eos=True, fan_out=cfg.fan_out, budget=cfg.budget,
+                     saguaro_c=cfg.saguaro_c, fallback=cfg.fallback, target_threads=cfg.threads,
                      draft_threads=cfg.draft_threads, dtype=a.dtype).stats
         hist = s["accept_len_histogram"]
         tot["new"] += s["new_tokens"]
@@ -212,8 +220,8 @@ def run_engine(cfg: Config, batches, a):
         tot["row_rounds"] += sum(hist)
         tot["accepted"] += sum(j * h for j, h in enumerate(hist))
         tot["proposed"] += sum(hist) * (len(hist) - 1)
-        # the paper's per-token a: a round is Bernoulli trials stopped at the first rejection or after K accepts
-        tot["trials"] += sum(h * min(j + 1, len(hist) - 1) for j, h in enumerate(hist))
+        # for the paper's per-token a (capped-geometric MLE): accepted / trials
+        tot["trials"] += sum(h * acceptance_trials(j, len(hist) - 1) for j, h in enumerate(hist))
         tot["hist"] = [x + y for x, y in zip(tot["hist"], hist)] if tot["hist"] else list(hist)
         if cfg.engine == "ssd":
             tot["hits"] += s["hits"]
@@ -231,7 +239,8 @@ def run_engine(cfg: Config, batches, a):
 
 
 class HF:
-    """The transformers peers; each model is loaded once (float32 on the CPU, bfloat16 on CUDA, as load_model)."""
+    """The transformers peers; each model is loaded once (float32 on the CPU, bfloat16 on CUDA, as
+    load_model)."""
 
     def __init__(self, a):
         self.a, self.models = a, {}
@@ -243,10 +252,10 @@ class HF:
             from transformers.utils import logging
             logging.disable_progress_bar()
             dtype = torch.float32 if self.device == "cpu" else torch.bfloat16
-            path = resolve(name)  # a GGUF file loads through transformers' own GGUF reader (gguf, accelerate)
+            path = resolve(name)  # a GGUF file loads through transformers' own GGUF reader
             kw = dict(gguf_file=path.name) if path.is_file() else {}
-            m = AutoModelForCausalLM.from_pretrained(path.parent if path.is_file() else path, dtype=dtype,
-                                                     **kw).to(self.device).eval()
+            m = AutoModelForCausalLM.from_pretrained(path.parent if path.is_file() else path,
+                                                     dtype=dtype, **kw).to(self.device).eval()
             self.models[name] = m
         return self.models[name]
 
@@ -256,8 +265,10 @@ class HF:
         L = max(len(p) for p in batch)
         x = torch.tensor([[0] * (L - len(p)) + p for p in batch], device=self.device)
         mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in batch], device=self.device)
-        kw = dict(do_sample=True, temperature=cfg.temperature, top_k=0, top_p=1.0) if cfg.temperature > 0 \
-            else dict(do_sample=False)
+        if cfg.temperature > 0:
+            kw = dict(do_sample=True, temperature=cfg.temperature, top_k=0, top_p=1.0)
+        else:
+            kw = dict(do_sample=False)
         if cfg.engine == "hf-assisted":
             d = self.model(self.a.draft)
             # a constant K drafted tokens per round, as sd; no confidence-based early stop
@@ -269,7 +280,8 @@ class HF:
         sync()
         t = time.perf_counter()
         with torch.no_grad():
-            m.generate(x, attention_mask=mask, max_new_tokens=n, eos_token_id=None, pad_token_id=0, **kw)
+            m.generate(x, attention_mask=mask, max_new_tokens=n, eos_token_id=None, pad_token_id=0,
+                       **kw)
         sync()
         return time.perf_counter() - t
 
@@ -296,38 +308,45 @@ def sync():
         torch.cuda.synchronize()
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Summaries: the median run, its figures
 
 def summarize(cfg: Config, runs):
-    """The median run (by decode tok/s; the lower middle one for an even count) -> the row's figures."""
+    """The median run (by decode tok/s; the lower middle one for an even count) -> the row's
+    figures."""
     speeds = [(r["new"] - r["first"]) / r["decode_s"] for r in runs]
     m = runs[speeds.index(statistics.median_low(speeds))]
     tok_s = (m["new"] - m["first"]) / m["decode_s"]
-    row = {**asdict(cfg), "runs_tok_s": speeds, "decode_tok_s": tok_s, "decode_tok_s_per_seq": tok_s / cfg.batch,
-           "decode_seconds": m["decode_s"], "prefill_seconds": m["prefill_s"], "new_tokens": m["new"]}
+    row = {**asdict(cfg), "runs_tok_s": speeds, "decode_tok_s": tok_s,
+           "decode_tok_s_per_seq": tok_s / cfg.batch, "decode_seconds": m["decode_s"],
+           "prefill_seconds": m["prefill_s"], "new_tokens": m["new"]}
     if "rounds" in m:  # this engine's counters
-        row.update(rounds=m["rounds"], row_rounds=m["row_rounds"], accept_len_histogram=m["hist"],
-                   tokens_per_round=(m["new"] - m["first"]) / m["row_rounds"] if m["row_rounds"] else 0.0,
+        rr = m["row_rounds"]
+        row.update(rounds=m["rounds"], row_rounds=rr, accept_len_histogram=m["hist"],
+                   tokens_per_round=(m["new"] - m["first"]) / rr if rr else 0.0,
                    acceptance_rate=m["accepted"] / m["proposed"] if m["proposed"] else None,
                    acceptance_a=m["accepted"] / m["trials"] if m["trials"] else None)
     if cfg.engine == "ssd":
         looks = m["hits"] + m["misses"]
-        row.update(hits=m["hits"], misses=m["misses"], cache_hit_rate=m["hits"] / looks if looks else 0.0,
+        row.update(hits=m["hits"], misses=m["misses"],
+                   cache_hit_rate=m["hits"] / looks if looks else 0.0,
                    tokens_per_round_hit=m["tok_hit"] / m["hits"] if m["hits"] else 0.0,
                    tokens_per_round_miss=m["tok_miss"] / m["misses"] if m["misses"] else 0.0,
                    verifier_wait_seconds=m["wait_s"], draft_busy_seconds=m["busy_s"],
-                   verifier_wait_pct=100 * m["wait_s"] / m["decode_s"], draft_busy_pct=100 * m["busy_s"] / m["decode_s"],
-                   fallback_rounds=m["fallback_rounds"], b_star=m["b_star"], hits_per_depth=m["hits_per_depth"],
-                   lookups_per_depth=m["lookups_per_depth"])
+                   verifier_wait_pct=100 * m["wait_s"] / m["decode_s"],
+                   draft_busy_pct=100 * m["busy_s"] / m["decode_s"],
+                   fallback_rounds=m["fallback_rounds"], b_star=m["b_star"],
+                   hits_per_depth=m["hits_per_depth"], lookups_per_depth=m["lookups_per_depth"])
     return row
 
 
 def find(rows, engine, like, threads=None, k=None):
-    """The row of `engine` at the same temperature and batch as `like` (and threads / K if given)."""
+    """The row of `engine` at the same temperature and batch as `like` (and threads / K if
+    given)."""
     for r in rows:
-        if (r["engine"] == engine and r["temperature"] == like["temperature"] and r["batch"] == like["batch"]
-                and (threads is None or r["threads"] == threads) and (k is None or r["k"] == k)):
+        if (r["engine"] == engine and r["temperature"] == like["temperature"]
+                and r["batch"] == like["batch"] and (threads is None or r["threads"] == threads)
+                and (k is None or r["k"] == k)):
             return r
     return None
 
@@ -338,24 +357,27 @@ def add_speedups(rows):
         ar = find(rows, "ar", r, r["threads"])
         sd = find(rows, "sd", r, r["threads"], r["k"] or None)
         r["speedup_vs_ar"] = r["decode_tok_s"] / ar["decode_tok_s"] if ar else None
-        r["speedup_vs_sd"] = r["decode_tok_s"] / sd["decode_tok_s"] if sd and r["engine"] != "ar" else None
+        r["speedup_vs_sd"] = (r["decode_tok_s"] / sd["decode_tok_s"]
+                              if sd and r["engine"] != "ar" else None)
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Theory: the paper's predicted speed-up beside the measured one
 
 @dataclass
 class Measured:
     """What the theory needs, measured in one sweep (seconds unless said otherwise).
 
-    T_ar          AR's decode time per round at this batch, with ssd's target threads: the unit of time
-                  ("plain decoding" costs 1 per token).
+    T_ar          AR's decode time per round at this batch, with ssd's target threads: the unit
+                  of time ("plain decoding" costs 1 per token).
     sd_round      SD's decode time per round (same threads, same K); E_sd its tokens per round.
-    rounds        ssd's rounds (of the whole batch); decode_s, wait_s, busy_s its decode time, the verifier's
-                  wait for proposals, the speculator's busy time (pre-speculation + answering + fallback).
-    neural_rounds ssd rounds whose misses used the neural backup; fast_rounds, those that used n-gram/random.
-    p_hit, E_hit, E_miss  cache hit rate per sequence, tokens per round after a hit / after a miss.
-    b             batch size; E_f tokens per round of a fast backup (None: fallback.py's default)."""
+    rounds        ssd's rounds (of the whole batch); decode_s, wait_s, busy_s its decode time, the
+                  verifier's wait for proposals, the speculator's busy time (pre-speculation +
+                  answering + fallback).
+    neural_rounds ssd rounds whose misses used the neural backup; fast_rounds, n-gram / random.
+    p_hit, E_hit, E_miss  cache hit rate per sequence, tokens per round after a hit / a miss.
+    b             batch size; E_f tokens per round of a fast backup (None: fallback.py's
+                  default)."""
     T_ar: float
     rounds: int
     decode_s: float
@@ -373,35 +395,22 @@ class Measured:
 
 
 def theory(m: Measured) -> dict:
-    """The terms of Theorem 7 / Corollary 16 from measurements, and the speed-ups they predict over AR.
-
-    How each term is derived (times in units of T_ar, AR's time per token at this batch and threads):
-      T_SD  = sd_round / T_ar - 1: SD's round is one verification plus the drafting, so what SD's round
-              takes beyond an AR step is its drafting (this folds any extra cost of verifying K+1 tokens
-              instead of 1 into T_SD, which is why SD's prediction E_SD / (1 + T_SD) reproduces SD's
-              measured speed by construction: it is a decomposition, not a forecast).
-      T_b   = the backup's time on a miss: the neural backup drafts K tokens just in time, exactly SD's
-              drafting, so T_b = T_SD (without an SD row: the verifier's wait per fallback round); n-gram and
-              random proposals cost ~0 on the verifier's path (their draft-side feed happens during the next
-              verification and counts in T_p). Averaged over the fallback rounds by the backup each used.
-      T_p   = (busy_s - neural_rounds * T_SD * T_ar) / rounds / T_ar: the speculator's busy time per round
-              without its just-in-time drafting, i.e. the time to build the next round's cache.
-      p_hit, E_hit, E_miss: counted directly; w = p_hit^b (the batch waits if any sequence misses).
-      c     = the verifier's own time per round in ssd ((decode_s - wait_s) / rounds) / T_ar: what one
-              verification of K+1 tokens costs in AR steps.
-      sd_bound = (1 + T_SD) / c: the most SSD can gain over SD at equal tokens per round (every round a hit,
-              no wait), SD's round over SSD's verifier time. A hit hides SD's drafting and nothing else, so
-              a draft that is cheap next to the verification leaves SSD little to gain.
-    Predictions: ssd_pred is the paper's formula (a verification costs one AR step, c = 1); ssd_pred_c is
-    the same model with the measured c (every time normalised to the measured verification, then converted
-    back to AR steps). Assumptions: i.i.d. acceptance, so E and p_hit do not depend on timing; a hit round
-    lasts max(verification, pre-speculation), i.e. the two processes overlap perfectly and the channel costs
-    nothing; the CPU cores of the two processes do not slow each other (shared caches and memory bandwidth
-    do in practice). b* is the batch size where the fast backup starts to beat the neural one
-    (fallback.critical_batch_size) from the same p_hit, E_hit, T_p, with T_f ~ 0 and E_f measured if given."""
+    """The terms of Theorem 7 / Corollary 16 from measurements, and the speed-ups they predict
+    over AR. Times in units of T_ar (why each is measured so: docs/design.md section 10):
+      T_SD = sd_round / T_ar - 1                      SD's drafting per round
+      T_b  = T_SD on neural fallback rounds (without an SD row: the verifier's wait per fallback
+             round), 0 on n-gram / random ones; averaged over the fallback rounds
+      T_p  = (busy_s - neural_rounds T_SD T_ar) / rounds / T_ar   building the next round's cache
+      c    = (decode_s - wait_s) / rounds / T_ar      one ssd verification, in AR steps
+    Returns those and ssd_pred (the paper's formula, c = 1), ssd_pred_c (with the measured c),
+    sd_pred = E_SD / (1 + T_SD), sd_bound = (1 + T_SD) / c (the most SSD can gain over SD) and
+    b_star (fallback.critical_batch_size from the same p_hit, E_hit, T_p, with T_f ~ 0)."""
     T_sd = m.sd_round / m.T_ar - 1 if m.sd_round else None
     fb_rounds = m.neural_rounds + m.fast_rounds
-    backup_s = T_sd * m.T_ar if T_sd is not None else (m.wait_s / fb_rounds if fb_rounds else 0.0)
+    if T_sd is not None:
+        backup_s = T_sd * m.T_ar
+    else:
+        backup_s = m.wait_s / fb_rounds if fb_rounds else 0.0
     T_b = m.neural_rounds * backup_s / fb_rounds / m.T_ar if fb_rounds else 0.0
     T_p = max(0.0, m.busy_s - m.neural_rounds * backup_s) / m.rounds / m.T_ar
     c = (m.decode_s - m.wait_s) / m.rounds / m.T_ar
@@ -409,52 +418,61 @@ def theory(m: Measured) -> dict:
     pred_c = predicted_speedup(m.p_hit, m.E_hit, m.E_miss, T_p / c, T_b / c, m.b) / c
     return {"T_p": T_p, "T_b": T_b, "T_SD": T_sd, "c": c, "ssd_pred": pred, "ssd_pred_c": pred_c,
             "sd_bound": (1 + T_sd) / c if T_sd is not None and c > 0 else None,
-            "sd_pred": predicted_sd_speedup(m.E_sd, T_sd) if T_sd is not None and m.E_sd else None,
+            "sd_pred": (predicted_sd_speedup(m.E_sd, T_sd)
+                        if T_sd is not None and m.E_sd else None),
             "b_star": critical_batch_size(m.p_hit, m.E_hit, T_p, m.E_f, None)}
 
 
 def add_theory(rows):
-    """A theory dict on every ssd row that has its same-thread AR row (and SD row, when measured)."""
+    """A theory dict on every ssd row that has its same-thread AR row (and SD row, when
+    measured)."""
     for r in rows:
         ar = find(rows, "ar", r, r["threads"])
         if r["engine"] != "ssd" or not ar or not r["rounds"]:
             continue
         sd = find(rows, "sd", r, r["threads"], r["k"])
-        fast = [x for x in rows if x["engine"] == "ssd" and x["temperature"] == r["temperature"] and x["k"] == r["k"]
-                and x["batch"] == r["batch"] and x["fallback"] in ("ngram", "random") and x["misses"]]
+        fast = [x for x in rows
+                if x["engine"] == "ssd" and x["temperature"] == r["temperature"]
+                and x["k"] == r["k"] and x["batch"] == r["batch"]
+                and x["fallback"] in ("ngram", "random") and x["misses"]]
         fr = r["fallback_rounds"]
         r["theory"] = theory(Measured(
-            T_ar=ar["decode_seconds"] / ar["rounds"], rounds=r["rounds"], decode_s=r["decode_seconds"],
-            wait_s=r["verifier_wait_seconds"], busy_s=r["draft_busy_seconds"], p_hit=r["cache_hit_rate"],
-            E_hit=r["tokens_per_round_hit"] or r["tokens_per_round"], E_miss=r["tokens_per_round_miss"], b=r["batch"],
+            T_ar=ar["decode_seconds"] / ar["rounds"], rounds=r["rounds"],
+            decode_s=r["decode_seconds"], wait_s=r["verifier_wait_seconds"],
+            busy_s=r["draft_busy_seconds"], p_hit=r["cache_hit_rate"],
+            E_hit=r["tokens_per_round_hit"] or r["tokens_per_round"],
+            E_miss=r["tokens_per_round_miss"], b=r["batch"],
             neural_rounds=fr.get("neural", 0), fast_rounds=fr.get("ngram", 0) + fr.get("random", 0),
-            sd_round=sd["decode_seconds"] / sd["rounds"] if sd else None, E_sd=sd["tokens_per_round"] if sd else None,
+            sd_round=sd["decode_seconds"] / sd["rounds"] if sd else None,
+            E_sd=sd["tokens_per_round"] if sd else None,
             E_f=fast[0]["tokens_per_round_miss"] if fast else None))
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Report
 
 def hardware():
     cpu = platform.processor() or platform.machine()
     try:
-        names = [x.split(":", 1)[1].strip() for x in open("/proc/cpuinfo") if x.startswith("model name")]
+        names = [x.split(":", 1)[1].strip() for x in open("/proc/cpuinfo")
+                 if x.startswith("model name")]
         cpu = names[0] if names else cpu
     except OSError:
         pass
     dev = default_devices()
     gpu = f", {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else ""
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "device": f"{dev[0]}/{dev[1]}{gpu}",
-            "python": platform.python_version()}
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__,
+            "device": f"{dev[0]}/{dev[1]}{gpu}", "python": platform.python_version()}
 
 
 def fmt(x, spec=".2f", none="-"):
     return none if x is None else format(x, spec)
 
 
-LEGEND = ("accept: accepted / proposed draft tokens; a: the paper's per-token acceptance (capped-geometric MLE); "
-          "hit: cache hit rate; wait%: verifier waiting for proposals / decode time; busy%: speculator busy / decode "
-          "time (it includes the first round's pre-speculation, done during the prefill)")
+LEGEND = ("accept: accepted / proposed draft tokens; a: the paper's per-token acceptance "
+          "(capped-geometric MLE); hit: cache hit rate; wait%: verifier waiting for proposals / "
+          "decode time; busy%: speculator busy / decode time (it includes the first round's "
+          "pre-speculation, done during the prefill)")
 
 
 def print_tables(rows, a, n_prompts):
@@ -462,29 +480,34 @@ def print_tables(rows, a, n_prompts):
     groups = sorted({(r["temperature"], r["batch"]) for r in rows})
     for T, b in groups:
         g = [r for r in rows if r["temperature"] == T and r["batch"] == b]
-        print(f"\ntemperature {T:g}, batch {b}, {n_prompts} {a.prompt_set} prompts, max_new_tokens {a.max_new_tokens}, "
-              f"median of {a.repeats} runs")
+        print(f"\ntemperature {T:g}, batch {b}, {n_prompts} {a.prompt_set} prompts, "
+              f"max_new_tokens {a.max_new_tokens}, median of {a.repeats} runs")
         if b > 1 and "hf-assisted" in a.modes:
             print("(no hf-assisted row: transformers assisted generation supports batch 1 only)")
         w = max(len(r["label"]) for r in g)
-        print(f"{'engine':<{w}}  {'tok/s/seq':>9} {'tok/s':>8} {'vs AR':>6} {'vs SD':>6} {'tok/rnd':>7} {'accept':>6} "
-              f"{'hit':>5} {'wait%':>5} {'busy%':>5}")
+        print(f"{'engine':<{w}}  {'tok/s/seq':>9} {'tok/s':>8} {'vs AR':>6} {'vs SD':>6} "
+              f"{'tok/rnd':>7} {'accept':>6} {'hit':>5} {'wait%':>5} {'busy%':>5}")
         for r in g:
             print(f"{r['label']:<{w}}  {r['decode_tok_s_per_seq']:>9.1f} {r['decode_tok_s']:>8.1f} "
-                  f"{fmt(r['speedup_vs_ar']):>6} {fmt(r['speedup_vs_sd']):>6} {fmt(r.get('tokens_per_round')):>7} "
-                  f"{fmt(r.get('acceptance_rate')):>6} {fmt(r.get('cache_hit_rate')):>5} "
-                  f"{fmt(r.get('verifier_wait_pct'), '.0f'):>5} {fmt(r.get('draft_busy_pct'), '.0f'):>5}")
+                  f"{fmt(r['speedup_vs_ar']):>6} {fmt(r['speedup_vs_sd']):>6} "
+                  f"{fmt(r.get('tokens_per_round')):>7} {fmt(r.get('acceptance_rate')):>6} "
+                  f"{fmt(r.get('cache_hit_rate')):>5} {fmt(r.get('verifier_wait_pct'), '.0f'):>5} "
+                  f"{fmt(r.get('draft_busy_pct'), '.0f'):>5}")
         th = [r for r in g if "theory" in r]
         if th:
-            print(f"theory (Theorem 7{', Corollary 16' if b > 1 else ''}; times in AR steps; see bench.theory):")
-            print(f"{'engine':<{w}}  {'a':>5} {'p_hit':>5} {'E_hit':>5} {'E_miss':>6} {'T_p':>5} {'T_b':>5} {'T_SD':>5} {'c':>5} "
-                  f"{'pred':>5} {'pred_c':>6} {'meas':>5} {'SD pred':>7} {'b*':>4} {'SSD/SD max':>10}")
+            print(f"theory (Theorem 7{', Corollary 16' if b > 1 else ''}; times in AR steps; "
+                  f"see bench.theory):")
+            print(f"{'engine':<{w}}  {'a':>5} {'p_hit':>5} {'E_hit':>5} {'E_miss':>6} {'T_p':>5} "
+                  f"{'T_b':>5} {'T_SD':>5} {'c':>5} {'pred':>5} {'pred_c':>6} {'meas':>5} "
+                  f"{'SD pred':>7} {'b*':>4} {'SSD/SD max':>10}")
             for r in th:
                 t = r["theory"]
-                print(f"{r['label']:<{w}}  {r['acceptance_a']:>5.2f} {r['cache_hit_rate']:>5.2f} {r['tokens_per_round_hit']:>5.2f} "
-                      f"{r['tokens_per_round_miss']:>6.2f} {t['T_p']:>5.2f} {t['T_b']:>5.2f} {fmt(t['T_SD']):>5} "
-                      f"{t['c']:>5.2f} {t['ssd_pred']:>5.2f} {t['ssd_pred_c']:>6.2f} {fmt(r['speedup_vs_ar']):>5} "
-                      f"{fmt(t['sd_pred']):>7} {fmt(t['b_star'], 'd'):>4} {fmt(t['sd_bound']):>10}")
+                print(f"{r['label']:<{w}}  {r['acceptance_a']:>5.2f} {r['cache_hit_rate']:>5.2f} "
+                      f"{r['tokens_per_round_hit']:>5.2f} {r['tokens_per_round_miss']:>6.2f} "
+                      f"{t['T_p']:>5.2f} {t['T_b']:>5.2f} {fmt(t['T_SD']):>5} {t['c']:>5.2f} "
+                      f"{t['ssd_pred']:>5.2f} {t['ssd_pred_c']:>6.2f} "
+                      f"{fmt(r['speedup_vs_ar']):>5} {fmt(t['sd_pred']):>7} "
+                      f"{fmt(t['b_star'], 'd'):>4} {fmt(t['sd_bound']):>10}")
 
 
 def plot(rows, path):
@@ -518,7 +541,8 @@ def plot(rows, path):
     for x, (title, xl, yl) in zip(ax, [(f"batch {b0}", "temperature", "speed-up over AR"),
                                        (f"temperature {T0:g}", "batch size", "speed-up over AR"),
                                        (f"ssd, batch {b0}", "fan-out budget B", "cache hit rate")]):
-        x.set_title(title), x.set_xlabel(xl), x.set_ylabel(yl), x.grid(alpha=0.3), x.legend(fontsize=7)
+        x.set_title(title), x.set_xlabel(xl), x.set_ylabel(yl)
+        x.grid(alpha=0.3), x.legend(fontsize=7)
     ax[1].set_xscale("log", base=2)
     bs = sorted({r["batch"] for r in rows})
     ax[1].set_xticks(bs, [str(b) for b in bs])
@@ -527,14 +551,15 @@ def plot(rows, path):
     print(f"plot written to {path}")
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The sweep, the tuner, the command line
 
 def measure(configs, batches, a, hf):
-    """Warm-up, then --repeats runs of each configuration -> summarised rows (a tqdm bar over the runs).
-    The repeats are interleaved (every configuration once, then again): these machines drift, and a slow
-    minute then lands on all configurations alike instead of on one of them."""
-    bar = tqdm(total=len(configs) * (a.warmup + a.repeats), desc="bench", unit="run", file=sys.stderr)
+    """Warm-up, then --repeats runs of each configuration -> summarised rows (a tqdm bar over the
+    runs). The repeats are interleaved (every configuration once, then again), so that a slow
+    minute of a drifting machine lands on all configurations alike."""
+    bar = tqdm(total=len(configs) * (a.warmup + a.repeats), desc="bench", unit="run",
+               file=sys.stderr)
 
     def one(cfg, bs):
         bar.set_postfix_str(f"{cfg.label} T={cfg.temperature:g} b={cfg.batch}")
@@ -557,31 +582,38 @@ def measure(configs, batches, a, hf):
 
 
 TUNE_K, TUNE_BUDGET, TUNE_FALLBACK = (2, 3, 4, 6), (4, 8, 16), ("auto", "neural")
-DEFAULTS = dict(k=4, budget=8, fallback="auto")  # run.py's defaults
+DEFAULTS = {name: RUN[name] for name in ("k", "budget", "fallback")}  # what tune compares against
 
 
 def tune(a, batches, hf):
-    """Measure ssd on a small grid (K x B x fallback) at batch 1 and the first temperature; pick the fastest."""
+    """Measure ssd on a small grid (K x B x fallback) at batch 1 and the first temperature; pick
+    the fastest."""
     T = a.temperatures[0]
     ts, td = split_cores(a.cores)
-    base = Config("ssd", T, 1, threads=ts, draft_threads=td, fan_out=a.fan_out[0], saguaro_c=a.saguaro_c[0])
+    base = Config("ssd", T, 1, threads=ts, draft_threads=td, fan_out=a.fan_out[0],
+                  saguaro_c=a.saguaro_c[0])
     grid = [replace(base, k=K, budget=B, fallback=f, label=f"ssd k={K} B={B} {f}")
             for K in TUNE_K for B in TUNE_BUDGET for f in TUNE_FALLBACK]
     rows = measure(grid, batches, a, hf)
     best = max(rows, key=lambda r: r["decode_tok_s"])
     default = next(r for r in rows if all(r[k] == v for k, v in DEFAULTS.items()))
     flags = (f"--mode ssd --k {best['k']} --budget {best['budget']} --fallback {best['fallback']} "
-             f"--temperature {T:g}" + (f" --fan-out {best['fan_out']}" if best["fan_out"] != "geometric" else "")
-             + (f" --saguaro-c {best['saguaro_c']:g}" if best["saguaro_c"] != 1 else ""))
+             f"--temperature {T:g}"
+             + (f" --fan-out {best['fan_out']}" if best["fan_out"] != RUN["fan_out"] else "")
+             + (f" --saguaro-c {best['saguaro_c']:g}"
+                if best["saguaro_c"] != RUN["saguaro_c"] else ""))
     print(f"\ntune (temperature {T:g}, batch 1, median of {a.repeats} runs, decode tok/s):")
     for r in sorted(rows, key=lambda r: -r["decode_tok_s"]):
-        print(f"  {r['label']:<24} {r['decode_tok_s']:>8.1f}  hit {r['cache_hit_rate']:.2f}  wait {r['verifier_wait_pct']:.0f}%")
+        print(f"  {r['label']:<24} {r['decode_tok_s']:>8.1f}  hit {r['cache_hit_rate']:.2f}  "
+              f"wait {r['verifier_wait_pct']:.0f}%")
     gain = best["decode_tok_s"] / default["decode_tok_s"]
-    print(f"best: K={best['k']} B={best['budget']} fallback={best['fallback']}: {best['decode_tok_s']:.1f} tok/s, "
-          f"{gain:.2f}x the defaults (K=4 B=8 auto: {default['decode_tok_s']:.1f} tok/s)")
+    print(f"best: K={best['k']} B={best['budget']} fallback={best['fallback']}: "
+          f"{best['decode_tok_s']:.1f} tok/s, {gain:.2f}x the defaults (K={DEFAULTS['k']} "
+          f"B={DEFAULTS['budget']} {DEFAULTS['fallback']}: {default['decode_tok_s']:.1f} tok/s)")
     print(f"use it: python run.py --target {a.target} --draft {a.draft} {flags}")
-    return rows, {"best": {k: best[k] for k in ("k", "budget", "fallback", "decode_tok_s")}, "gain_over_default": gain,
-                  "default_tok_s": default["decode_tok_s"], "run_flags": flags}
+    return rows, {"best": {k: best[k] for k in ("k", "budget", "fallback", "decode_tok_s")},
+                  "gain_over_default": gain, "default_tok_s": default["decode_tok_s"],
+                  "run_flags": flags}
 
 
 def csv(kind):
@@ -594,71 +626,88 @@ def csv(kind):
 
 def parse_args(argv):
     ap = argparse.ArgumentParser(
-        description="Benchmark AR, SD and SSD (and transformers' generate() and assisted generation) side by side "
-                    "on the same models, prompts and cores. Comma-separated values sweep an axis.")
-    ap.add_argument("--target", default="tiny", metavar="MODEL",
-                    help="target model: an alias (tiny, llama-8b, qwen-32b, smollm2-135m, ...), a local Hugging Face model "
-                         "directory, a GGUF file or a hub id (default: %(default)s)")
-    ap.add_argument("--draft", default="tiny-draft", metavar="MODEL",
-                    help="draft model for sd, ssd and hf-assisted, named as --target (default: %(default)s)")
+        description="Benchmark AR, SD and SSD (and transformers' generate() and assisted "
+                    "generation) side by side on the same models, prompts and cores. "
+                    "Comma-separated values sweep an axis.")
+    ap.add_argument("--target", default=RUN["target"], metavar="MODEL",
+                    help="target model: an alias (tiny, llama-8b, qwen-32b, smollm2-135m, ...), a "
+                         "local Hugging Face model directory, a GGUF file or a hub id "
+                         "(default: %(default)s)")
+    ap.add_argument("--draft", default=RUN["draft"], metavar="MODEL",
+                    help="draft model for sd, ssd and hf-assisted, named as --target "
+                         "(default: %(default)s)")
     ap.add_argument("--modes", type=csv(str), default=list(MODES), metavar="MODE[,MODE...]",
-                    help="engines to run, comma-separated, from " + ", ".join(MODES) + " (default: all of them)")
+                    help="engines to run, comma-separated, from " + ", ".join(MODES)
+                         + " (default: all of them)")
     ap.add_argument("--prompts", type=int, default=8, metavar="N",
-                    help="number of prompts; a batch size above it reuses them in turn (default: %(default)s)")
+                    help="number of prompts; a batch size above it reuses them in turn "
+                         "(default: %(default)s)")
     ap.add_argument("--prompt-set", default="code", choices=["code", "prose"],
-                    help="built-in prompts from held-out standard-library files: code (a function's signature and "
-                         "docstring) or prose (docstring openings, comment blocks); ignored with --prompt-file "
-                         "(default: %(default)s)")
+                    help="built-in prompts from held-out standard-library files: code (a "
+                         "function's signature and docstring) or prose (docstring openings, "
+                         "comment blocks); ignored with --prompt-file (default: %(default)s)")
     ap.add_argument("--prompt-file", default=None, metavar="PATH",
-                    help="read the prompts from this file: one per line, or JSONL with a 'prompt' field "
-                         "(default: the built-in --prompt-set)")
+                    help="read the prompts from this file: one per line, or JSONL with a "
+                         "'prompt' field (default: the built-in --prompt-set)")
     ap.add_argument("--chat", action="store_true",
-                    help="wrap each prompt in the tokenizer's chat template, for instruct models (default: off)")
+                    help="wrap each prompt in the tokenizer's chat template, for instruct models "
+                         "(default: off)")
     ap.add_argument("--max-new-tokens", type=int, default=128, metavar="N",
-                    help="tokens generated per prompt; EOS is ignored, so every engine generates exactly this many "
-                         "(default: %(default)s)")
+                    help="tokens generated per prompt; EOS is ignored, so every engine generates "
+                         "exactly this many (default: %(default)s)")
     ap.add_argument("--repeats", type=int, default=3, metavar="N",
-                    help="timed runs of each configuration over the whole prompt set; the median run (by decode "
-                         "tok/s) is reported (default: %(default)s)")
+                    help="timed runs of each configuration over the whole prompt set; the median "
+                         "run (by decode tok/s) is reported (default: %(default)s)")
     ap.add_argument("--warmup", type=int, default=1, metavar="N",
-                    help="untimed warm-up runs (on the first batch) per configuration (default: %(default)s)")
+                    help="untimed warm-up runs (on the first batch) per configuration "
+                         "(default: %(default)s)")
     ap.add_argument("--seed", type=int, default=0,
                     help="random seed; batch i of a run uses seed + i (default: %(default)s)")
     ap.add_argument("--temperatures", type=csv(float), default=[0.0], metavar="T[,T...]",
-                    help="sampling temperatures to sweep, comma-separated; 0 is greedy (default: 0)")
+                    help="sampling temperatures to sweep, comma-separated; 0 is greedy "
+                         "(default: 0)")
     ap.add_argument("--batch-sizes", type=csv(int), default=[1], metavar="B[,B...]",
-                    help="batch sizes to sweep, in sequences decoded together, comma-separated (default: 1)")
-    ap.add_argument("--k", type=csv(int), default=[4], metavar="K[,K...]",
-                    help="draft tokens per round for sd, ssd and hf-assisted, comma-separated to sweep "
-                         "(default: 4)")
-    ap.add_argument("--fan-out", type=csv(str), default=["geometric"], metavar="KIND[,KIND...]",
-                    help="ssd: how the budget of guesses is spread over depths: geometric (the paper's Theorem 12) "
-                         "and/or uniform, comma-separated (default: geometric)")
-    ap.add_argument("--saguaro-c", type=csv(float), default=[1.0], metavar="C[,C...]",
-                    help="ssd: Saguaro sampling constant C in [0, 1], comma-separated; 1 is plain sampling, a lower "
-                         "C trades acceptance for cache hits; no effect at temperature 0 (default: 1)")
-    ap.add_argument("--fallback", type=csv(str), default=["auto"], metavar="KIND[,KIND...]",
-                    help="ssd: proposals after a cache miss: auto (neural below the critical batch size b*, "
-                         "n-gram from b* on), neural, ngram or random; comma-separated (default: auto)")
-    ap.add_argument("--budget", type=csv(int), default=[8], metavar="B[,B...]",
-                    help="ssd: fan-out budget B, in branches pre-speculated per sequence per round, "
-                         "comma-separated (default: 8)")
+                    help="batch sizes to sweep, in sequences decoded together, comma-separated "
+                         "(default: 1)")
+    ap.add_argument("--k", type=csv(int), default=[RUN["k"]], metavar="K[,K...]",
+                    help="draft tokens per round for sd, ssd and hf-assisted, comma-separated to "
+                         f"sweep (default: {RUN['k']})")
+    ap.add_argument("--fan-out", type=csv(str), default=[RUN["fan_out"]],
+                    metavar="KIND[,KIND...]",
+                    help="ssd: how the budget of guesses is spread over depths: geometric (the "
+                         "paper's Theorem 12) and/or uniform, comma-separated "
+                         f"(default: {RUN['fan_out']})")
+    ap.add_argument("--saguaro-c", type=csv(float), default=[RUN["saguaro_c"]],
+                    metavar="C[,C...]",
+                    help="ssd: Saguaro sampling constant C in [0, 1], comma-separated; 1 is plain "
+                         "sampling, a lower C trades acceptance for cache hits; no effect at "
+                         f"temperature 0 (default: {RUN['saguaro_c']:g})")
+    ap.add_argument("--fallback", type=csv(str), default=[RUN["fallback"]],
+                    metavar="KIND[,KIND...]",
+                    help="ssd: proposals after a cache miss: auto (neural below the critical "
+                         "batch size b*, n-gram from b* on), neural, ngram or random; "
+                         f"comma-separated (default: {RUN['fallback']})")
+    ap.add_argument("--budget", type=csv(int), default=[RUN["budget"]], metavar="B[,B...]",
+                    help="ssd: fan-out budget B, in branches pre-speculated per sequence per "
+                         f"round, comma-separated (default: {RUN['budget']})")
     ap.add_argument("--cores", type=int, default=os.cpu_count() or 1, metavar="N",
-                    help="CPU cores (threads) every engine may use in total: baselines run with ssd's target "
-                         "share and with all N, ssd splits them between its two processes "
-                         "(default: all cores, %(default)s here)")
-    ap.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
-                    help="weights and activations of this engine's models (ar, sd, ssd; the transformers peers "
-                         "stay float32 on the CPU, bfloat16 on CUDA): auto is bfloat16 on CUDA and float32 on the "
-                         "CPU (default: %(default)s)")
+                    help="CPU cores (threads) every engine may use in total: baselines run with "
+                         "ssd's target share and with all N, ssd splits them between its two "
+                         "processes (default: all cores, %(default)s here)")
+    ap.add_argument("--dtype", default=RUN["dtype"], choices=["auto", *DTYPES],
+                    help="weights and activations of this engine's models (ar, sd, ssd; the "
+                         "transformers peers stay float32 on the CPU, bfloat16 on CUDA): auto is "
+                         "bfloat16 on CUDA and float32 on the CPU (default: %(default)s)")
     ap.add_argument("--tune", action="store_true",
-                    help="instead of the sweep, time ssd at batch 1 with the first --temperatures, --fan-out and "
-                         "--saguaro-c values over K in " + ",".join(map(str, TUNE_K)) + ", B in "
-                         + ",".join(map(str, TUNE_BUDGET)) + " and fallback " + " or ".join(TUNE_FALLBACK)
+                    help="instead of the sweep, time ssd at batch 1 with the first "
+                         "--temperatures, --fan-out and --saguaro-c values over K in "
+                         + ",".join(map(str, TUNE_K)) + ", B in "
+                         + ",".join(map(str, TUNE_BUDGET)) + " and fallback "
+                         + " or ".join(TUNE_FALLBACK)
                          + ", and print the fastest run.py flags (default: off)")
     ap.add_argument("--plot", default=None, metavar="PNG",
-                    help="also write speed-up (vs temperature, vs batch size) and hit-rate (vs budget) plots to "
-                         "this PNG file; needs matplotlib (default: no plot)")
+                    help="also write speed-up (vs temperature, vs batch size) and hit-rate (vs "
+                         "budget) plots to this PNG file; needs matplotlib (default: no plot)")
     a = ap.parse_args(argv)
     bad = [m for m in a.modes if m not in MODES]
     if bad:
@@ -669,15 +718,18 @@ def parse_args(argv):
     bad = [f for f in a.fan_out if f not in ("uniform", "geometric")]
     if bad:
         raise ValueError(f"unknown fan-out(s) {','.join(bad)}: use uniform or geometric")
-    if min(a.batch_sizes + a.k + a.budget + [a.prompts, a.repeats, a.max_new_tokens, a.cores]) < 1 or a.warmup < 0:
-        raise ValueError("--batch-sizes, --k, --budget, --prompts, --repeats, --max-new-tokens and --cores must be >= 1")
+    counts = [a.prompts, a.repeats, a.max_new_tokens, a.cores]
+    if min(a.batch_sizes + a.k + a.budget + counts) < 1 or a.warmup < 0:
+        raise ValueError("--batch-sizes, --k, --budget, --prompts, --repeats, --max-new-tokens "
+                         "and --cores must be >= 1")
     return a
 
 
 def main(argv=None):
     try:
         a = parse_args(argv)
-        if a.plot and importlib.util.find_spec("matplotlib") is None:  # fail before the sweep, not after it
+        # fail before the sweep, not after it
+        if a.plot and importlib.util.find_spec("matplotlib") is None:
             raise ValueError("--plot needs matplotlib: pip install matplotlib")
         texts = file_prompts(a.prompt_file, a.prompts) if a.prompt_file else \
             (code_prompts if a.prompt_set == "code" else prose_prompts)(a.prompts)
@@ -687,8 +739,8 @@ def main(argv=None):
         max_k = max(a.k + list(TUNE_K if a.tune else []))
         max_len = ctx - a.max_new_tokens - max_k - 2
         if max_len < 1:
-            raise ValueError(f"--max-new-tokens {a.max_new_tokens} leaves no room for a prompt in the target's "
-                             f"context of {ctx}: lower it")
+            raise ValueError(f"--max-new-tokens {a.max_new_tokens} leaves no room for a prompt in "
+                             f"the target's context of {ctx}: lower it")
         ids = encode_prompts(texts, a.target, max_len, a.chat)
         sizes = [1] if a.tune else a.batch_sizes
         batches = {b: batches_of(ids, b) for b in sizes}
@@ -699,16 +751,17 @@ def main(argv=None):
         else:
             rows, tuned = measure(make_configs(a, a.cores), batches, a, hf), None
             print_tables(rows, a, len(ids))
-        print(f"\nhardware: {hw['cpu']}, {hw['cores']} cores, torch {hw['torch']}, device {hw['device']}; "
-              f"{a.cores} used; ssd threads target+draft = {'+'.join(map(str, split_cores(a.cores)))}")
+        print(f"\nhardware: {hw['cpu']}, {hw['cores']} cores, torch {hw['torch']}, "
+              f"device {hw['device']}; {a.cores} used; ssd threads target+draft = "
+              f"{'+'.join(map(str, split_cores(a.cores)))}")
         if a.plot and not a.tune:
             plot(rows, a.plot)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     settings = {k: v for k, v in vars(a).items()}
-    print(json.dumps({"hardware": hw, "settings": settings, "prompt_tokens": [len(x) for x in ids], "results": rows,
-                      "tune": tuned}))
+    print(json.dumps({"hardware": hw, "settings": settings,
+                      "prompt_tokens": [len(x) for x in ids], "results": rows, "tune": tuned}))
     return 0
 
 

@@ -1,13 +1,109 @@
-"""Two-process SSD: the verifier here, the speculator in a spawned process, one shared channel between them.
+"""SSD's two-process form: the verifier in this process, the speculator in a spawned one.
 
-(In progress: start_child and wait_for are shared with tp.py.)
+`SpeculatorProcess` has the Speculator's methods (prefill, pre_speculate, respond, finish, stats),
+so decode.decode_ssd runs the same round with either. Here `respond` sends the outcome (n, t) across
+the channel and waits for the proposals; the speculator's process answers from its cache or fallback,
+sends the proposals, then pre-speculates the next round while this process verifies.
+
+The channel is a set of tensors in shared memory, allocated once before the spawn (page-locked when a
+device is CUDA, so copies to and from the GPUs are direct), and two events per round: nothing is
+pickled on the per-round path. Each message fills the first b slots of the buffers.
 """
+import os
+import queue
 import signal
 import sys
 import threading
 import time
+import traceback
 
+import torch
 import torch.multiprocessing as mp
+
+from draft import DraftConfig, Proposals, load_draft
+
+
+class Channel:
+    """The shared tensors between the verifier and the speculator (b rows at most)."""
+
+    def __init__(self, b, K, V, send_q: bool, pin: bool):
+        self.count = torch.zeros(1, dtype=torch.long)     # rows in the current message
+        self.rows = torch.zeros(b, dtype=torch.long)      # the verifier's row ids
+        self.n = torch.zeros(b, dtype=torch.long)         # outcome: accepted count
+        self.t = torch.zeros(b, dtype=torch.long)         # outcome: bonus token
+        self.verify_seconds = torch.zeros(1, dtype=torch.float64)  # of the round just verified
+        self.stop = torch.zeros(1, dtype=torch.bool)
+        self.tokens = torch.zeros(b, K, dtype=torch.long)  # proposals x_1..x_K
+        self.q = torch.zeros(b, K, V) if send_q else None  # their laws (temperature 0: not needed)
+        self.deterministic = torch.zeros(b, dtype=torch.bool)
+        self.hit = torch.zeros(b, dtype=torch.bool)
+        for x in self.tensors():
+            x.share_memory_()
+        ctx = mp.get_context("spawn")
+        self.outcome_ready, self.proposals_ready = ctx.Event(), ctx.Event()
+        self.loaded = ctx.Event()  # the speculator has its model: start the clocks only then
+        self.pin, self.pinned = pin, False
+
+    def tensors(self):
+        return [x for x in vars(self).values() if isinstance(x, torch.Tensor)]
+
+    def pin_here(self):
+        """Page-lock the buffers in this process (each process registers its own mapping)."""
+        if not (self.pin and torch.cuda.is_available()):
+            return
+        cudart = torch.cuda.cudart()
+        for x in self.tensors():
+            rc = cudart.cudaHostRegister(x.data_ptr(), x.numel() * x.element_size(), 0)
+            if rc != cudart.cudaError.success:
+                raise RuntimeError(f"cudaHostRegister failed ({rc}) for the SSD channel")
+        self.pinned = True
+
+    def unpin_here(self):
+        if self.pinned:
+            cudart = torch.cuda.cudart()
+            for x in self.tensors():
+                cudart.cudaHostUnregister(x.data_ptr())
+            self.pinned = False
+
+    # -- verifier -> speculator
+    def send_outcome(self, rows, n, t, verify_seconds):
+        b = len(rows)
+        self.count[0] = b
+        self.rows[:b] = torch.tensor(rows)
+        put(self.n, n), put(self.t, t)
+        self.verify_seconds[0] = verify_seconds or 0.0
+        flush(n.device)
+        self.outcome_ready.set()
+
+    def outcome(self):
+        """(rows, n [b], t [b], verify seconds or None), as the verifier sent them."""
+        b = int(self.count[0])
+        return (self.rows[:b].tolist(), self.n[:b].clone(), self.t[:b].clone(),
+                float(self.verify_seconds[0]) or None)
+
+    # -- speculator -> verifier
+    def send_proposals(self, p: Proposals):
+        put(self.tokens, p.tokens), put(self.deterministic, p.deterministic), put(self.hit, p.hit)
+        if self.q is not None:
+            put(self.q, p.q)
+        flush(p.tokens.device)
+        self.proposals_ready.set()
+
+    def proposals(self, b) -> Proposals:
+        # tokens and flags are copied (the output keeps them); q is read during verify only
+        return Proposals(self.tokens[:b].clone(), None if self.q is None else self.q[:b],
+                         self.deterministic[:b].clone(), self.hit[:b].clone())
+
+
+def put(buf, x):
+    """Copy x into the first len(x) slots of a shared buffer (asynchronous from a GPU)."""
+    buf[:len(x)].copy_(x, non_blocking=True)
+
+
+def flush(device):
+    """Wait for the asynchronous copies out of `device`, before the other side is signalled."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
 
 
 def start_child(target, args) -> mp.Process:
@@ -52,3 +148,110 @@ def wait_for(event, alive, what, timeout=None):
         if timeout and time.perf_counter() - start > timeout:
             raise RuntimeError(f"timed out waiting for the {what}")
     event.clear()
+
+
+# ----------------------------------------------------------------------------------------------------
+# The two sides
+
+class SpeculatorProcess:
+    """The verifier's handle on the speculator's process: the Speculator's methods across the channel.
+    Starts the process and waits until its draft is loaded; close() stops it and raises its error."""
+
+    def __init__(self, cfg: DraftConfig, b: int, V: int, threads: int | None, pin: bool):
+        self.ch = Channel(b, cfg.K, V, send_q=cfg.temperature > 0, pin=pin)
+        ctx = mp.get_context("spawn")
+        self.inbox, self.errors = ctx.Queue(), ctx.Queue()
+        self.ch.pin_here()
+        self.proc = start_child(speculator_main, (cfg, threads, self.ch, self.inbox, self.errors))
+        self.startup_s = time.perf_counter()
+        try:  # process start-up and model load: not decode time
+            wait_for(self.ch.loaded, self.proc.is_alive, "speculator")
+        except BaseException:
+            self.close()
+            raise
+        self.startup_s = time.perf_counter() - self.startup_s
+
+    def prefill(self, prompts):
+        self.inbox.put(prompts)  # the speculator prefills and pre-speculates round 0 over there
+
+    def pre_speculate(self, rows):
+        pass  # runs in the speculator's process right after it sends proposals, during verify
+
+    def respond(self, rows, n, t, verify_seconds=None) -> Proposals:
+        self.ch.send_outcome(rows, n, t, verify_seconds)
+        wait_for(self.ch.proposals_ready, self.proc.is_alive, "speculator")
+        return self.ch.proposals(len(rows))
+
+    def finish(self, rows):
+        pass  # the next outcome names only the rows still running; the others are freed there
+
+    def stats(self) -> dict:
+        """Stop the speculator and collect its counters."""
+        self.ch.stop[0] = True
+        self.ch.outcome_ready.set()
+        kind, stats = self.errors.get(timeout=30)  # before join: a full pipe blocks the child's exit
+        if kind == "error":
+            raise RuntimeError(f"speculator failed: {stats}")
+        self.proc.join(timeout=30)
+        return {**stats, "startup_seconds": self.startup_s}
+
+    def close(self):
+        """Stop the process however the run ended; raise its error unless the user interrupted."""
+        if self.proc.is_alive():
+            self.ch.stop[0] = True
+            self.ch.outcome_ready.set()
+            self.proc.join(timeout=2)
+        if self.proc.is_alive():
+            self.proc.terminate()
+            self.proc.join(timeout=2)
+        self.ch.unpin_here()
+        if self.proc.exitcode not in (0, None):
+            msg = None
+            while not self.errors.empty():
+                kind, val = self.errors.get()
+                msg = val if kind == "error" else msg
+            if msg and sys.exc_info()[0] is not KeyboardInterrupt:
+                raise RuntimeError(f"speculator failed: {msg}") from None
+
+
+def speculator_main(cfg: DraftConfig, threads, ch: Channel, inbox, errors):
+    """The speculator's process: load the draft, pre-speculate round 0, then answer each outcome."""
+    try:
+        if threads:
+            torch.set_num_threads(threads)
+        if torch.device(cfg.device).type == "cuda":
+            torch.cuda.set_device(cfg.device)  # first: pinning creates a context on the current GPU
+        ch.pin_here()
+        spec = load_draft(cfg)
+        ch.loaded.set()
+        parent = mp.parent_process()
+        prompts = None
+        while prompts is None:
+            try:
+                prompts = inbox.get(timeout=0.1)
+            except queue.Empty:
+                if not parent.is_alive():
+                    raise RuntimeError("the verifier process died") from None
+        rows = list(range(len(prompts)))
+        spec.prefill(prompts)
+        spec.pre_speculate(rows)
+        while True:
+            wait_for(ch.outcome_ready, parent.is_alive, "verifier")
+            if ch.stop[0]:
+                break
+            active, n, t, verify_seconds = ch.outcome()
+            spec.finish(sorted(set(rows) - set(active)))
+            rows = active
+            ch.send_proposals(spec.respond(rows, n, t, verify_seconds))
+            spec.pre_speculate(rows)  # the next round, while the verifier verifies this one
+        errors.put(("stats", spec.stats()))
+        errors.close()
+        errors.join_thread()
+        ch.unpin_here()
+        os._exit(0)  # done: skip the interpreter's slow teardown of torch, which the verifier awaits
+    except KeyboardInterrupt:
+        pass
+    except BaseException as e:  # reaches the user as one line; the traceback goes to stderr
+        traceback.print_exc()
+        errors.put(("error", f"{type(e).__name__}: {e}"))
+        sys.exit(1)

@@ -1,21 +1,21 @@
-"""The draft side: drafting K tokens (speculative decoding) and pre-speculation (SSD / Saguaro).
+"""The draft side: draft K tokens (SD), and pre-speculate the next round for guessed outcomes (SSD).
 
-Read in this order: `decode_k` (the draft's inner loop), `Drafter` (plain SD: prefill, draft, follow the
-verifier's outcome), then `Speculator`, which adds SSD: while the target verifies round T, guess the
-likely outcomes (n, t) of round T and draft round T+1 for each of them in advance (`pre_speculate`);
-when the real outcome arrives, answer from the speculation cache (a hit) or from a fallback (a miss).
+Read in this order: `draft_k` (the draft's inner loop), `Drafter` (plain SD: prefill, draft, follow
+the verifier's outcome), then `Speculator`, which adds SSD: while the target verifies a round, guess
+its likely outcomes (n, t) and draft the next round for each of them (`pre_speculate`); when the real
+outcome arrives, answer from the speculation cache (a hit) or from a fallback (a miss) (`respond`).
 
-Invariant (the same as the verifier's): a sequence's KV cache holds every committed token except the
-ones in `pending` (the last bonus token t, plus x_K when all K drafted tokens were accepted).
+Invariant (the verifier's too): a row's KV cache holds every committed token except its `pending`
+ones (the last bonus token t, plus x_K when all K drafted tokens were accepted).
 """
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from fallback import (choose_fallback, critical_batch_size, default_critical_batch_size,
-                      ngram_propose, random_propose)
-from model import PagedKVCache, Transformer
+import fallback
+from fallback import BACKUPS, POLICIES, critical_batch_size, default_critical_batch_size
+from model import PagedKVCache, Transformer, load_model
 from saguaro_sample import probs_from_logits, sample, saguaro
 from spec_cache import DEFAULT_A, DEFAULT_R, AcceptanceTracker, SpecCache, fan_out, guess_triples
 
@@ -24,20 +24,21 @@ from spec_cache import DEFAULT_A, DEFAULT_R, AcceptanceTracker, SpecCache, fan_o
 class Proposals:
     """One round's proposals for b rows: what the verifier needs to test them exactly."""
     tokens: torch.Tensor         # [b, K] x_1..x_K
-    q: torch.Tensor              # [b, K, V] the distribution each x_i was drawn from (q, or Saguaro's q')
-    deterministic: torch.Tensor  # [b] bool: proposals not drawn from q (greedy, n-gram, random): one-hot test
+    q: torch.Tensor | None       # [b, K, V] the law each x_i was drawn from (q or Saguaro's q');
+                                 #   None at temperature 0, where the test reads only the tokens
+    deterministic: torch.Tensor  # [b] bool: not drawn from q (greedy, n-gram, random): one-hot test
     hit: torch.Tensor            # [b] bool: answered from the speculation cache
 
 
 def draft_probs(logits, temperature):
-    """The draft's own distribution q, used to rank bonus-token guesses. At temperature 0 the draft is
-    greedy (its q is one-hot), but the guesses still need a ranking: use the temperature-1 softmax."""
+    """The draft's own law q. At temperature 0 the draft is greedy, but guesses still need a
+    ranking of the tokens: use the temperature-1 softmax."""
     return probs_from_logits(logits, temperature if temperature > 0 else 1.0)
 
 
 def draw(logits, temperature, generator, f=None, c=1.0):
-    """One draft sample per row. Returns (token [b], q_drawn [b, V], q_raw [b, V]): q_raw is the draft's
-    own distribution; q_drawn is the one the token was actually drawn from (Saguaro's q' when f is set)."""
+    """One draft token per row: (token [b], q_drawn [b, V], q_raw [b, V]). q_raw is the draft's
+    own law; q_drawn the one the token was drawn from (Saguaro's q' when f is set and C < 1)."""
     q_raw = draft_probs(logits, temperature)
     if temperature == 0:
         return q_raw.argmax(-1), q_raw, q_raw
@@ -45,15 +46,14 @@ def draw(logits, temperature, generator, f=None, c=1.0):
     return sample(q, generator), q, q_raw
 
 
-def decode_k(model: Transformer, cache: PagedKVCache, seqs, first, K, temperature, generator,
-             F=None, c=1.0, feed_last=False):
-    """Feed each sequence its `first` tokens (a list per row, e.g. [t] or [x_K, t]), then draft K tokens
-    one step at a time for all rows together. F (a list of K ints or None) and c select Saguaro sampling
-    at each depth. With feed_last, x_K is fed too, so its KV is cached and q_raw[:, K] (the draft's
-    distribution after x_K) is known. Returns tokens [b, K], q [b, K, V], q_raw [b, K(+1), V]."""
-    counts = [len(f) for f in first]
+def draft_k(model: Transformer, cache: PagedKVCache, seqs, first, K, temperature, generator,
+            F=None, c=1.0, feed_last=False):
+    """Feed each sequence its `first` tokens (a list per row, e.g. [t] or [x_K, t]), then draft K
+    tokens one step at a time, all rows together. F (K ints) and C select Saguaro sampling at each
+    depth. feed_last also feeds x_K, caching its KV and giving q_raw[:, K].
+    Returns tokens [b, K], q [b, K, V], q_raw [b, K(+1), V]."""
     tokens, qs, raws = [], [], []
-    step_in, step_counts = [x for f in first for x in f], counts
+    step_in, step_counts = [x for f in first for x in f], [len(f) for f in first]
     for i in range(K + feed_last):
         logits = model.forward_cached(cache, seqs, step_in, step_counts, last_only=True)  # [b, V]
         if i == K:  # only feeding x_K
@@ -65,52 +65,65 @@ def decode_k(model: Transformer, cache: PagedKVCache, seqs, first, K, temperatur
     return torch.stack(tokens, 1), torch.stack(qs, 1), torch.stack(raws, 1)
 
 
+@dataclass
+class Row:
+    """One sequence on the draft side."""
+    seq: int | None        # its sequence in the draft's KV cache (None once finished)
+    history: list[int]     # committed tokens: prompt + output
+    pending: list[int] = field(default_factory=list)   # committed, not yet in the cache
+    proposed: list[int] = field(default_factory=list)  # x_1..x_K now being verified
+    # SSD only: what the guesses for the round being verified come from
+    q_raw: torch.Tensor | None = None  # [K+1, V] the draft's own laws after 0..K proposed tokens
+    F: list[int] = field(default_factory=list)         # F_0..F_K: guesses per depth this round
+    fast: bool = False     # the proposals came from a fast backup (n-gram, random)
+
+
 class Drafter:
     """Plain speculative decoding's draft: prefill, draft K tokens, follow the verifier's outcome."""
 
-    def __init__(self, model: Transformer, K: int, temperature: float, seed: int, kv_tokens: int, block_size=16):
+    def __init__(self, model: Transformer, K: int, temperature: float, seed: int, kv_tokens: int,
+                 block_size=16):
         self.model, self.K, self.temperature = model, K, temperature
         self.cache = model.new_cache(kv_tokens, block_size)
         self.gen = torch.Generator(device=model.device).manual_seed(seed)
         self.V = model.config.vocab_size
+        self.rows: list[Row] = []
 
     def prefill(self, prompts: list[list[int]]):
-        """Cache every prompt token; returns the draft's raw next-token distribution [b, V]."""
-        self.seqs = [self.cache.new_seq() for _ in prompts]
-        self.pending = [[] for _ in prompts]
-        self.history = [list(p) for p in prompts]  # committed tokens (prompt + output)
-        self.proposed = {}  # row -> the K tokens now being verified
-        logits = self.model.forward_cached(self.cache, self.seqs, [x for p in prompts for x in p],
-                                           [len(p) for p in prompts], last_only=True)
+        """Cache every prompt token; returns the draft's own next-token law [b, V]."""
+        self.rows = [Row(self.cache.new_seq(), list(p)) for p in prompts]
+        logits = self.model.forward_cached(self.cache, [row.seq for row in self.rows],
+                                           [x for p in prompts for x in p], [len(p) for p in prompts],
+                                           last_only=True)
         return draft_probs(logits, self.temperature)
 
     def draft(self, rows: list[int]) -> Proposals:
         """Draft K tokens for the given rows (in SD the verifier waits for this)."""
-        tok, q, _ = decode_k(self.model, self.cache, [self.seqs[r] for r in rows], [self.pending[r] for r in rows],
-                             self.K, self.temperature, self.gen)
+        tok, q, _ = draft_k(self.model, self.cache, [self.rows[r].seq for r in rows],
+                            [self.rows[r].pending for r in rows], self.K, self.temperature, self.gen)
         for i, r in enumerate(rows):
-            self.proposed[r] = tok[i].tolist()
-            self.pending[r] = []  # fed by decode_k
+            self.rows[r].proposed, self.rows[r].pending = tok[i].tolist(), []  # fed by draft_k
         b = len(rows)
-        return Proposals(tok, q, torch.full((b,), self.temperature == 0), torch.zeros(b, dtype=torch.bool))
+        return Proposals(tok, q if self.temperature > 0 else None,
+                         torch.full((b,), self.temperature == 0), torch.zeros(b, dtype=torch.bool))
 
     def commit(self, rows, n, t):
-        """Follow the verifier's outcome (n accepted, bonus t): the committed sequence grows by x_1..x_n, t.
-        The cache keeps the committed prefix it already holds; whatever committed tokens it lacks (t, and
-        x_K when all K were accepted, since drafting never fed it) become pending."""
+        """Follow the outcome (n accepted, bonus t): the committed sequence grows by x_1..x_n, t.
+        The cache keeps the committed prefix it holds; the committed tokens it lacks (t, and x_K
+        when all K were accepted, since drafting never fed it) become pending."""
         for r, n_r, t_r in zip(rows, n.tolist(), t.tolist()):
-            x, s = self.proposed.pop(r, []), self.seqs[r]
-            keep = min(len(self.history[r]) + n_r, self.cache.length(s))
-            self.history[r] += x[:n_r] + [t_r]
-            self.cache.truncate(s, keep)
-            self.pending[r] = self.history[r][keep:]
+            row = self.rows[r]
+            keep = min(len(row.history) + n_r, self.cache.length(row.seq))
+            row.history += row.proposed[:n_r] + [t_r]
+            row.proposed = []
+            self.cache.truncate(row.seq, keep)
+            row.pending = row.history[keep:]
 
     def finish(self, rows):
         """Free the KV of rows that ended (EOS or max_new_tokens)."""
         for r in rows:
-            if self.seqs[r] is not None:
-                self.cache.free(self.seqs[r])
-                self.seqs[r] = None
+            self.cache.free(self.rows[r].seq)
+            self.rows[r].seq = None
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -118,11 +131,38 @@ class Drafter:
 
 @dataclass
 class SSDConfig:
-    fan_out: str | list = "geometric"  # "geometric" (Theorem 12), "uniform", or an explicit F_0..F_K
-    budget: int = 8                     # B = sum_j F_j: branches pre-speculated per sequence per round
+    """SSD's knobs, checked once here (the names are generate()'s parameters)."""
+    K: int = 4                          # draft tokens per round
+    fan_out: str | list = "geometric"   # "geometric" (Theorem 12), "uniform", or F_0..F_K
+    budget: int = 8                     # B = sum_j F_j: branches per sequence per round
     saguaro_c: float = 1.0              # C: Saguaro's down-weighting of the likely bonus tokens
-    fallback: str = "auto"              # on a miss: "neural", "ngram", "random", or "auto" (by b*)
+    fallback: str = "auto"              # on a miss: "neural", "ngram", "random" or "auto" (by b*)
     fast_fallback: str = "ngram"        # the backup "auto" switches to at batch sizes >= b*
+
+    def __post_init__(self):
+        if self.budget < 1:
+            raise ValueError(f"budget={self.budget}: the fan-out budget B must be >= 1")
+        if not 0 <= self.saguaro_c <= 1:
+            raise ValueError(f"saguaro_c={self.saguaro_c}: C must be in [0, 1]")
+        if self.fallback not in POLICIES:
+            raise ValueError(f"fallback={self.fallback!r}: use {', '.join(POLICIES)}")
+        if isinstance(self.fan_out, (list, tuple)):
+            if len(self.fan_out) != self.K + 1 or min(self.fan_out) < 0:
+                raise ValueError(f"fan_out={list(self.fan_out)}: give K+1 = {self.K + 1} "
+                                 f"non-negative integers F_0..F_K")
+            self.budget = sum(self.fan_out)  # an explicit fan-out is its own budget
+        elif self.fan_out not in ("geometric", "uniform"):
+            raise ValueError(f"fan_out={self.fan_out!r}: use geometric, uniform or K+1 integers")
+
+
+@dataclass
+class Branches:
+    """One round's pre-speculated branches, batched: branch m drafted the next round for one guess."""
+    seqs: list[int]                 # [M] forked KV sequences
+    tokens: torch.Tensor | None     # [M, K] their x_1..x_K
+    q: torch.Tensor | None          # [M, K, V] the laws the tokens were drawn from
+    q_raw: torch.Tensor | None      # [M, K+1, V] the draft's own laws: the next guesses
+    F: list[int]                    # the fan-out the next round's guesses will use
 
 
 def recent_median(xs, window=64):
@@ -132,171 +172,193 @@ def recent_median(xs, window=64):
 
 
 class Speculator(Drafter):
-    """SSD's draft side. Per round: `respond` to the verifier's outcome (n, t) from the speculation cache
-    or a fallback, then `pre_speculate` the next round's outcomes while the verifier works.
+    """SSD's draft side. Per round: `respond` to the verifier's outcome (n, t) from the speculation
+    cache or a fallback, then `pre_speculate` the next round's outcomes while the verifier works."""
 
-    Per row it holds `cur`: the proposals x_1..x_K now being verified, with the draft's raw distributions
-    q_0..q_K at each depth (q_j: after j accepted tokens), from which the guesses for the outcome come."""
-
-    def __init__(self, model, K, temperature, seed, kv_tokens, ssd: SSDConfig, block_size=16):
-        super().__init__(model, K, temperature, seed, kv_tokens, block_size)
+    def __init__(self, model, ssd: SSDConfig, temperature, seed, kv_tokens, block_size=16):
+        super().__init__(model, ssd.K, temperature, seed, kv_tokens, block_size)
         self.ssd = ssd
-        self.cache_index = SpecCache(K)
-        self.accept = AcceptanceTracker()         # a (and r) of the neural draft's rounds
+        self.spec_cache = SpecCache(ssd.K)        # (row, n, t) -> branch index
+        self.branches = Branches([], None, None, None, [])
+        self.accept = AcceptanceTracker()         # a and r of the neural draft's proposals
         self.accept_fast = AcceptanceTracker()    # a of the fast backup's proposals
-        self.cur_fast = {}                        # row -> were its current proposals from a fast backup
-        self.branches = None                      # this round's pre-speculated branches (batched tensors)
         self.busy_seconds = 0.0
         self.pre_seconds, self.fast_seconds, self.verify_seconds = [], [], []
-        self.fallback_used = {"neural": 0, "ngram": 0, "random": 0}
+        self.fallback_used = dict.fromkeys(BACKUPS, 0)
         self.b_star = None
 
-    # -- fan-out: which outcomes (j, t) to cache
     def fan_out_for(self, fast: bool) -> list[int]:
-        """F_0..F_K for a round whose proposals came from the neural draft (fast=False) or from the fast
-        backup (fast=True: its acceptance a is lower, so more of the budget goes to shallow depths)."""
+        """F_0..F_K for a round whose proposals came from the neural draft or a fast backup (its
+        acceptance a is lower, so more of the budget goes to shallow depths)."""
         tracker = self.accept_fast if fast else self.accept
         # until a warm-up's worth of rounds is measured, use the documented defaults
-        a, r = (tracker.a(), self.accept.r()) if tracker.ready else (0.1 if fast else DEFAULT_A, DEFAULT_R)
+        a, r = (tracker.a(), self.accept.r()) if tracker.ready else (0.1 if fast else DEFAULT_A,
+                                                                     DEFAULT_R)
         return fan_out(self.ssd.fan_out, a, r, self.K, self.ssd.budget)
 
     def prefill(self, prompts):
-        q0 = super().prefill(prompts)  # [b, V]: the draft's guess of the verifier's first token t0
-        # round 0 has no proposals (K = 0): its outcome is (0, t0), all of the budget goes to depth 0
-        self.cur = {r: ([], q0[r:r + 1], [self.ssd.budget]) for r in range(len(prompts))}
+        q0 = super().prefill(prompts)  # [b, V]: the draft's guess of the verifier's first token
+        for r, row in enumerate(self.rows):  # round 0 proposes nothing: its outcome is (0, t0)
+            row.q_raw, row.F = q0[r:r + 1], [self.ssd.budget]
         return q0
 
     def pre_speculate(self, rows):
-        """Guess each row's outcome (j, t) of the round being verified, fork one branch per guess at the
-        committed prefix plus j drafted tokens, feed t and draft K tokens for all branches of all rows as
-        one batch per step (K + 1 steps: x_K is fed too so a winning branch is complete)."""
-        t0 = time.perf_counter()
+        """Guess each row's outcome (j, t) of the round being verified, fork a branch per guess at
+        the committed prefix + j drafted tokens, feed t and draft K tokens for all branches of all
+        rows as one batch per step (K + 1 steps: x_K is fed too, so a winning branch is complete)."""
+        start = time.perf_counter()
         self.feed_fast_proposals(rows)
         groups = {}  # rows sharing a fan-out vector pick their guesses in one batched call
         for r in rows:
-            groups.setdefault(tuple(self.cur[r][2]), []).append(r)
-        rows_m, depths_m, guesses_m = [], [], []
+            groups.setdefault(tuple(self.rows[r].F), []).append(r)
+        owner, depth, guess = [], [], []  # per branch m: its row, depth j and guessed bonus t
         for F, group in groups.items():
-            q_raw = torch.stack([self.cur[r][1] for r in group])  # [g, K+1, V]
-            x = torch.tensor([self.cur[r][0] for r in group], dtype=torch.long, device=q_raw.device).view(len(group), -1)
+            q_raw = torch.stack([self.rows[r].q_raw for r in group])  # [g, K+1, V]
+            x = torch.tensor([self.rows[r].proposed for r in group], dtype=torch.long,
+                             device=q_raw.device).view(len(group), -1)  # [g, K]
             rr, dd, gg = guess_triples(q_raw, x, list(F))
-            rows_m += [group[i] for i in rr.tolist()]
-            depths_m += dd.tolist()
-            guesses_m += gg.tolist()
-        committed = {r: len(self.history[r]) for r in rows}
-        forks = [self.cache.fork(self.seqs[r], committed[r] + j) for r, j in zip(rows_m, depths_m)]
-        F_next = self.fan_out_for(fast=False)  # a hit answers with neural proposals: guessed with this vector
-        tok, q, q_raw = decode_k(self.model, self.cache, forks, [[g] for g in guesses_m], self.K,
-                                 self.temperature, self.gen, F=F_next[:self.K], c=self.ssd.saguaro_c,
-                                 feed_last=True) if forks else (None, None, None)
-        self.branches = (forks, tok, q, q_raw, F_next)
-        for m, (r, j, g) in enumerate(zip(rows_m, depths_m, guesses_m)):
-            self.cache_index.put(r, j, g, m)
-        dt = time.perf_counter() - t0
-        self.pre_seconds.append(dt)
-        self.busy_seconds += dt
+            owner += [group[i] for i in rr.tolist()]
+            depth += dd.tolist()
+            guess += gg.tolist()
+        seqs = [self.cache.fork(self.rows[r].seq, len(self.rows[r].history) + j)
+                for r, j in zip(owner, depth)]
+        F_next = self.fan_out_for(fast=False)  # a hit answers with neural proposals
+        if seqs:
+            tok, q, q_raw = draft_k(self.model, self.cache, seqs, [[g] for g in guess], self.K,
+                                    self.temperature, self.gen, F=F_next[:self.K],
+                                    c=self.ssd.saguaro_c, feed_last=True)
+        else:
+            tok = q = q_raw = None
+        self.branches = Branches(seqs, tok, q, q_raw, F_next)
+        for m, (r, j, g) in enumerate(zip(owner, depth, guess)):
+            self.spec_cache.put(r, j, g, m)
+        self.pre_seconds.append(time.perf_counter() - start)
+        self.busy_seconds += self.pre_seconds[-1]
 
     def feed_fast_proposals(self, rows):
-        """Rows answered by a fast backup (n-gram, random) have not run the draft on their proposals: feed
-        [t, x_1..x_K] in one forward to cache their KV and get q_0..q_K for the guesses."""
-        todo = [r for r in rows if self.pending[r]]
+        """A fast backup's proposals never went through the draft: feed [t, x_1..x_K] in one
+        forward to cache their KV and get q_0..q_K for the guesses."""
+        todo = [r for r in rows if self.rows[r].pending]
         if not todo:
             return
-        counts = [len(self.pending[r]) for r in todo]
-        logits = self.model.forward_cached(self.cache, [self.seqs[r] for r in todo],
-                                           [x for r in todo for x in self.pending[r]], counts)
-        probs = draft_probs(logits, self.temperature).split(counts)  # per row [K+1, V]
-        for r, p in zip(todo, probs):
-            self.cur[r] = (self.cur[r][0], p, self.cur[r][2])
-            self.pending[r] = []
+        counts = [len(self.rows[r].pending) for r in todo]
+        logits = self.model.forward_cached(self.cache, [self.rows[r].seq for r in todo],
+                                           [x for r in todo for x in self.rows[r].pending], counts)
+        for r, q_raw in zip(todo, draft_probs(logits, self.temperature).split(counts)):
+            self.rows[r].q_raw, self.rows[r].pending = q_raw, []  # q_raw [K+1, V]
 
     def respond(self, rows, n, t, verify_seconds=None) -> Proposals:
-        """The verifier's outcome for `rows` arrived: look each (row, n, t) up in the cache. A hit's branch
-        becomes the sequence (its KV is already computed); a miss rolls back to the accepted prefix and
-        asks the fallback. Returns the next round's proposals for these rows."""
-        t0 = time.perf_counter()
+        """The outcome (n, t) of the round just verified arrives for `rows`. Look each up in the
+        speculation cache: a hit's branch becomes the row's sequence, its proposals are ready; a miss
+        rolls back to the accepted prefix and the fallback proposes. Returns the next proposals."""
+        start = time.perf_counter()
         if verify_seconds is not None:
             self.verify_seconds.append(verify_seconds)
-        forks, tok, q, q_raw, F_next = self.branches
-        b, K, V = len(rows), self.K, self.V
-        out_tok = torch.zeros(b, K, dtype=torch.long, device=self.model.device)
-        out_q = torch.zeros(b, K, V, device=self.model.device)
-        det = torch.full((b,), self.temperature == 0)
+        br, b, K = self.branches, len(rows), self.K
+        tokens = torch.zeros(b, K, dtype=torch.long, device=self.model.device)
+        q = torch.zeros(b, K, self.V, device=self.model.device) if self.temperature > 0 else None
+        deterministic = torch.full((b,), self.temperature == 0)
         hit = torch.zeros(b, dtype=torch.bool)
         misses = []
         for i, (r, n_r, t_r) in enumerate(zip(rows, n.tolist(), t.tolist())):
-            x, _, F = self.cur[r]
-            m = self.cache_index.get(r, n_r, t_r)
-            (self.accept_fast if self.cur_fast.get(r) else self.accept).update(n_r, len(x))
-            if F[n_r] > 0:  # (a depth with no guesses always misses; it says nothing about r)
-                self.accept.observe_lookup(F[n_r], m is not None)
-            self.history[r] += x[:n_r] + [t_r]
-            if m is not None:  # hit: the branch already holds committed tokens + x_1..x_K of the next round
-                self.cache.free(self.seqs[r])
-                self.seqs[r] = forks[m]
-                out_tok[i], out_q[i], hit[i] = tok[m], q[m], True
-                self.cur[r] = (tok[m].tolist(), q_raw[m], F_next)
-                self.cur_fast[r] = False
-            else:              # miss: keep the accepted prefix, t is not in the cache yet
-                self.cache.truncate(self.seqs[r], len(self.history[r]) - 1)
-                self.pending[r] = [t_r]
+            row = self.rows[r]
+            m = self.spec_cache.get(r, n_r, t_r)  # the branch drafted for this outcome, or None
+            (self.accept_fast if row.fast else self.accept).update(n_r, len(row.proposed))
+            if row.F[n_r] > 0:  # a depth with no guesses always misses: it says nothing about r
+                self.accept.observe_lookup(row.F[n_r], m is not None)
+            row.history += row.proposed[:n_r] + [t_r]
+            if m is not None:  # hit: the branch holds the committed tokens + the next x_1..x_K
+                self.cache.free(row.seq)
+                row.seq, row.proposed, row.q_raw, row.F, row.fast = (
+                    br.seqs[m], br.tokens[m].tolist(), br.q_raw[m], br.F, False)
+                tokens[i], hit[i] = br.tokens[m], True
+                if q is not None:
+                    q[i] = br.q[m]
+            else:  # miss: keep the accepted prefix; t is not in the cache yet
+                self.cache.truncate(row.seq, len(row.history) - 1)
+                row.pending = [t_r]
                 misses.append(i)
-        for m in self.cache_index.clear():  # branches of outcomes that did not happen
-            self.cache.free(forks[m])
-        self.branches = ([], None, None, None, F_next)
+        for m in self.spec_cache.clear():  # branches of outcomes that did not happen
+            self.cache.free(br.seqs[m])
+        self.branches = Branches([], None, None, None, br.F)
         if misses:
-            self.fallback_for(rows, misses, out_tok, out_q, det)
-        self.busy_seconds += time.perf_counter() - t0
-        return Proposals(out_tok, out_q, det, hit)
+            backup = self.propose_on_miss([rows[i] for i in misses], b)
+            tokens[misses] = backup.tokens
+            if backup.q is None:
+                deterministic[misses] = True
+            elif q is not None:
+                q[misses] = backup.q
+        self.busy_seconds += time.perf_counter() - start
+        return Proposals(tokens, q, deterministic, hit)
 
-    def fallback_for(self, rows, misses, out_tok, out_q, det):
-        """Propose for the rows that missed, with the policy's backup (fallback.py decides which)."""
-        t0 = time.perf_counter()
+    def propose_on_miss(self, miss_rows, b) -> fallback.Backup:
+        """The fallback's proposals for the rows that missed (fallback.py picks the backup for batch
+        size b); each row then holds what its next guesses need."""
+        start = time.perf_counter()
         self.b_star = self.critical_batch_size()
-        kind = choose_fallback(self.ssd.fallback, len(rows), self.b_star, fast=self.ssd.fast_fallback)
-        self.fallback_used[kind] += 1
-        miss_rows = [rows[i] for i in misses]
-        if kind == "neural":  # the draft, just in time: good tokens, costs a full drafting pass
-            F = self.fan_out_for(fast=False)
-            tok, q, q_raw = decode_k(self.model, self.cache, [self.seqs[r] for r in miss_rows],
-                                     [self.pending[r] for r in miss_rows], self.K, self.temperature, self.gen,
-                                     F=F[:self.K], c=self.ssd.saguaro_c, feed_last=True)
-            for k, (i, r) in enumerate(zip(misses, miss_rows)):
-                out_tok[i], out_q[i] = tok[k], q[k]
-                self.cur[r] = (tok[k].tolist(), q_raw[k], F)
-                self.cur_fast[r] = False
-                self.pending[r] = []
-            return
-        # a near-free backup: deterministic proposals, tested with a one-hot q by the verifier
-        if kind == "ngram":
-            tok = torch.tensor([ngram_propose(self.history[r], self.K) for r in miss_rows], dtype=torch.long)
-        else:
-            tok = random_propose(len(miss_rows), self.K, self.V, self.gen)
-        F = self.fan_out_for(fast=True)
-        for k, (i, r) in enumerate(zip(misses, miss_rows)):
-            out_tok[i] = tok[k]
-            det[i] = True
-            self.cur[r] = (tok[k].tolist(), None, F)  # q_0..q_K come in feed_fast_proposals
-            self.cur_fast[r] = True
-            self.pending[r] = self.pending[r] + tok[k].tolist()
-        self.fast_seconds.append(time.perf_counter() - t0)
+        F = self.fan_out_for(fast=False)
+
+        def neural():  # the draft, just in time: good tokens, costs a full drafting pass
+            return draft_k(self.model, self.cache, [self.rows[r].seq for r in miss_rows],
+                           [self.rows[r].pending for r in miss_rows], self.K, self.temperature,
+                           self.gen, F=F[:self.K], c=self.ssd.saguaro_c, feed_last=True)
+
+        backup = fallback.propose(self.ssd.fallback, b, self.b_star,
+                                  [self.rows[r].history for r in miss_rows], self.K, self.V,
+                                  self.gen, neural, fast=self.ssd.fast_fallback)
+        self.fallback_used[backup.kind] += 1
+        fast = backup.q_raw is None
+        F = self.fan_out_for(fast=True) if fast else F
+        for k, r in enumerate(miss_rows):
+            row = self.rows[r]
+            row.proposed, row.F, row.fast = backup.tokens[k].tolist(), F, fast
+            # a fast backup's tokens are fed to the draft in pre_speculate, which then sets q_raw
+            row.q_raw, row.pending = (None, row.pending + row.proposed) if fast else (backup.q_raw[k], [])
+        if fast:
+            self.fast_seconds.append(time.perf_counter() - start)
+        return backup
 
     def critical_batch_size(self):
-        """b* from what was measured so far (fallback.critical_batch_size documents the formula)."""
+        """b* from what was measured so far (fallback.critical_batch_size has the formula)."""
         if not self.verify_seconds or not self.pre_seconds or not self.accept.ready:
-            return default_critical_batch_size(self.K, self.temperature)  # documented defaults until measured
-        T_v = recent_median(self.verify_seconds)  # latencies in verifications, from the recent rounds
+            return default_critical_batch_size(self.K, self.temperature)  # until measured
+        T_v = recent_median(self.verify_seconds)  # latencies in verifications, recent rounds
         T_p = recent_median(self.pre_seconds) / T_v
         T_f = recent_median(self.fast_seconds) / T_v if self.fast_seconds else 0.0
-        st = self.cache_index.stats
         E_hit = self.accept.expected_tokens(self.K)
         E_f = self.accept_fast.expected_tokens(self.K) if self.accept_fast.ready else None
-        return critical_batch_size(st.hit_rate, E_hit, T_p, E_f, T_f)
+        return critical_batch_size(self.spec_cache.stats.hit_rate, E_hit, T_p, E_f, T_f)
 
     def stats(self) -> dict:
-        st = self.cache_index.stats
+        st = self.spec_cache.stats
         return {"hits": st.hits, "misses": st.misses, "cache_hit_rate": st.hit_rate,
-                "hits_per_depth": list(st.hits_per_depth), "lookups_per_depth": list(st.lookups_per_depth),
+                "hits_per_depth": list(st.hits_per_depth),
+                "lookups_per_depth": list(st.lookups_per_depth),
                 "fallback_rounds": dict(self.fallback_used), "b_star": self.b_star,
                 "draft_busy_seconds": self.busy_seconds,
                 "fan_out": self.fan_out_for(fast=False), "acceptance_estimate": self.accept.a()}
+
+
+# ----------------------------------------------------------------------------------------------------
+# One loader for every mode
+
+@dataclass
+class DraftConfig:
+    """What builds the draft side, here or in the speculator's process (it is pickled there)."""
+    name: str                   # checkpoint directory, alias or GGUF file
+    device: str
+    dtype: torch.dtype
+    K: int
+    temperature: float
+    seed: int
+    kv_tokens: int
+    block_size: int = 16
+    ssd: SSDConfig | None = None  # None: plain SD
+
+
+def load_draft(c: DraftConfig) -> Drafter:
+    """Load the draft model: a Drafter for SD, a Speculator for SSD."""
+    model, _ = load_model(c.name, device=c.device, dtype=c.dtype, tokenizer=False)
+    if c.ssd is None:
+        return Drafter(model, c.K, c.temperature, c.seed, c.kv_tokens, c.block_size)
+    return Speculator(model, c.ssd, c.temperature, c.seed, c.kv_tokens, c.block_size)

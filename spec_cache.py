@@ -1,16 +1,15 @@
 """The speculation cache of SSD / Saguaro: which outcomes to pre-speculate, and where to keep them.
 
 Read top to bottom:
-1. the fan-out F_0..F_K (how many bonus-token guesses to cache at each depth j = j accepted tokens):
-   uniform, or the paper's geometric fan-out (Theorem 12), and the hit-rate model it maximises;
-2. guess selection: at depth j the top-F_j tokens of the draft's own distribution, excluding the drafted
-   token x_{j+1} (a rejected token has zero residual mass, so it can never be the bonus token);
+1. the fan-out F_0..F_K (bonus-token guesses cached at depth j = j accepted tokens): uniform, or
+   the paper's geometric fan-out (Theorem 12);
+2. guess selection: at depth j the top-F_j tokens of the draft's own distribution, excluding the
+   drafted token x_{j+1} (a rejected token has zero residual mass, so it is never the bonus);
 3. `SpecCache`: the round's branches keyed by the outcome (seq, n, t), with hit/miss counters;
-4. `AcceptanceTracker`: running estimates of the acceptance rate a and the power-law exponent r, so the
-   geometric fan-out can be refreshed from measurements after a warm-up.
+4. `AcceptanceTracker`: running estimates of the acceptance rate a and the power-law exponent r,
+   to refresh the geometric fan-out from measurements after a warm-up.
 
-Everything here is pure math or plain Python containers; the branches' KV state is the caller's
-(draft.py) business: the cache stores whatever opaque entry it is given and hands it back.
+Pure math and plain Python containers: an entry's KV state is the caller's (draft.py) business.
 """
 import math
 import numbers
@@ -19,15 +18,14 @@ from dataclasses import dataclass, field
 import torch
 
 # Used before any counters exist (assumptions, not measurements of this engine):
-# a: the paper's acceptance rate for Llama-3.1-70B / Llama-3.2-1B at temperature 1 with C = 1 (0.80).
+# a: the paper's acceptance rate, Llama-3.1-70B / Llama-3.2-1B at temperature 1 with C = 1.
 DEFAULT_A = 0.8
-# r: read off the paper's uniform fan-out hit rates, assuming they were measured with F = 3 at every depth,
-# where p_hit = 1 - 3^(-r): 0.582 at temperature 1 gives r ~ 0.79, 0.847 at temperature 0 gives r ~ 1.7.
-# We take the lower one: a smaller r gives a flatter (more cautious) geometric fan-out.
+# r: from the paper's uniform hit rates, p_hit = 1 - 3^(-r) if F = 3 at every depth: 0.582 at
+# temperature 1 gives r ~ 0.79, 0.847 at 0 gives ~1.7; the lower r gives a more cautious fan-out.
 DEFAULT_R = 0.8
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Fan-out: F_0..F_K with sum B
 
 def _check_budget(K, B):
@@ -46,8 +44,7 @@ def uniform_fan_out(K: int, B: int) -> list[int]:
 
 
 def _clamp_a(a):
-    # A measured acceptance rate can be exactly 0 or 1 (e.g. a few greedy rounds); the closed form needs
-    # 0 < a < 1 (a^(j/(1+r)) and (1-a)^(-1/(1+r))), so keep it strictly inside.
+    # a measured a can be exactly 0 or 1 (a few greedy rounds); the closed form needs 0 < a < 1
     return min(max(a, 0.01), 0.99)
 
 
@@ -70,9 +67,9 @@ def geometric_fan_out_real(a: float, r: float, K: int, B: int) -> list[float]:
 
 
 def round_to_budget(F_real: list[float], B: int) -> list[int]:
-    """Largest-remainder rounding: floor every F_j, then give the B - sum(floors) leftover units to the
-    largest fractional parts (ties: shallower depth first). The sum is exactly B; a depth whose real
-    F_j is below 0.5 may get 0 (and, rarely, one a little above 0.5 when many depths compete)."""
+    """Largest-remainder rounding: floor every F_j, then give the B - sum(floors) leftover units to
+    the largest fractional parts (ties: shallower depth first). The sum is exactly B; a depth whose
+    real F_j is below about 0.5 may get 0."""
     floors = [math.floor(f) for f in F_real]
     left = B - sum(floors)
     order = sorted(range(len(F_real)), key=lambda j: (-(F_real[j] - floors[j]), j))
@@ -82,62 +79,45 @@ def round_to_budget(F_real: list[float], B: int) -> list[int]:
 
 
 def geometric_fan_out(a: float, r: float, K: int, B: int) -> list[int]:
-    """The paper's geometric fan-out (Theorem 12), rounded to integers with sum exactly B.
-
-    With acceptance rate a, the accepted count n is capped-geometric: P(n = j) = (1-a) a^j for j < K and
-    P(n = K) = a^K. If the miss chance at a depth with F guesses follows the power law F^(-r)
-    (Definition 11), the cache hit rate is
-
-        p_hit(F) = sum_{j<K} (1-a) a^j (1 - F_j^(-r)) + a^K (1 - F_K^(-r)),
-
-    and maximising it subject to sum_j F_j = B (Lagrange: P(n=j) r F_j^(-r-1) is the same at every depth,
-    so F_j ∝ P(n=j)^(1/(1+r))) gives
+    """The paper's geometric fan-out (Theorem 12), rounded to integers with sum exactly B:
 
         F_j = F_0 a^(j/(1+r))                          for j < K,
-        F_K = F_0 a^(K/(1+r)) (1-a)^(-1/(1+r))         (all accepted: likelier than any single rejection),
+        F_K = F_0 a^(K/(1+r)) (1-a)^(-1/(1+r))         (all K accepted),
 
-    with F_0 such that the sum is B. The real vector is then rounded by `round_to_budget`.
-    a is clamped into [0.01, 0.99]; r > 0, K >= 0, B >= 1.
+    F_0 setting the sum to B. It maximises the hit rate when n is capped-geometric in a and a
+    depth with F guesses misses with chance F^(-r) (docs/design.md section 4). a is clamped into
+    [0.01, 0.99]; r > 0, K >= 0, B >= 1.
     """
     return round_to_budget(geometric_fan_out_real(a, r, K, B), B)
 
 
 def fan_out(spec, a: float, r: float, K: int, B: int) -> list[int]:
-    """The fan-out vector from a spec: "uniform", "geometric", or an explicit list of K+1 non-negative
-    ints (also accepted as a comma-separated string, e.g. "3,3,3"); an explicit list is returned as is,
-    and its sum is the budget (B is then ignored)."""
+    """The fan-out from a spec: "uniform", "geometric", or an explicit list of K+1 non-negative ints
+    (or a comma-separated string such as "3,3,3"), returned as is: its sum is the budget, not B."""
     if isinstance(spec, str) and spec in ("uniform", "geometric"):
         return uniform_fan_out(K, B) if spec == "uniform" else geometric_fan_out(a, r, K, B)
     if isinstance(spec, str):
         try:
             spec = [int(x) for x in spec.split(",")]
         except ValueError:
-            raise ValueError(f"fan-out must be 'uniform', 'geometric' or K+1 ints like '3,3,3', got {spec!r}") from None
+            raise ValueError(f"fan-out must be 'uniform', 'geometric' or K+1 ints like '3,3,3', "
+                             f"got {spec!r}") from None
     if not isinstance(spec, (list, tuple)):
-        raise ValueError(f"fan-out must be 'uniform', 'geometric' or a list of K+1 ints, got {spec!r}")
+        raise ValueError(f"fan-out must be 'uniform', 'geometric' or a list of K+1 ints, "
+                         f"got {spec!r}")
     if len(spec) != K + 1:
-        raise ValueError(f"an explicit fan-out needs K+1 = {K + 1} entries (depths 0..K), got {len(spec)}")
-    if not all(isinstance(f, numbers.Integral) and not isinstance(f, bool) and f >= 0 for f in spec):
+        raise ValueError(f"an explicit fan-out needs K+1 = {K + 1} entries (depths 0..K), "
+                         f"got {len(spec)}")
+    if not all(isinstance(f, numbers.Integral) and not isinstance(f, bool) and f >= 0
+               for f in spec):
         raise ValueError(f"an explicit fan-out must hold non-negative ints, got {list(spec)}")
     return [int(f) for f in spec]
 
 
-def expected_hit_rate(F: list, a: float, r: float) -> float:
-    """The model's p_hit for fan-out F (len K+1) at acceptance rate a (see `geometric_fan_out`).
-    A depth's hit chance 1 - F_j^(-r) is clipped at 0: a depth with no guesses (or, for real-valued F,
-    fewer than one) never hits. Real-valued F is allowed (tests compare against the unrounded optimum)."""
-    _check_a_r(a, r)
-    K = len(F) - 1
-    if K < 0:
-        raise ValueError("F must have K+1 >= 1 entries")
-    P = [(1 - a) * a ** j for j in range(K)] + [a ** K]  # P(n = j), capped geometric
-    return sum(p * max(0.0, 1 - f ** -r) if f > 0 else 0.0 for p, f in zip(P, F))
-
-
 def fit_power_law(F_values, miss_rates, default: float = DEFAULT_R) -> float:
-    """Least-squares fit of log(miss) = -r log(F) (a line through the origin: at F = 1 the model's miss
-    rate is 1). Points with F <= 1 (no slope information) or a miss rate outside (0, 1) are skipped.
-    Returns `default` when no point is left or the fit is not positive (hit rate not growing with F)."""
+    """Least-squares fit of log(miss) = -r log(F), a line through the origin (F = 1 always misses).
+    Points with F <= 1 or a miss rate outside (0, 1) are skipped. Returns `default` when no point
+    is left or the fit is not positive."""
     pts = [(math.log(f), math.log(m)) for f, m in zip(F_values, miss_rates) if f > 1 and 0 < m < 1]
     if not pts:
         return default
@@ -145,67 +125,52 @@ def fit_power_law(F_values, miss_rates, default: float = DEFAULT_R) -> float:
     return r if r > 0 else default
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Guess selection: at depth j the top-F_j tokens of the draft's distribution, excluding x_{j+1}
 
 def _check_F(F, K):
     if len(F) != K + 1 or any(f < 0 for f in F):
-        raise ValueError(f"F must hold K+1 = {K + 1} non-negative ints (depths 0..K), got {list(F)}")
+        raise ValueError(f"F must hold K+1 = {K + 1} non-negative ints (depths 0..K), "
+                         f"got {list(F)}")
 
 
 def select_guesses_batch(q_raw: torch.Tensor, drafted: torch.Tensor, F: list[int]) -> torch.Tensor:
-    """Guesses for b sequences at once. q_raw [b, K+1, V]: the draft's own (pre-Saguaro) scores at depths
-    0..K (probabilities or logits: only their order matters; at temperature 0 pass the softmax or the
-    logits, not a one-hot); drafted [b, K]: x_1..x_K. Returns LongTensor [b, K+1, max(F)], row i depth j
-    holding its top-F_j token ids in descending order, excluding drafted[i, j] for j < K, padded with -1
-    (also when F_j exceeds the V-1 (V at depth K) tokens available). Ties: torch.topk's order."""
+    """Guesses for b sequences. q_raw [b, K+1, V]: the draft's own (pre-Saguaro) scores at depths
+    0..K, probabilities or logits (only their order matters; at temperature 0 not a one-hot);
+    drafted [b, K]: x_1..x_K. Returns LongTensor [b, K+1, max(F)]: row i, depth j holds its
+    top-F_j token ids, descending, without drafted[i, j] (j < K), padded with -1.
+    Ties: torch.topk's order."""
     b, K1, V = q_raw.shape
     K = K1 - 1
     _check_F(F, K)
     if drafted.shape != (b, K):
-        raise ValueError(f"drafted must be [b, K] = [{b}, {K}] to match q_raw, got {list(drafted.shape)}")
+        raise ValueError(f"drafted must be [b, K] = [{b}, {K}] to match q_raw, "
+                         f"got {list(drafted.shape)}")
     maxF = max(F)
     if maxF == 0:
         return torch.full((b, K1, 0), -1, dtype=torch.long, device=q_raw.device)
-    # Take one extra candidate and drop the drafted token if it is among them: exclusion by position, so
-    # it also works when scores tie (e.g. -inf logits), where masking the score alone would not.
+    # one extra candidate, the drafted one dropped by position: masking its score fails on ties
     k = min(maxF + 1, V)
-    idx = q_raw.topk(k, dim=-1).indices                                              # [b, K+1, k]
-    excl = torch.cat([drafted, drafted.new_full((b, 1), -1)], dim=1)                  # [b, K+1]: nothing at depth K
-    keep = idx != excl.unsqueeze(-1)                                                  # [b, K+1, k]
-    rank = keep.cumsum(-1) - 1                                                        # rank among kept candidates
+    idx = q_raw.topk(k, dim=-1).indices                                   # [b, K+1, k]
+    excl = torch.cat([drafted, drafted.new_full((b, 1), -1)], dim=1)       # [b, K+1]: none at K
+    keep = idx != excl.unsqueeze(-1)                                       # [b, K+1, k]
+    rank = keep.cumsum(-1) - 1                                             # rank among kept
     Ft = torch.tensor(F, device=q_raw.device).view(1, K1, 1)
     keep &= rank < Ft
-    out = torch.full((b, K1, maxF + 1), -1, dtype=torch.long, device=q_raw.device)   # +1: a dump column
+    out = torch.full((b, K1, maxF + 1), -1, dtype=torch.long, device=q_raw.device)  # +1: a dump
     out.scatter_(-1, torch.where(keep, rank, maxF), torch.where(keep, idx, -1))
     return out[..., :maxF]
 
 
-def select_guesses(q_raw: torch.Tensor, drafted: torch.Tensor, F: list[int]) -> list[list[int]]:
-    """Guesses for ONE sequence: q_raw [K+1, V], drafted [K]. Returns, per depth j, the list of its top-F_j
-    token ids (descending), excluding drafted[j] for j < K; nothing is excluded at depth K."""
-    K = q_raw.shape[0] - 1
-    _check_F(F, K)
-    guesses = []
-    for j in range(K + 1):
-        k = min(F[j] + (j < K), q_raw.shape[1])
-        top = q_raw[j].topk(k).indices.tolist() if k > 0 else []
-        if j < K:
-            x = int(drafted[j])
-            top = [t for t in top if t != x]
-        guesses.append(top[:F[j]])
-    return guesses
-
-
 def guess_triples(q_raw: torch.Tensor, drafted: torch.Tensor, F: list[int]):
-    """All (row, depth j, guess token) triples of a batch, ordered by row, then depth, then rank: the list
-    of branches to fork. q_raw [b, K+1, V], drafted [b, K]. Returns (rows, depths, tokens), LongTensors [M]."""
+    """All (row, depth j, guess token) triples of a batch, ordered by row, depth, rank: the branches
+    to fork. q_raw [b, K+1, V], drafted [b, K]. Returns (rows, depths, tokens), LongTensors [M]."""
     g = select_guesses_batch(q_raw, drafted, F)  # [b, K+1, maxF]
     rows, depths, ranks = (g >= 0).nonzero(as_tuple=True)  # row-major: row, depth, rank
     return rows, depths, g[rows, depths, ranks]
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The cache and its counters
 
 @dataclass
@@ -243,11 +208,10 @@ class CacheStats:
 
 
 class SpecCache:
-    """One round's speculation cache: outcome (seq, n, t) -> the caller's entry (tokens, q', branch id...).
+    """One round's speculation cache: outcome (seq, n, t) -> the caller's entry.
 
-    `get` hands a hit's entry over to the caller and removes it, so `clear` returns exactly the entries
-    nobody claimed (the caller frees their KV branches); each entry comes back exactly once.
-    K (optional) bounds n and sizes the per-depth counters."""
+    `get` hands a hit's entry over and removes it, so `clear` returns exactly the unclaimed entries
+    (the caller frees their KV branches). K (optional) bounds n and sizes the per-depth counters."""
 
     def __init__(self, K: int | None = None):
         self.K = K
@@ -262,7 +226,8 @@ class SpecCache:
         self._check_n(n)
         key = (int(seq), int(n), int(t))
         if key in self.entries:
-            raise ValueError(f"outcome {key} is already cached this round; clear() the cache between rounds")
+            raise ValueError(f"outcome {key} is already cached this round; "
+                             f"clear() the cache between rounds")
         self.entries[key] = entry
         self.stats.entries += 1
 
@@ -274,7 +239,7 @@ class SpecCache:
         return entry
 
     def clear(self) -> list:
-        """Empty the cache for the next round; returns the unclaimed entries so their branches can be freed."""
+        """Empty the cache for the next round; returns the unclaimed entries (to free them)."""
         left = list(self.entries.values())
         self.entries.clear()
         return left
@@ -286,27 +251,31 @@ class SpecCache:
         return len(self.entries)
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Running estimates of a and r, to refresh the geometric fan-out from measurements
 
 def expected_tokens(a: float, K: int) -> float:
-    """Expected tokens per round (accepted + bonus) with acceptance rate a: (1 - a^(K+1)) / (1 - a)."""
+    """Expected tokens per round (accepted + bonus) at acceptance rate a:
+    (1 - a^(K+1)) / (1 - a)."""
     if not 0 <= a <= 1:
         raise ValueError(f"acceptance rate a must be in [0, 1], got {a}")
     return K + 1.0 if a == 1 else (1 - a ** (K + 1)) / (1 - a)
 
 
+def acceptance_trials(n: int, K: int) -> int:
+    """Bernoulli trials behind n accepted of K proposals: a round stops at the first rejection or
+    after K accepts, so n + 1 if n < K else K. a_hat = sum(n) / sum(trials) is the MLE of a."""
+    return n + 1 if n < K else K
+
+
 @dataclass
 class AcceptanceTracker:
-    """Running estimates for the geometric fan-out. Keep one per kind of proposal: the neural draft's and
-    the fast backup's acceptance rates differ (the latter gives the fan-out used after a fast round).
+    """Running estimates for the geometric fan-out; keep one per kind of proposal (the neural draft
+    and a fast backup accept at different rates).
 
-    a: the maximum-likelihood estimate under the capped-geometric model: a round with K proposals is a run
-    of Bernoulli(a) trials that stops at the first failure or after K successes, so
-    a_hat = sum(n) / sum(trials), trials = n + 1 if n < K else K.
-    r: `fit_power_law` over the cumulative miss rate at each fan-out value F seen at lookups (a depth
-    with F_n guesses misses with chance F_n^(-r)); F values with fewer than `min_lookups` are ignored.
-    Both fall back to DEFAULT_A / DEFAULT_R until there is data."""
+    a: sum(n) / sum(acceptance_trials(n, K)), the capped-geometric MLE.
+    r: `fit_power_law` over the cumulative miss rate at each fan-out value F seen at lookups (F
+    values with fewer than `min_lookups` ignored). DEFAULT_A / DEFAULT_R until there is data."""
     warmup: int = 20            # rounds before `ready` (refresh the fan-out after this many)
     min_lookups: int = 20
     accepted: int = 0
@@ -315,7 +284,7 @@ class AcceptanceTracker:
     lookups_by_F: dict = field(default_factory=dict)  # F -> [lookups, hits]
 
     def update(self, n, K: int):
-        """One round's accepted count n of K proposals: an int, or a list / tensor of per-sequence counts."""
+        """One round's accepted count n of K proposals: an int, or a list / tensor, one per row."""
         ns = n.tolist() if isinstance(n, torch.Tensor) else n
         for x in ([ns] if isinstance(ns, numbers.Integral) else ns):
             if not 0 <= x <= K:
@@ -323,7 +292,7 @@ class AcceptanceTracker:
             if K == 0:  # nothing was proposed: no information about a
                 continue
             self.accepted += x
-            self.trials += x + 1 if x < K else K
+            self.trials += acceptance_trials(x, K)
             self.rounds += 1
 
     def observe_lookup(self, F_n: int, hit: bool):
@@ -345,7 +314,3 @@ class AcceptanceTracker:
     @property
     def ready(self) -> bool:
         return self.rounds >= self.warmup
-
-    def fan_out(self, K: int, B: int) -> list[int]:
-        """The geometric fan-out from the current estimates."""
-        return geometric_fan_out(self.a(), self.r(), K, B)

@@ -1,12 +1,12 @@
-"""Verification: the target model tests the draft's K proposed tokens and emits n accepted ones plus a bonus.
+"""Verification: the target tests the draft's K proposed tokens and emits n accepted ones + a bonus.
 
 Read top to bottom:
-1. `accept_reject`: the standard speculative-decoding test (Leviathan et al. 2023; Chen et al. 2023) as a pure
-   function of the target's logits and the proposals, batched over rows. Each proposed token is tested with
-   the distribution it was actually drawn from (q, Saguaro's q', or one-hot for deterministic proposals), so
-   the emitted tokens follow the target's law exactly, whatever the draft did (docs/design.md section 9).
-2. `Verifier`: the target model with its paged KV cache. Each round is one forward over [r, x_1..x_K] for
-   every sequence at once, `accept_reject`, then a rollback (`truncate`) of the rejected tokens' K/V.
+1. `accept_reject`: the standard speculative-decoding test (Leviathan et al. 2023; Chen et al. 2023)
+   as a pure function of the target's logits and the proposals, batched over rows. Each token is tested
+   with the law it was drawn from (q, Saguaro's q', or one-hot for deterministic proposals), so the
+   output follows the target's law exactly, whatever the draft did (docs/design.md section 9).
+2. `Verifier`: the target with its paged KV cache. A round is one forward over [r, x_1..x_K] for every
+   row at once, `accept_reject`, then a rollback (`truncate`) of the rejected tokens' K/V.
 """
 import numbers
 
@@ -15,17 +15,18 @@ import torch
 from saguaro_sample import probs_from_logits, sample
 
 
-def accept_reject(target_logits: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Tensor,
-                  deterministic: torch.Tensor, temperature: float, generator: torch.Generator):
+def accept_reject(target_logits: torch.Tensor, draft_tokens: torch.Tensor, draft_probs, deterministic,
+                  temperature: float, generator: torch.Generator):
     """One round's verification outcome (n, t) for b rows.
 
-    target_logits [b, K+1, V]: the target's logits p_0..p_K (p_i is its next-token distribution after x_i).
+    target_logits [b, K+1, V]: the target's logits p_0..p_K (p_i: its next-token law after x_i).
     draft_tokens  [b, K] long: x_1..x_K.
-    draft_probs   [b, K, V]: the exact distributions x_1..x_K were drawn from (q, or Saguaro's q').
-    deterministic [b] bool: rows whose proposals were not sampled (greedy, n-gram, random backup): they are
-        tested with a one-hot q at x_i, and their draft_probs are ignored (may be garbage).
+    draft_probs   [b, K, V] or None: the exact laws x_1..x_K were drawn from (q, or Saguaro's q').
+        None when no row needs it (temperature 0, or every row deterministic).
+    deterministic [b] bool: rows whose proposals were not sampled (greedy, n-gram, random): tested
+        with a one-hot q at x_i; their draft_probs are ignored (may be garbage).
     generator: torch.Generator on the tensors' device (unused at temperature 0).
-    Returns n [b] long (accepted count, 0..K) and t [b] long (the bonus token); the round emits x_1..x_n, t.
+    Returns n [b] long (accepted, 0..K) and t [b] long (the bonus); the round emits x_1..x_n, t.
     """
     if target_logits.dim() != 3:
         raise ValueError(f"target_logits must be [b, K+1, V], got shape {list(target_logits.shape)}")
@@ -34,13 +35,18 @@ def accept_reject(target_logits: torch.Tensor, draft_tokens: torch.Tensor, draft
     if draft_tokens.shape != (b, K):
         raise ValueError(f"draft_tokens must be [b, K] = [{b}, {K}] to match target_logits, "
                          f"got {list(draft_tokens.shape)}")
-    if draft_probs.shape != (b, K, V):
-        raise ValueError(f"draft_probs must be [b, K, V] = [{b}, {K}, {V}], got {list(draft_probs.shape)}")
     if deterministic.shape != (b,) or deterministic.dtype != torch.bool:
         raise ValueError(f"deterministic must be a bool tensor [b] = [{b}], "
                          f"got {deterministic.dtype} {list(deterministic.shape)}")
     if not (isinstance(temperature, numbers.Real) and temperature >= 0):
         raise ValueError(f"temperature must be a number >= 0 (0 = greedy), got {temperature!r}")
+    if draft_probs is None:
+        if temperature > 0 and K > 0 and not bool(deterministic.all()):
+            raise ValueError("draft_probs is None but some rows were sampled: pass their laws q")
+        draft_probs = target_logits.new_zeros(()).expand(b, K, V)  # never read
+    elif draft_probs.shape != (b, K, V):
+        raise ValueError(f"draft_probs must be [b, K, V] = [{b}, {K}, {V}], "
+                         f"got {list(draft_probs.shape)}")
     x = draft_tokens.long()
 
     def first_failures(accepted):  # [b, K] bool -> [b]: how many accepted before the first rejection
@@ -93,39 +99,39 @@ class Verifier:
         self.model, self.temperature = model, temperature
         self.cache = model.new_cache(kv_tokens, block_size)
         self.gen = torch.Generator(device=model.device).manual_seed(seed)
+        self.seqs: list[int | None] = []  # per row: its sequence in the cache (None once finished)
+        self.last = None                   # [b] per row: r, the last bonus token, not yet cached
 
     def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
-        """Cache all prompt tokens and draw the first token t0 per row (round 0: no proposals)."""
+        """Cache all prompt tokens and draw each row's first token t0 (round 0: no proposals)."""
         self.seqs = [self.cache.new_seq() for _ in prompts]
         logits = self.model.forward_cached(self.cache, self.seqs, [x for p in prompts for x in p],
                                            [len(p) for p in prompts], last_only=True)  # [b, V]
-        self.last = self._bonus(logits[:, None, :])
+        b, V = logits.shape
+        none = torch.zeros(b, 0, dtype=torch.long, device=logits.device)
+        _, self.last = accept_reject(logits[:, None, :], none, None, torch.ones(b, dtype=torch.bool),
+                                     self.temperature, self.gen)
         return self.last.clone()
 
-    def _bonus(self, logits):
-        b, _, V = logits.shape
-        none = torch.zeros(b, 0, dtype=torch.long, device=logits.device)
-        _, t = accept_reject(logits, none, logits.new_zeros(b, 0, V), torch.ones(b, dtype=torch.bool),
-                             self.temperature, self.gen)
-        return t
-
     def verify(self, rows: list[int], tokens, q, deterministic):
-        """One round for `rows`: tokens [b, K] and q [b, K, V] are the proposals and the laws they were
-        drawn from. Returns (n [b], t [b]) and leaves the cache holding the accepted prefix."""
+        """One round for `rows`: tokens [b, K] are the proposals and q [b, K, V] (or None) the laws
+        they were drawn from. Returns (n [b], t [b]); the cache keeps r, x_1..x_n."""
         b, K = tokens.shape
         seqs = [self.seqs[r] for r in rows]
         start = [self.cache.length(s) for s in seqs]
-        inp = torch.cat([self.last[rows, None], tokens.to(self.last.device)], 1)  # [b, K+1]: r, x_1..x_K
-        logits = self.model.forward_cached(self.cache, seqs, inp.flatten(), [K + 1] * b).view(b, K + 1, -1)
-        n, t = accept_reject(logits, inp[:, 1:], q.to(logits.device), deterministic.to(logits.device),
+        inp = torch.cat([self.last[rows, None], tokens.to(self.last.device)], 1)  # [b, K+1]
+        logits = self.model.forward_cached(self.cache, seqs, inp.flatten(), [K + 1] * b)
+        logits = logits.view(b, K + 1, -1)                                          # [b, K+1, V]
+        q = None if q is None else q.to(logits.device)
+        n, t = accept_reject(logits, inp[:, 1:], q, deterministic.to(logits.device),
                              self.temperature, self.gen)
         for s, L, n_r in zip(seqs, start, n.tolist()):
-            self.cache.truncate(s, L + 1 + n_r)  # keep r, x_1..x_n: the rejected tokens never happened
+            self.cache.truncate(s, L + 1 + n_r)  # the rejected tokens never happened
         self.last[rows] = t
         return n, t
 
     def finish(self, rows):
+        """Free the KV of rows that ended (EOS or max_new_tokens)."""
         for r in rows:
-            if self.seqs[r] is not None:
-                self.cache.free(self.seqs[r])
-                self.seqs[r] = None
+            self.cache.free(self.seqs[r])
+            self.seqs[r] = None

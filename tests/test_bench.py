@@ -1,33 +1,57 @@
-"""bench.py: the theory gives hand-computed values; prompts are deterministic; a tiny end-to-end run prints a
-JSON line with every engine's figures."""
+"""bench.py: the theory gives hand-computed values; prompts are deterministic; the engine's
+defaults are run.generate's; a tiny end-to-end run prints a JSON line with every engine's
+figures."""
+import inspect
 import json
 
 import pytest
 
 import bench
 from conftest import make_checkpoint
+from run import generate
 
 
 def test_theory_known_values():
-    # T_ar 10 ms; SD's round 15 ms -> T_SD = 0.5; 2 neural fallback rounds cost 2 * 5 ms of the 70 ms busy,
-    # so T_p = 60 ms / 10 rounds / 10 ms = 0.6, T_b = 0.5; the verifier's own time (120 - 20) / 10 = 10 ms -> c = 1
-    m = bench.Measured(T_ar=0.01, rounds=10, decode_s=0.12, wait_s=0.02, busy_s=0.07, p_hit=0.8, E_hit=3.0,
-                       E_miss=2.0, b=1, neural_rounds=2, fast_rounds=0, sd_round=0.015, E_sd=3.0)
+    # T_ar 10 ms; SD's round 15 ms -> T_SD = 0.5; 2 neural fallback rounds cost 2 * 5 ms of the
+    # 70 ms busy, so T_p = 60 ms / 10 rounds / 10 ms = 0.6, T_b = 0.5; the verifier's own time
+    # (120 - 20) / 10 = 10 ms -> c = 1
+    m = bench.Measured(T_ar=0.01, rounds=10, decode_s=0.12, wait_s=0.02, busy_s=0.07, p_hit=0.8,
+                       E_hit=3.0, E_miss=2.0, b=1, neural_rounds=2, fast_rounds=0, sd_round=0.015,
+                       E_sd=3.0)
     t = bench.theory(m)
-    assert t["T_SD"] == pytest.approx(0.5) and t["T_b"] == pytest.approx(0.5) and t["T_p"] == pytest.approx(0.6)
-    assert t["c"] == pytest.approx(1.0)
-    # Theorem 7: (0.8 * 3 + 0.2 * 2) / (0.8 * max(1, 0.6) + 0.2 * (1 + 0.5)) = 2.8 / 1.1; SD: 3 / 1.5
+    assert t["T_SD"] == pytest.approx(0.5) and t["T_b"] == pytest.approx(0.5)
+    assert t["T_p"] == pytest.approx(0.6) and t["c"] == pytest.approx(1.0)
+    # Theorem 7: (0.8 * 3 + 0.2 * 2) / (0.8 * max(1, 0.6) + 0.2 * (1 + 0.5)) = 2.8 / 1.1;
+    # SD: 3 / 1.5
     assert t["ssd_pred"] == pytest.approx(2.8 / 1.1) and t["ssd_pred_c"] == pytest.approx(2.8 / 1.1)
     assert t["sd_pred"] == pytest.approx(2.0)
-    assert t["sd_bound"] == pytest.approx(1.5)  # SD's round 1.5 AR steps over the verifier's 1: SSD/SD <= 1.5
+    # SD's round 1.5 AR steps over the verifier's 1: SSD/SD <= 1.5
+    assert t["sd_bound"] == pytest.approx(1.5)
     # Corollary 16, b = 2: w = 0.64 -> 2.8 / (0.64 + 0.36 * 1.5)
-    assert bench.theory(bench.Measured(**{**vars(m), "b": 2}))["ssd_pred"] == pytest.approx(2.8 / 1.18)
-    # a verification that costs two AR steps (c = 2) halves the time unit: 2.8 / (0.8 + 0.2 * 1.25) / 2
+    tb = bench.theory(bench.Measured(**{**vars(m), "b": 2}))
+    assert tb["ssd_pred"] == pytest.approx(2.8 / 1.18)
+    # a verification that costs two AR steps (c = 2) halves the time unit:
+    # 2.8 / (0.8 + 0.2 * 1.25) / 2
     t2 = bench.theory(bench.Measured(**{**vars(m), "decode_s": 0.22}))
     assert t2["c"] == pytest.approx(2.0) and t2["ssd_pred_c"] == pytest.approx(2.8 / 1.05 / 2)
     # fast backups cost nothing on the verifier's path and their rounds are not subtracted from busy
     t3 = bench.theory(bench.Measured(**{**vars(m), "neural_rounds": 0, "fast_rounds": 2}))
     assert t3["T_b"] == 0 and t3["T_p"] == pytest.approx(0.7)
+
+
+def test_defaults_are_run_generates():
+    run = {n: p.default for n, p in inspect.signature(generate).parameters.items()}
+    assert bench.DEFAULTS == {n: run[n] for n in ("k", "budget", "fallback")}
+    a = bench.parse_args([])
+    assert (a.target, a.draft, a.dtype) == (run["target"], run["draft"], run["dtype"])
+    assert (a.k, a.budget, a.fallback) == ([run["k"]], [run["budget"]], [run["fallback"]])
+    assert (a.fan_out, a.saguaro_c) == ([run["fan_out"]], [run["saguaro_c"]])
+    cfg = bench.Config("ssd", 0.0, 1)
+    assert (cfg.fan_out, cfg.budget, cfg.saguaro_c, cfg.fallback) == \
+        (run["fan_out"], run["budget"], run["saguaro_c"], run["fallback"])
+    # the tuner's grid holds the defaults it compares against
+    assert run["k"] in bench.TUNE_K and run["budget"] in bench.TUNE_BUDGET
+    assert run["fallback"] in bench.TUNE_FALLBACK
 
 
 def test_prompts_deterministic_and_batches():
@@ -55,8 +79,9 @@ def test_prompt_file(tmp_path):
 def test_smoke_json_line(tmp_path, capsys):
     target = make_checkpoint(tmp_path / "t", "llama")
     draft = make_checkpoint(tmp_path / "d", "llama", seed=1, num_hidden_layers=1)
-    rc = bench.main(["--target", str(target), "--draft", str(draft), "--prompts", "1", "--max-new-tokens", "8",
-                     "--repeats", "1", "--warmup", "0", "--cores", "1", "--k", "2", "--budget", "3"])
+    rc = bench.main(["--target", str(target), "--draft", str(draft), "--prompts", "1",
+                     "--max-new-tokens", "8", "--repeats", "1", "--warmup", "0", "--cores", "1",
+                     "--k", "2", "--budget", "3"])
     assert rc == 0
     out = capsys.readouterr().out.strip().splitlines()
     res = json.loads(out[-1])
@@ -65,6 +90,8 @@ def test_smoke_json_line(tmp_path, capsys):
     assert set(rows) == set(bench.MODES)
     for r in rows.values():
         assert r["decode_tok_s"] > 0 and r["new_tokens"] == 8 and r["speedup_vs_ar"] is not None
-    assert {"cache_hit_rate", "verifier_wait_pct", "draft_busy_pct", "tokens_per_round_hit", "b_star"} <= set(rows["ssd"])
-    assert {"ssd_pred", "ssd_pred_c", "sd_pred", "sd_bound", "T_p", "T_b", "c", "b_star"} <= set(rows["ssd"]["theory"])
+    assert {"cache_hit_rate", "verifier_wait_pct", "draft_busy_pct", "tokens_per_round_hit",
+            "b_star"} <= set(rows["ssd"])
+    assert {"ssd_pred", "ssd_pred_c", "sd_pred", "sd_bound", "T_p", "T_b", "c",
+            "b_star"} <= set(rows["ssd"]["theory"])
     assert any(line.startswith("ssd@1+1t") for line in out)  # the table's row label

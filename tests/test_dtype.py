@@ -30,12 +30,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import bench
+import channel
 import model
 import run
+import tp
 import verify as verify_module
+from channel import speculator_main
 from model import (DTYPES, FP32_REDUCE_MAX, MM_FP32_OUT, TP, Transformer, all_reduce, load_model, matmul_fp32,
                    resolve, resolve_dtype)
-from run import GenerateResult, generate, same_gpu, speculator_main, tp_worker_main
+from run import GenerateResult, generate, same_gpu
+from tp import tp_worker_main
 
 torch.set_num_threads(1)
 
@@ -187,13 +191,15 @@ def test_processes_receive_the_dtype(monkeypatch):
         started.append((target, inspect.signature(target).bind(*args).arguments))
         raise Spawned
 
-    monkeypatch.setattr(run, "start_child", start_child)
+    monkeypatch.setattr(channel, "start_child", start_child)  # the speculator starts from channel.py
+    monkeypatch.setattr(tp, "start_child", start_child)  # TPWorkers starts the ranks from tp.py
     with pytest.raises(Spawned):
         generate([[0, 5, 6]], mode="ssd", dtype="bfloat16", **{**KW, "max_new_tokens": 2})
     with pytest.raises(Spawned):
         generate([[0, 5, 6]], mode="ar", dtype="float16", target_devices=["cpu", "cpu"], **{**KW, "max_new_tokens": 2})
     (spec, spec_args), (worker, worker_args) = started
-    assert spec is speculator_main and spec_args["draft"] == "tiny-draft" and spec_args["dtype"] == torch.bfloat16
+    cfg = spec_args["cfg"]  # the DraftConfig the speculator loads its draft from
+    assert spec is speculator_main and cfg.name == "tiny-draft" and cfg.dtype == torch.bfloat16
     assert worker is tp_worker_main and worker_args["rank"] == 1 and worker_args["dtype"] == torch.float16
 
 

@@ -10,7 +10,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from fallback import (DEFAULT_A, DEFAULT_E_F, DEFAULT_K, DEFAULT_P_HIT, DEFAULT_T_F, DEFAULT_T_P,  # noqa: E402
                       choose_fallback, critical_batch_size, default_critical_batch_size, expected_tokens,
-                      ngram_propose, predicted_sd_speedup, predicted_speedup, random_propose)
+                      ngram_propose, predicted_sd_speedup, predicted_speedup, propose, random_propose)
 
 torch.set_num_threads(1)
 
@@ -154,3 +154,29 @@ def test_choose_fallback():
         choose_fallback("eagle", 1, 4)
     with pytest.raises(ValueError, match="ngram' or 'random"):
         choose_fallback("auto", 1, 4, fast="neural")
+
+
+# ----------------------------------------------------------------------------------------------------
+# propose: the one call a miss makes
+
+def test_propose_picks_and_runs_the_backup():
+    histories, K, V = [[1, 2, 3, 1, 2], [5, 6, 5]], 3, 50
+    calls = []
+
+    def neural():
+        calls.append(1)
+        return torch.zeros(2, K, dtype=torch.long), torch.full((2, K, V), 1 / V), torch.full((2, K + 1, V), 1 / V)
+
+    g = torch.Generator().manual_seed(0)
+    # below b* the neural draft proposes, with its laws
+    b = propose("auto", 1, 2, histories, K, V, g, neural)
+    assert b.kind == "neural" and calls == [1] and b.q.shape == (2, K, V) and b.q_raw.shape == (2, K + 1, V)
+    # from b* on the n-gram backup: its tokens, deterministic (no laws), the draft not run
+    b = propose("auto", 2, 2, histories, K, V, g, neural)
+    assert b.kind == "ngram" and calls == [1] and b.q is None and b.q_raw is None
+    assert b.tokens.tolist() == [ngram_propose(h, K) for h in histories]
+    b = propose("random", 1, None, histories, K, V, g, neural)
+    assert b.kind == "random" and b.q is None and b.tokens.shape == (2, K) and int(b.tokens.max()) < V
+    assert propose("auto", 5, 2, histories, K, V, g, neural, fast="random").kind == "random"
+    with pytest.raises(ValueError, match="fallback policy"):
+        propose("magic", 1, None, histories, K, V, g, neural)

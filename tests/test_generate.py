@@ -224,6 +224,8 @@ def test_sd_law_negative_control_wrong_q(small_vocab, monkeypatch):
     orig = verify.accept_reject
 
     def wrong_q(target_logits, draft_tokens, draft_probs, deterministic, temperature, generator):
+        if draft_probs is None:  # the prefill's first token: nothing proposed
+            return orig(target_logits, draft_tokens, None, deterministic, temperature, generator)
         uniform = torch.full_like(draft_probs, 1.0 / draft_probs.shape[-1])
         return orig(target_logits, draft_tokens, uniform, deterministic, temperature, generator)
 

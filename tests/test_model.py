@@ -48,7 +48,7 @@ def qwen(ckpts):
     return load_model(ckpts["qwen3"])[0]
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # 1. Full forward vs transformers
 
 def hf_logits(path, tokens):
@@ -59,7 +59,8 @@ def hf_logits(path, tokens):
 @pytest.mark.parametrize("kind", ["llama", "llama_tied_rope", "qwen3"])
 def test_full_forward_matches_transformers(ckpts, kind):
     path = ckpts[kind]
-    tokens = torch.stack([rand_tokens(64, 1), rand_tokens(64, 2)])  # [2, 64]: past the original 32 of llama3
+    # [2, 64]: past the original 32 of llama3
+    tokens = torch.stack([rand_tokens(64, 1), rand_tokens(64, 2)])
     model, _ = load_model(path)
     with torch.no_grad():
         ours = model(tokens)
@@ -77,14 +78,16 @@ def test_full_forward_matches_transformers(ckpts, kind):
 
 
 def test_llama3_scaling_covers_all_three_bands(ckpts):
-    """The rope_scaling checkpoint exercises high (kept), medium (smoothed) and low (divided) frequencies,
-    and ignoring the scaling changes the logits past the original context (so the test above can fail)."""
+    """The rope_scaling checkpoint exercises high (kept), medium (smoothed) and low (divided)
+    frequencies, and ignoring the scaling changes the logits past the original context (so the
+    test above can fail)."""
     model, _ = load_model(ckpts["llama_tied_rope"])
     cfg = model.config
     plain = ModelConfig(**{**cfg.__dict__, "rope_scaling": None})
     ratio = rope_inv_freq(cfg) / rope_inv_freq(plain)
     factor = cfg.rope_scaling["factor"]
-    assert (ratio == 1).any() and (ratio == 1 / factor).any() and ((ratio > 1 / factor) & (ratio < 1)).any()
+    assert (ratio == 1).any() and (ratio == 1 / factor).any()
+    assert ((ratio > 1 / factor) & (ratio < 1)).any()
     tokens = rand_tokens(64, 3)[None]
     ref = hf_logits(ckpts["llama_tied_rope"], tokens)
     model.inv_freq = rope_inv_freq(plain)  # negative control: no scaling
@@ -105,7 +108,8 @@ def test_sharded_checkpoint(tmp_path, kind):
 
 
 def to_legacy(cfg: dict) -> dict:
-    """transformers >= 5 "rope_parameters" -> released checkpoints' top-level rope_theta + rope_scaling."""
+    """transformers >= 5 "rope_parameters" -> released checkpoints' top-level rope_theta +
+    rope_scaling."""
     cfg = dict(cfg)
     rope = dict(cfg.pop("rope_parameters", None) or {})
     if rope:
@@ -132,11 +136,12 @@ def test_legacy_config_format(tmp_path, kind):
 KIND_THETA = {"llama_tied_rope": 10000.0, "qwen3": 1000000.0}
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # 2. Cached decoding
 
 def run_steps(model, cache, sid, tokens, steps):
-    """Feed `tokens` to one sequence in chunks of `steps`; -> logits of every token [len(tokens), V]."""
+    """Feed `tokens` to one sequence in chunks of `steps`; -> logits of every token
+    [len(tokens), V]."""
     out, i = [], 0
     for n in steps:
         out.append(model.forward_cached(cache, [sid], tokens[i:i + n], [n]))
@@ -155,7 +160,7 @@ def full(model, tokens):
 def test_cached_decoding_matches_full_forward(request, which, block_size):
     model = request.getfixturevalue(which)
     tokens = rand_tokens(20, 6)
-    steps = [5, 1, 1, 1, 3, 3, 4, 1, 1]  # prefill, single tokens, K+1-token verify steps, across blocks
+    steps = [5, 1, 1, 1, 3, 3, 4, 1, 1]  # prefill, single tokens, K+1-token verifies, across blocks
     cache = model.new_cache(64, block_size)
     with torch.no_grad():
         cached = run_steps(model, cache, cache.new_seq(), tokens, steps)
@@ -166,7 +171,8 @@ def test_cached_decoding_matches_full_forward(request, which, block_size):
 def test_ragged_batch_equals_one_by_one(llama):
     """Three sequences with different counts in each call equal the same sequences run alone."""
     seqs = [rand_tokens(12, 10 + i) for i in range(3)]
-    rounds = [[5, 2, 7], [1, 3, 2], [3, 1, 1], [1, 4, 1], [2, 2, 1]]  # per call, the count of each sequence
+    # per call, the count of each sequence
+    rounds = [[5, 2, 7], [1, 3, 2], [3, 1, 1], [1, 4, 1], [2, 2, 1]]
     cache = llama.new_cache(64, 3)
     sids = [cache.new_seq() for _ in seqs]
     pos, batched = [0, 0, 0], [[], [], []]
@@ -181,7 +187,8 @@ def test_ragged_batch_equals_one_by_one(llama):
         for i, s in enumerate(seqs):
             n = pos[i]
             alone_cache = llama.new_cache(64, 3)
-            alone = run_steps(llama, alone_cache, alone_cache.new_seq(), s[:n], [c[i] for c in rounds])
+            alone = run_steps(llama, alone_cache, alone_cache.new_seq(), s[:n],
+                              [c[i] for c in rounds])
             got = torch.cat(batched[i])
             assert max_diff(got, alone) < TOL
             assert max_diff(got, full(llama, s[:n])) < TOL
@@ -205,7 +212,7 @@ def test_last_only(llama):
             assert max_diff(last[i], full(llama, torch.cat([seqs[i], nxt[i]]))[-1]) < TOL
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # 3. Rollback, fork, copy on write, the allocator
 
 def step(model, cache, sid, tokens):
@@ -214,7 +221,8 @@ def step(model, cache, sid, tokens):
 
 
 def check(model, cache, sid, history, new):
-    """Append `new` to sequence sid (whose tokens so far are `history`) and compare with a fresh forward."""
+    """Append `new` to sequence sid (whose tokens so far are `history`) and compare with a fresh
+    forward."""
     got = step(model, cache, sid, new)
     ref = full(model, torch.cat([history, new]))[len(history):]
     assert max_diff(got, ref) < TOL
@@ -290,7 +298,8 @@ def test_fork_isolates_parent_and_child(llama):
 
 
 def test_fork_then_truncate_parent_mid_block_copies_on_write(llama):
-    """Truncating the parent into a block it shares with a fork, then appending, must copy that block."""
+    """Truncating the parent into a block it shares with a fork, then appending, must copy that
+    block."""
     bs = 4
     cache = llama.new_cache(64, bs)
     parent = cache.new_seq()
@@ -322,7 +331,7 @@ def test_exhaustion_names_kv_tokens(llama):
     with pytest.raises(RuntimeError) as e:
         step(llama, cache, sid, rand_tokens(1, 81))
     assert "kv_tokens" in str(e.value) and "\n" not in str(e.value)
-    with pytest.raises(RuntimeError, match="kv_tokens"):  # a fork of a partial block needs a block too
+    with pytest.raises(RuntimeError, match="kv_tokens"):  # forking a partial block needs a block
         cache.fork(sid, 7)
 
 
@@ -352,7 +361,7 @@ def test_fork_copy_on_write_takes_the_last_block(llama):
     cache = llama.new_cache(16, 4)  # 4 blocks
     sid = cache.new_seq()
     step(llama, cache, sid, rand_tokens(10, 84))  # 3 blocks, 1 free
-    child = cache.fork(sid, 6)  # shares block 0, copies the partial block 1 into the last free block
+    child = cache.fork(sid, 6)  # shares block 0, copies the partial block 1 into the last free one
     assert cache.num_free_blocks() == 0
     before = cache_state(cache)
     with pytest.raises(RuntimeError, match="1 more blocks.*0 of 4 free"):
@@ -363,7 +372,7 @@ def test_fork_copy_on_write_takes_the_last_block(llama):
     other = cache.new_seq()
     cache.append(other, 1)     # takes it: the cache is full again
     before = cache_state(cache)
-    with pytest.raises(RuntimeError, match="kv_tokens"):  # the copy on write of an append needs a block
+    with pytest.raises(RuntimeError, match="kv_tokens"):  # an append's copy on write needs a block
         cache.append(sid, 1)
     assert cache_state(cache) == before
     for s in (sid, child, edge, other):
@@ -371,7 +380,7 @@ def test_fork_copy_on_write_takes_the_last_block(llama):
     assert all_returned(cache)
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # 4. Loader errors and defaults
 
 def rewrite_weights(path, edit):
@@ -397,7 +406,8 @@ def test_missing_tensor(make_ckpt):
 
 def test_unexpected_tensor(make_ckpt):
     path = make_ckpt("qwen3")
-    rewrite_weights(path, lambda w: w.update({"model.layers.0.self_attn.extra.weight": torch.zeros(3)}))
+    rewrite_weights(path, lambda w: w.update({"model.layers.0.self_attn.extra.weight":
+                                              torch.zeros(3)}))
     with pytest.raises(ValueError) as e:
         load_model(path)
     one_line(e, "unexpected", "model.layers.0.self_attn.extra.weight")

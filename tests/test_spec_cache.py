@@ -1,4 +1,5 @@
-"""Fan-out (Theorem 12), guess selection, the speculation cache and the running estimates of a and r."""
+"""Fan-out (Theorem 12), guess selection, the speculation cache and the running estimates of a
+and r."""
 import math
 import os
 import random
@@ -8,15 +9,24 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from spec_cache import (AcceptanceTracker, CacheStats, SpecCache, expected_hit_rate, expected_tokens,  # noqa: E402
-                        fan_out, fit_power_law, geometric_fan_out, geometric_fan_out_real, guess_triples,
-                        select_guesses, select_guesses_batch, uniform_fan_out)
+from spec_cache import (AcceptanceTracker, CacheStats, SpecCache, acceptance_trials,  # noqa: E402
+                        expected_tokens, fan_out, fit_power_law, geometric_fan_out,
+                        geometric_fan_out_real, guess_triples, select_guesses_batch,
+                        uniform_fan_out)
 
 torch.set_num_threads(1)
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Fan-out
+
+def expected_hit_rate(F: list, a: float, r: float) -> float:
+    """The model's p_hit for fan-out F (len K+1; real values allowed) at acceptance rate a:
+    sum_j P(n = j) (1 - F_j^(-r)), P capped-geometric; a depth's hit chance is clipped at 0."""
+    K = len(F) - 1
+    P = [(1 - a) * a ** j for j in range(K)] + [a ** K]  # P(n = j), capped geometric
+    return sum(p * max(0.0, 1 - f ** -r) if f > 0 else 0.0 for p, f in zip(P, F))
+
 
 def closed_form(a, r, K, B):
     """Theorem 12 written out independently of the module."""
@@ -24,8 +34,8 @@ def closed_form(a, r, K, B):
     return [B * x / sum(w) for x in w]
 
 
-@pytest.mark.parametrize("a,r,K,B", [(0.8, 0.8, 7, 24), (0.5, 0.3, 3, 10), (0.95, 2.0, 10, 50), (0.2, 1.0, 1, 5),
-                                     (0.7, 0.5, 0, 4)])
+@pytest.mark.parametrize("a,r,K,B", [(0.8, 0.8, 7, 24), (0.5, 0.3, 3, 10), (0.95, 2.0, 10, 50),
+                                     (0.2, 1.0, 1, 5), (0.7, 0.5, 0, 4)])
 def test_geometric_matches_theorem_12(a, r, K, B):
     F = geometric_fan_out_real(a, r, K, B)
     assert F == pytest.approx(closed_form(a, r, K, B), rel=1e-12)
@@ -61,7 +71,8 @@ def test_geometric_maximises_hit_rate_locally(a, r, K):
     U = [B / (K + 1)] * (K + 1)
     u = expected_hit_rate(U, a, r)
     assert u < best
-    assert any(expected_hit_rate([f + x for f, x in zip(U, d)], a, r) > u for d in perturbations(K + 1, 200, eps=0.5))
+    assert any(expected_hit_rate([f + x for f, x in zip(U, d)], a, r) > u
+               for d in perturbations(K + 1, 200, eps=0.5))
 
 
 @pytest.mark.parametrize("a", [0.0, 1e-6, 0.01, 0.3, 0.8, 0.99, 0.999999, 1.0])
@@ -75,7 +86,8 @@ def test_geometric_rounding_keeps_budget(a, r, K):
         real = geometric_fan_out_real(a, r, K, B)
         assert len(F) == K + 1 and sum(F) == B
         assert all(isinstance(f, int) and f >= 0 for f in F)
-        assert all(math.floor(x) <= f <= math.floor(x) + 1 for f, x in zip(F, real))  # floor or floor + 1
+        # floor or floor + 1
+        assert all(math.floor(x) <= f <= math.floor(x) + 1 for f, x in zip(F, real))
         assert all(f >= 1 for f, x in zip(F, real) if x >= 1)
 
 
@@ -90,7 +102,8 @@ def test_geometric_rounding_is_largest_remainder():
 def test_geometric_clamps_a_and_validates():
     assert geometric_fan_out(0.0, 0.8, 5, 12) == geometric_fan_out(0.01, 0.8, 5, 12)
     assert geometric_fan_out(1.0, 0.8, 5, 12) == geometric_fan_out(0.99, 0.8, 5, 12)
-    for args, msg in [((1.5, 0.8, 5, 12), "acceptance rate"), ((-0.1, 0.8, 5, 12), "acceptance rate"),
+    for args, msg in [((1.5, 0.8, 5, 12), "acceptance rate"),
+                      ((-0.1, 0.8, 5, 12), "acceptance rate"),
                       ((0.8, 0.0, 5, 12), "exponent r"), ((0.8, float("inf"), 5, 12), "exponent r"),
                       ((0.8, 0.8, -1, 12), "K must"), ((0.8, 0.8, 5, 0), "budget B")]:
         with pytest.raises(ValueError, match=msg):
@@ -104,7 +117,8 @@ def test_uniform_fan_out():
     for K in range(10):
         for B in range(1, 40):
             F = uniform_fan_out(K, B)
-            assert len(F) == K + 1 and sum(F) == B and max(F) - min(F) <= 1 and F == sorted(F, reverse=True)
+            assert len(F) == K + 1 and sum(F) == B and max(F) - min(F) <= 1
+            assert F == sorted(F, reverse=True)
 
 
 def test_fan_out_spec():
@@ -131,8 +145,22 @@ def test_expected_hit_rate():
     assert expected_hit_rate([0, 0, 4], 0.6, 1.0) == pytest.approx(0.36 * 0.75)
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Guess selection
+
+def select_guesses(q_raw, drafted, F):
+    """The single-sequence reference: q_raw [K+1, V], drafted [K] -> per depth j its top-F_j token
+    ids (descending), without drafted[j] for j < K; nothing is excluded at depth K."""
+    K = q_raw.shape[0] - 1
+    guesses = []
+    for j in range(K + 1):
+        k = min(F[j] + (j < K), q_raw.shape[1])
+        top = q_raw[j].topk(k).indices.tolist() if k > 0 else []
+        if j < K:
+            top = [t for t in top if t != int(drafted[j])]
+        guesses.append(top[:F[j]])
+    return guesses
+
 
 def brute_force_guesses(q, drafted, F):
     K = q.shape[0] - 1
@@ -178,7 +206,8 @@ def test_depth_K_excludes_nothing():
     # asking for the whole vocabulary: V-1 tokens at a rejection depth, all V at depth K
     full = select_guesses_batch(q[None], drafted[None], [V] * (K + 1))[0]
     for j in range(K):
-        assert sorted(t for t in full[j].tolist() if t >= 0) == [t for t in range(V) if t != int(drafted[j])]
+        got = sorted(t for t in full[j].tolist() if t >= 0)
+        assert got == [t for t in range(V) if t != int(drafted[j])]
     assert sorted(full[K].tolist()) == list(range(V))
 
 
@@ -224,7 +253,7 @@ def test_guess_validation():
     assert rows.numel() == 0
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The cache
 
 def test_spec_cache_put_get_clear_and_counters():
@@ -259,12 +288,13 @@ def test_spec_cache_without_K_grows_depth_counters():
     c.put(0, 0, 5, "round 0")
     assert c.get(0, 0, 5) == "round 0"
     assert c.get(0, 4, 1) is None
-    assert c.stats.lookups_per_depth == [1, 0, 0, 0, 1] and c.stats.hits_per_depth == [1, 0, 0, 0, 0]
+    assert c.stats.lookups_per_depth == [1, 0, 0, 0, 1]
+    assert c.stats.hits_per_depth == [1, 0, 0, 0, 0]
     with pytest.raises(ValueError, match="accepted count"):
         c.get(0, -1, 5)
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Running estimates
 
 def test_fit_power_law_recovers_r():
@@ -276,14 +306,24 @@ def test_fit_power_law_recovers_r():
     miss = [float(torch.bernoulli(torch.full((N,), f ** -0.7), generator=g).mean()) for f in Fs]
     assert fit_power_law(Fs, miss) == pytest.approx(0.7, abs=0.02)
     assert fit_power_law([], [], default=0.3) == 0.3
-    assert fit_power_law([1, 1], [1.0, 1.0], default=0.3) == 0.3  # no slope information: the default
+    assert fit_power_law([1, 1], [1.0, 1.0], default=0.3) == 0.3  # no slope information
     assert fit_power_law([4, 8], [1.0, 0.0], default=0.3) == 0.3  # rates outside (0, 1) are skipped
 
 
 def simulate_rounds(a, K, rounds, seed):
     g = torch.Generator().manual_seed(seed)
     acc = torch.rand(rounds, K, generator=g) < a                # [rounds, K] i.i.d. acceptances
-    return acc.long().cumprod(1).sum(1)                         # n = accepted before the first rejection
+    return acc.long().cumprod(1).sum(1)                         # n = accepted before a rejection
+
+
+def test_acceptance_trials():
+    # n accepted of K: n + 1 trials (the last one the rejection), or K when all K were accepted
+    assert [acceptance_trials(n, 3) for n in range(4)] == [1, 2, 3, 3]
+    assert acceptance_trials(0, 1) == 1 and acceptance_trials(1, 1) == 1
+    assert acceptance_trials(0, 0) == 0  # nothing proposed: no trial
+    t = AcceptanceTracker()
+    t.update([0, 3, 1], 3)
+    assert (t.accepted, t.trials) == (4, 1 + 3 + 2)
 
 
 def test_acceptance_tracker_estimates_a():
@@ -301,7 +341,8 @@ def test_acceptance_tracker_estimates_a():
     sigma = math.sqrt(a * (1 - a) / t.trials)   # MLE standard error
     assert abs(t.a() - a) < 4 * sigma
     assert t.expected_tokens(K) == pytest.approx(expected_tokens(t.a(), K))
-    # negative controls fail the same bound: ignoring the cap (n + 1 trials even when n = K), and mean(n)/K
+    # negative controls fail the same bound: ignoring the cap (n + 1 trials even when n = K),
+    # and mean(n) / K
     uncapped = float(n.sum()) / float((n + 1).sum())
     assert abs(uncapped - a) > 4 * sigma
     assert abs(float(n.float().mean()) / K - a) > 4 * sigma
@@ -319,7 +360,9 @@ def test_acceptance_tracker_estimates_r_and_fan_out():
     t.observe_lookup(64, True)  # too few lookups at F = 64: ignored
     assert t.r() == pytest.approx(0.6, abs=0.05)
     t.update([0, 3, 1], 3)
-    assert t.fan_out(3, 12) == geometric_fan_out(t.a(), t.r(), 3, 12)
+    assert t.a() == 4 / 6  # trials 1 + 3 + 2
+    F = geometric_fan_out(t.a(), t.r(), 3, 12)
+    assert sum(F) == 12 and F == geometric_fan_out(4 / 6, 0.6, 3, 12)
 
 
 def test_expected_tokens():

@@ -8,6 +8,8 @@
    and serial), and the same sampled tokens at temperature > 0 (q travels to the worker).
 3. A split that does not divide the heads is refused with one line naming the numbers and the valid sizes;
    a worker rank that dies makes the next call fail and close() name the rank, leaving no process behind.
+4. The call protocol is generic: TPVerifier.call forwards any Verifier method, tensors travel by
+   themselves (not pickled), an empty finish sends nothing, and close() ends the workers with "stop".
 """
 import os
 import shutil
@@ -19,8 +21,11 @@ import torch.multiprocessing as mp
 from conftest import make_checkpoint
 from safetensors.torch import load_file, save_file
 
+import tp
 from model import TP, Transformer, load_model
-from run import TPVerifier, TPWorkers, generate, tp_init, tp_store
+from run import generate
+from tp import TensorArg, TPVerifier, TPWorkers, broadcast_header, tp_init, tp_store
+from verify import Verifier
 
 TOL = 1e-5
 V = 100  # vocab of the tiny checkpoints
@@ -187,3 +192,55 @@ def test_dead_rank_fails_cleanly(ckpts):
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
     assert not mp.active_children() and not torch.distributed.is_initialized()
+
+
+# ----------------------------------------------------------------------------------------------------
+# 4. The call protocol
+
+def echo(self, x, word, nothing, ints, empty):
+    """A Verifier method TPVerifier has no wrapper for: the arguments as this rank received them."""
+    facts = [len(word), *ints, x.dtype == torch.bfloat16, nothing is None, empty.shape == (2, 0)]
+    return x.float(), torch.tensor(facts)
+
+
+def echo_worker_main(*args):
+    """tp_worker_main on a rank whose Verifier also has echo()."""
+    Verifier.echo = echo
+    tp.tp_worker_main(*args)
+
+
+def test_call_forwards_any_verifier_method(ckpts, monkeypatch):
+    """call() forwards any method by name, with tensors (a strided bfloat16 one, an empty one), None
+    and plain values. Both ranks return what they received and the lockstep guard compares them: had
+    rank 1 received anything else, it would stop, and close() would raise its error."""
+    headers = []
+
+    def recording(header=None, group=None):
+        headers.append(header)
+        return broadcast_header(header, group)
+
+    monkeypatch.setattr(tp, "broadcast_header", recording)
+    monkeypatch.setattr(tp, "tp_worker_main", echo_worker_main)  # what TPWorkers spawns
+    monkeypatch.setattr(Verifier, "echo", echo, raising=False)
+    x = torch.randn(V, 1, 3, generator=torch.Generator().manual_seed(1)).bfloat16().permute(2, 1, 0)
+    assert not x.is_contiguous()
+    workers = TPWorkers(ckpts["llama"], ["cpu", "cpu"], threads=1)
+    try:
+        model, _ = load_model(ckpts["llama"], tp=workers.rank0)
+        verifier = TPVerifier(model, (0.0, 0, 64, 4), workers)
+        verifier.prefill([[1, 2, 3]])
+        got, facts = verifier.call("echo", x, "word", None, [7, 8], torch.empty(2, 0))
+        assert torch.equal(got, x.float()) and facts.tolist() == [4, 7, 8, 1, 1, 1]
+        # the tensors travel by themselves, not pickled in the header
+        assert headers[-1] == ("echo", [TensorArg((3, 1, V), torch.bfloat16), "word", None, [7, 8],
+                                        TensorArg((2, 0), torch.float32)])
+        verifier.finish([])
+        assert len(headers) == 2  # nothing to free: no message
+        verifier.finish([0])
+        assert headers[-1] == ("finish", [[0]])
+    finally:
+        workers.close()  # raises a worker's error
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    assert headers[-1] == ("stop", []) and len(headers) == 4  # idle workers are stopped, not killed
+    assert not mp.active_children()

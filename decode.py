@@ -1,0 +1,173 @@
+"""The decode loops, one round per function: start reading here.
+
+    sd_round    the draft proposes K tokens, the target verifies them in one forward (accept/reject
+                plus a bonus token), the draft follows the outcome. AR is the same round with K = 0.
+    ssd_round   the previous round's outcome arrives (cache hit: proposals ready; miss: fallback),
+                the speculator pre-speculates the next round for guessed outcomes, the target verifies.
+
+`decode_sd` and `decode_ssd` run rounds until every row is done. In SSD's two-process form the
+speculator is channel.SpeculatorProcess: the same methods, run across the channel in another process,
+so `pre_speculate` there overlaps `verify` here. The pieces: draft.py (Drafter, Speculator),
+verify.py (Verifier, accept_reject), spec_cache.py (guesses), fallback.py (misses).
+"""
+import time
+
+import torch
+
+from draft import Proposals
+
+
+class Output:
+    """Every mode's output: tokens per row, cut at EOS (kept) or max_new_tokens inside a round."""
+
+    def __init__(self, b, max_new_tokens, eos_ids, K, stream=None):
+        self.tokens = [[] for _ in range(b)]
+        self.done = [False] * b
+        self.max_new, self.eos, self.stream = max_new_tokens, set(eos_ids), stream
+        self.rounds, self.row_rounds, self.accepted, self.proposed = 0, 0, 0, 0
+        self.hist = [0] * (K + 1)  # rounds that accepted n = 0..K tokens
+        self.tok_hit = self.rounds_hit = self.tok_miss = self.rounds_miss = 0
+
+    def emit(self, row, new) -> bool:
+        """Append tokens to a row; returns True when the row is done."""
+        out = self.tokens[row]
+        for x in new:
+            out.append(x)
+            if x in self.eos or len(out) >= self.max_new:
+                self.done[row] = True
+                break
+        if self.stream:
+            self.stream(row, out)
+        return self.done[row]
+
+    def first(self, t0) -> list[int]:
+        """Emit each row's first token (from the verifier's prefill); returns the rows done."""
+        return [r for r in range(len(self.tokens)) if self.emit(r, [int(t0[r])])]
+
+    def round(self, rows, tokens, n, t, hit=None) -> list[int]:
+        """Record one verified round (x_1..x_n and t per row); returns the rows that finished."""
+        self.rounds += 1
+        K = tokens.shape[1]
+        finished = []
+        for i, r in enumerate(rows):
+            n_i = int(n[i])
+            self.row_rounds += 1
+            self.accepted += n_i
+            self.proposed += K
+            self.hist[n_i] += 1
+            if hit is not None and hit[i]:
+                self.tok_hit, self.rounds_hit = self.tok_hit + n_i + 1, self.rounds_hit + 1
+            elif hit is not None:
+                self.tok_miss, self.rounds_miss = self.tok_miss + n_i + 1, self.rounds_miss + 1
+            if self.emit(r, tokens[i, :n_i].tolist() + [int(t[i])]):
+                finished.append(r)
+        return finished
+
+    def active(self):
+        return [r for r, d in enumerate(self.done) if not d]
+
+    def stats(self, mode, prefill_s, decode_s):
+        b, new = len(self.tokens), sum(len(x) for x in self.tokens)
+        s = {"mode": mode, "batch": b, "new_tokens": new, "prefill_seconds": prefill_s,
+             "decode_seconds": decode_s,
+             # the first token of each row comes from the prefill; decode speed counts the rest
+             "decode_tok_s": (new - b) / decode_s if decode_s > 0 else 0.0,
+             "rounds": self.rounds,
+             "mean_tokens_per_round": (new - b) / self.row_rounds if self.row_rounds else 0.0,
+             "acceptance_rate": self.accepted / self.proposed if self.proposed else 0.0,
+             "accept_len_histogram": self.hist}
+        if mode == "ssd":
+            s["tokens_per_round_hit"] = self.tok_hit / self.rounds_hit if self.rounds_hit else 0.0
+            s["tokens_per_round_miss"] = self.tok_miss / self.rounds_miss if self.rounds_miss else 0.0
+        return s
+
+
+# ----------------------------------------------------------------------------------------------------
+# Speculative decoding (and AR)
+
+def sd_round(verifier, drafter, rows):
+    """One SD round for `rows`; returns the proposals and the outcome (n, t)."""
+    p = drafter.draft(rows)  # 1. the draft proposes x_1..x_K, one step at a time (the target waits)
+    # 2. one target forward over [r, x_1..x_K] gives p_0..p_K; accept x_1..x_n, draw the bonus t
+    n, t = verifier.verify(rows, p.tokens, p.q, p.deterministic)
+    drafter.commit(rows, n, t)  # 3. the draft follows: its cache keeps the accepted prefix
+    return p, n, t
+
+
+class NoDraft:
+    """Autoregressive decoding is SD with K = 0: no proposals, the bonus token is the next token."""
+
+    def prefill(self, prompts):
+        pass
+
+    def draft(self, rows) -> Proposals:
+        b = len(rows)
+        return Proposals(torch.zeros(b, 0, dtype=torch.long), None, torch.ones(b, dtype=torch.bool),
+                         torch.zeros(b, dtype=torch.bool))
+
+    def commit(self, rows, n, t):
+        pass
+
+    def finish(self, rows):
+        pass
+
+
+def decode_sd(verifier, drafter, prompts, out: Output):
+    """ar (drafter: NoDraft) and sd: the draft and the target take turns in this process.
+    Returns (prefill seconds, decode seconds)."""
+    start = time.perf_counter()
+    drafter.prefill(prompts)
+    t0 = verifier.prefill(prompts)  # round 0: no proposals, its outcome is (0, t0)
+    prefill_s, start = time.perf_counter() - start, time.perf_counter()
+    all_rows = list(range(len(prompts)))
+    drafter.commit(all_rows, torch.zeros(len(prompts), dtype=torch.long), t0)
+    finished = out.first(t0)
+    while True:
+        drafter.finish(finished)
+        verifier.finish(finished)
+        rows = out.active()
+        if not rows:
+            return prefill_s, time.perf_counter() - start
+        p, n, t = sd_round(verifier, drafter, rows)
+        finished = out.round(rows, p.tokens, n, t)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Speculative speculative decoding
+
+def ssd_round(verifier, speculator, rows, n, t, verify_s):
+    """One SSD round for `rows`, given the previous round's outcome (n, t) and how long its
+    verification took. Returns the proposals, the new outcome (n, t), the seconds the verifier
+    waited for the speculator, and this verification's seconds."""
+    start = time.perf_counter()
+    # 1. the outcome arrives: a hit answers from the branch pre-drafted for it, a miss asks the fallback
+    p = speculator.respond(rows, n, t, verify_s)
+    # 2. guess this round's outcomes and draft the next round for each (in the two-process form this
+    #    runs in the speculator's process, during step 3)
+    speculator.pre_speculate(rows)
+    wait_s, start = time.perf_counter() - start, time.perf_counter()
+    n, t = verifier.verify(rows, p.tokens, p.q, p.deterministic)  # 3. as in sd_round
+    return p, n, t, wait_s, time.perf_counter() - start
+
+
+def decode_ssd(verifier, speculator, prompts, out: Output):
+    """ssd, one process (a Speculator) or two (a SpeculatorProcess).
+    Returns (prefill seconds, decode seconds, seconds the verifier waited for proposals)."""
+    start = time.perf_counter()
+    b = len(prompts)
+    speculator.prefill(prompts)
+    speculator.pre_speculate(list(range(b)))  # round 0's outcome is (0, t0): guess t0
+    t0 = verifier.prefill(prompts)
+    prefill_s, start = time.perf_counter() - start, time.perf_counter()
+    rows, n, t, verify_s, wait = list(range(b)), torch.zeros(b, dtype=torch.long), t0, None, 0.0
+    finished = out.first(t0)
+    while True:
+        verifier.finish(finished)
+        speculator.finish(finished)
+        keep = [i for i, r in enumerate(rows) if not out.done[r]]
+        rows, n, t = [rows[i] for i in keep], n[keep], t[keep]
+        if not rows:
+            return prefill_s, time.perf_counter() - start, wait
+        p, n, t, wait_s, verify_s = ssd_round(verifier, speculator, rows, n, t, verify_s)
+        wait += wait_s
+        finished = out.round(rows, p.tokens, n, t, p.hit)

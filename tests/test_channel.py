@@ -1,0 +1,96 @@
+"""The two-process channel (channel.py), without spawning: compact messages, no q at temperature 0,
+and the page-locking calls a CUDA machine makes (checked against a fake cudart on the CPU)."""
+import pytest
+import torch
+
+import channel
+from channel import Channel
+from draft import Proposals
+
+B, K, V = 4, 3, 11
+
+
+def test_outcome_travels_for_a_subset_of_rows():
+    ch = Channel(B, K, V, send_q=True, pin=False)
+    ch.send_outcome([1, 3], torch.tensor([2, 0]), torch.tensor([7, 9]), 0.25)
+    assert ch.outcome_ready.is_set()
+    rows, n, t, verify_s = ch.outcome()
+    assert rows == [1, 3] and n.tolist() == [2, 0] and t.tolist() == [7, 9] and verify_s == 0.25
+    ch.send_outcome([0, 1, 2], torch.tensor([1, 1, 1]), torch.tensor([4, 5, 6]), None)
+    rows, n, t, verify_s = ch.outcome()
+    assert rows == [0, 1, 2] and t.tolist() == [4, 5, 6] and verify_s is None  # round 0: not measured
+
+
+def test_proposals_travel_and_are_not_aliased():
+    ch = Channel(B, K, V, send_q=True, pin=False)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(V, (2, K), generator=g)
+    q = torch.rand(2, K, V, generator=g)
+    p = Proposals(tokens, q, torch.tensor([False, True]), torch.tensor([True, False]))
+    ch.send_proposals(p)
+    got = ch.proposals(2)
+    assert torch.equal(got.tokens, tokens) and torch.equal(got.q, q)
+    assert got.deterministic.tolist() == [False, True] and got.hit.tolist() == [True, False]
+    ch.tokens.zero_()  # the next message must not change what the verifier already emitted
+    assert torch.equal(got.tokens, tokens)
+
+
+def test_no_q_at_temperature_zero():
+    """Greedy verification reads only the tokens: the [b, K, V] laws are neither allocated nor sent."""
+    ch = Channel(B, K, V, send_q=False, pin=False)
+    assert ch.q is None and all(x.numel() < B * K * V for x in ch.tensors())
+    ch.send_proposals(Proposals(torch.ones(1, K, dtype=torch.long), None, torch.tensor([True]),
+                                torch.tensor([False])))
+    assert ch.proposals(1).q is None
+
+
+class FakeCudart:
+    """Records cudaHostRegister / cudaHostUnregister; returns `rc` from register."""
+
+    class cudaError:
+        success = 0
+
+    def __init__(self, rc=0):
+        self.rc, self.registered, self.unregistered = rc, [], []
+
+    def cudaHostRegister(self, ptr, size, flags):
+        self.registered.append((ptr, size))
+        return self.rc
+
+    def cudaHostUnregister(self, ptr):
+        self.unregistered.append(ptr)
+        return 0
+
+
+def test_pinning_registers_every_buffer_once_and_unregisters(monkeypatch):
+    fake = FakeCudart()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    ch = Channel(B, K, V, send_q=True, pin=True)
+    ch.pin_here()
+    sizes = {x.data_ptr(): x.numel() * x.element_size() for x in ch.tensors()}
+    assert dict(fake.registered) == sizes and len(fake.registered) == len(sizes)
+    ch.unpin_here()
+    ch.unpin_here()  # a second close unregisters nothing twice
+    assert sorted(fake.unregistered) == sorted(sizes)
+
+
+def test_pinning_failure_is_an_error(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart(rc=1))
+    with pytest.raises(RuntimeError, match="cudaHostRegister failed"):
+        Channel(B, K, V, send_q=False, pin=True).pin_here()
+
+
+def test_no_pinning_without_a_gpu_device(monkeypatch):
+    fake = FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    Channel(B, K, V, send_q=False, pin=False).pin_here()
+    assert fake.registered == []
+
+
+def test_flush_waits_only_for_cuda(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda d: calls.append(d))
+    channel.flush(torch.device("cpu"))
+    assert calls == []

@@ -1,0 +1,348 @@
+"""Tensor-parallel target (--target-devices, as the paper runs Llama-3.1-70B on 4 GPUs).
+
+Rank 0 is the verifier in the calling process: it loads its slice of the target, talks to the
+speculator as in every other mode, and makes each Verifier call through
+`TPVerifier.call(name, *args)`, which broadcasts the call to the other ranks and makes it locally.
+Ranks 1..world-1 are spawned workers (`TPWorkers`): each loads its slices, then `serve()`s rank 0's
+calls until "stop", making the same calls on its own Verifier, so the forwards run in lockstep and
+every rank keeps an identical KV cache. model.py splits heads, MLP and vocabulary and does the
+all-reduces.
+"""
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+import traceback
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from channel import start_child
+from model import TP, check_tp, load_config, load_model
+from verify import Verifier
+
+# How long a rank waits for the others in one collective before it gives up (seconds;
+# generate(tp_timeout=), --tp-timeout). A rank that stops answering (stopped, hung, its GPU
+# wedged) ends the run after this long: gloo raises, NCCL's watchdog aborts. Loading the weights is
+# not under it (see TPWorkers.wait_ready), but a prefill is, and so is a worker's wait for rank 0's
+# next call.
+TP_TIMEOUT_S = 120.0
+
+
+def tp_backend(devices: list[str]) -> str:
+    """NCCL over distinct GPUs, gloo over CPUs."""
+    kinds = {torch.device(d).type for d in devices}
+    if kinds == {"cpu"}:
+        return "gloo"
+    if kinds != {"cuda"}:
+        raise ValueError(f"target_devices={devices}: use only cuda:N devices (NCCL) or only cpu "
+                         f"(gloo), not a mix")
+    idx = [torch.device(d).index or 0 for d in devices]
+    if len(set(idx)) != len(idx):
+        raise ValueError(f"target_devices={devices} repeats a GPU: tensor parallelism needs one "
+                         f"GPU per rank")
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if max(idx) >= visible:
+        raise ValueError(f"target_devices={devices}: only {visible} GPUs are visible")
+    return "nccl"
+
+
+def tp_store(world: int, timeout_s: float, port: int | None = None) -> dist.TCPStore:
+    """The rendezvous of a tensor-parallel group on this machine: rank 0 serves it on a port the OS
+    picks (port=None; the port is .port), the other ranks connect to that port."""
+    t = timedelta(seconds=timeout_s)
+    if port is None:
+        return dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
+                             timeout=t)
+    return dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=t)
+
+
+def tp_init(rank, world, store, backend, device, timeout_s=TP_TIMEOUT_S):
+    """Join the process group. A worker first marks itself in the store, so rank 0 can wait for
+    every worker while watching that each is alive (a rank that dies before joining must not leave
+    rank 0 waiting)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL uses the current device of each rank
+    if rank > 0:
+        store.set(f"joined/{rank}", "1")
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout_s))
+
+
+# --------------------------------------------------------------------------------------------------
+# Rank 0's handle on the workers
+
+class TPWorkers:
+    """Rank 0's handle on ranks 1..world-1: spawns them (they load their slices while rank 0 loads
+    its own), joins their process group, watches that they live, and stops them in close(): a "stop"
+    call when they wait for one, else terminate, so Ctrl-C or an error anywhere leaves no process
+    behind.
+
+    A rank that dies: during start-up, rank 0 sees it in the rendezvous or the load and raises
+    naming it; while decoding, gloo's next collective fails at once (the peer's socket is closed),
+    and for NCCL, whose collectives would spin on the GPU, the watch thread aborts the process
+    group. A rank that stops answering ends the run after timeout_s (the collective timeout)."""
+
+    def __init__(self, target, devices: list[str], threads: int | None,
+                 timeout_s: float = TP_TIMEOUT_S, dtype=None):
+        if not timeout_s > 0:
+            raise ValueError(f"tp_timeout={timeout_s}: give the seconds a rank may wait in a "
+                             f"collective, > 0")
+        self.world, self.device, self.timeout_s = len(devices), torch.device(devices[0]), timeout_s
+        check_tp(load_config(target), self.world)
+        backend = tp_backend(devices)
+        if dist.is_initialized():
+            raise ValueError("this process already has a torch.distributed process group: a "
+                             "tensor-parallel target needs its own (call generate() outside "
+                             "torch.distributed jobs)")
+        self.rank0, self.backend = TP(0, self.world), backend
+        self.idle = False  # True while every worker waits for a call (only then can "stop" be sent)
+        self.closing = False
+        self.store = tp_store(self.world, timeout_s)
+        self.errors = mp.get_context("spawn").Queue()
+        self.procs = [start_child(tp_worker_main,
+                                  (r, self.world, self.store.port, backend, devices[r], target,
+                                   dtype, threads, timeout_s, os.getpid(), self.errors))
+                      for r in range(1, self.world)]
+        try:
+            self.wait(lambda: self.store.check([f"joined/{r}" for r in range(1, self.world)]),
+                      "start-up")
+            tp_init(0, self.world, self.store, backend, self.device, timeout_s)
+        except BaseException:
+            self.close()
+            raise
+        threading.Thread(target=self.watch, daemon=True).start()
+
+    @contextmanager
+    def busy(self):
+        """Around one call on every rank. Only a call that completed leaves the workers waiting for
+        the next; after an error they may be anywhere inside it, so close() must terminate them."""
+        self.idle = False
+        yield
+        self.idle = True  # not reached when the call raised
+
+    def wait(self, done, stage):
+        """Poll done() until it is true; a worker that failed or died meanwhile raises, naming
+        it."""
+        while not done():
+            if not all(p.is_alive() for p in self.procs):
+                time.sleep(0.2)  # let its error message reach the queue
+                raise RuntimeError(self.failure() or f"a tensor-parallel rank died during {stage}")
+            time.sleep(0.02)
+
+    def watch(self):
+        """While decoding: a worker that dies leaves NCCL peers spinning in a collective, and this
+        process blocked in its next host sync; aborting the process group releases them with an
+        error (gloo fails by itself, its peers' sockets close)."""
+        while not self.closing:
+            if any(p.exitcode not in (0, None) for p in self.procs):
+                if self.backend == "nccl" and dist.is_initialized():
+                    dist.distributed_c10d._abort_process_group()
+                return
+            time.sleep(0.1)
+
+    def wait_ready(self):
+        """Block until every worker has loaded its slices (no time limit: a large checkpoint on a
+        slow disk takes what it takes); a worker that fails or dies raises here."""
+        ready = 0
+        while ready < len(self.procs):
+            try:
+                kind, msg = self.errors.get(timeout=0.1)
+            except queue.Empty:
+                if not all(p.is_alive() for p in self.procs):
+                    raise RuntimeError(self.failure()
+                                       or "a tensor-parallel rank died while loading")
+                continue
+            if kind == "error":
+                raise RuntimeError(f"tensor-parallel {msg}")
+            ready += 1
+
+    def failure(self, killed=()) -> str | None:
+        """The first error a worker reported, else the first worker that died on its own, else
+        None."""
+        while True:
+            try:
+                kind, msg = self.errors.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "error":
+                return f"tensor-parallel {msg}"
+        for r, p in enumerate(self.procs, 1):
+            if p.exitcode not in (0, None) and p not in killed:
+                return f"tensor-parallel rank {r} died (exit code {p.exitcode})"
+        return None
+
+    def close(self):
+        """Stop the workers and leave the process group; raise a worker's error (unless the user
+        interrupted), or name the ranks that stopped answering when a collective timed out."""
+        self.closing = True
+        if self.idle:
+            try:
+                broadcast_header(("stop", []))
+            except Exception:  # a dead worker: reported below
+                pass
+        # after an error, give a worker that is dying a moment to be seen dead (a SIGKILLed rank's
+        # sockets close before its exit code shows): it is reported as dead, not killed by us
+        deadline = time.time() + (30 if self.idle else 1)
+        for p in self.procs:
+            p.join(timeout=max(0.0, deadline - time.time()))
+        killed = [p for p in self.procs if p.is_alive()]
+        for p in killed:
+            p.terminate()
+        for p in killed:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self.store = None  # closes the rendezvous server
+        error = sys.exc_info()[1]
+        msg = self.failure(killed)
+        if msg is None and killed and "timed out" in str(error).lower():  # alive, yet it timed out
+            ranks = ", ".join(str(self.procs.index(p) + 1) for p in killed)
+            msg = (f"tensor-parallel rank {ranks} did not answer within tp_timeout="
+                   f"{self.timeout_s:g}s (stopped or hung; raise --tp-timeout if it was only slow)")
+        if msg and not isinstance(error, KeyboardInterrupt):
+            raise RuntimeError(msg) from None
+
+
+# --------------------------------------------------------------------------------------------------
+# The workers' process
+
+def exit_with_parent(parent_pid):
+    """Workers poll for rank 0's process: if it was killed too hard to stop them, they exit on their
+    own."""
+    while os.getppid() == parent_pid:
+        time.sleep(0.5)
+    os._exit(1)
+
+
+def tp_worker_main(rank, world, port, backend, device, target, dtype, threads, timeout_s,
+                   parent_pid, errors):
+    """Rank 1..world-1: load this rank's slices of the target, then run rank 0's Verifier calls."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches every process; rank 0 stops us
+    threading.Thread(target=exit_with_parent, args=(parent_pid,), daemon=True).start()
+    try:
+        if threads:
+            torch.set_num_threads(threads)
+        tp_init(rank, world, tp_store(world, timeout_s, port), backend, device, timeout_s)
+        model, _ = load_model(target, device=device, dtype=dtype, tp=TP(rank, world),
+                              tokenizer=False)
+        errors.put(("ready", rank))
+        TPVerifier(model).serve()
+        dist.destroy_process_group()
+        # done: skip the interpreter's teardown of torch (seconds), which rank 0 would wait for
+        errors.close()
+        errors.join_thread()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    except BaseException as e:
+        traceback.print_exc()
+        errors.put(("error", f"rank {rank} failed: {type(e).__name__}: {e}"))
+        sys.exit(1)
+
+
+# --------------------------------------------------------------------------------------------------
+# The call protocol: a pickled header, then each tensor argument by itself
+
+@dataclass(frozen=True)
+class TensorArg:
+    """A tensor argument's place in a call's header; its data follows with dist.broadcast."""
+    shape: tuple
+    dtype: torch.dtype
+
+
+def broadcast_header(header=None, group=None):
+    """Rank 0's (name, args) on every rank (the others pass None): a few hundred pickled bytes."""
+    box = [header]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
+
+
+class TPVerifier:
+    """One rank of a tensor-parallel verifier, with Verifier's methods (prefill, verify, finish).
+
+    On rank 0 (the one given `workers`) each method is `call(name, *args)`: the call travels to
+    ranks 1.., which receive it in serve(), and every rank makes it on its own Verifier. model.py
+    all-gathers the logits onto every rank, so every rank runs accept_reject on the same numbers
+    with an identically seeded generator, draws the same (n, t) and rolls its cache back the same
+    way: only the arguments travel, never the outcome."""
+
+    def __init__(self, model, settings: tuple | None = None, workers: TPWorkers | None = None):
+        self.model, self.workers, self.rank, self.dev = model, workers, model.tp.rank, model.device
+        self.group = model.tp.group
+        with workers.busy() if workers else nullcontext():  # loading, then taking the settings
+            if workers:
+                workers.wait_ready()
+            # Verifier's (temperature, seed, kv_tokens, block_size): pickled once, not per call
+            box = [settings]
+            dist.broadcast_object_list(box, src=0, group=self.group)
+        self.verifier = Verifier(model, *box[0])
+
+    # -- rank 0: the calls the decode loops make, exactly as on a Verifier
+    def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
+        return self.call("prefill", prompts)
+
+    def verify(self, rows: list[int], tokens, q, deterministic):
+        return self.call("verify", rows, tokens, q, deterministic)  # q=None (T = 0) does not travel
+
+    def finish(self, rows):
+        return self.call("finish", rows) if len(rows) else None  # nothing to free, nothing to say
+
+    def call(self, name: str, *args):
+        """Make the local Verifier's call `name` on every rank and return rank 0's result. Tensor
+        arguments go by dist.broadcast (moved to this rank's device), the others pickled as they
+        are."""
+        with self.workers.busy():
+            header = [TensorArg(tuple(a.shape), a.dtype) if torch.is_tensor(a) else a for a in args]
+            broadcast_header((name, header), self.group)
+            return self.run(name, [self.share(a, h) for a, h in zip(args, header)])
+
+    # -- ranks 1..world-1
+    def serve(self):
+        """Run rank 0's calls until it sends "stop"."""
+        while True:
+            name, header = broadcast_header(group=self.group)
+            if name == "stop":
+                return
+            self.run(name, [self.share(None, h) for h in header])
+
+    # -- every rank
+    def share(self, x, h):
+        """Rank 0's argument x on every rank (the others pass None and receive a tensor's data)."""
+        if not isinstance(h, TensorArg):
+            return h  # it came in the header
+        if self.rank == 0:
+            buf = x.to(self.dev).contiguous()
+        else:
+            buf = torch.empty(h.shape, dtype=h.dtype, device=self.dev)
+        if buf.numel():  # ar rounds have K = 0: empty tensors need no message
+            dist.broadcast(buf, src=0, group=self.group)
+        return buf
+
+    def run(self, name, args):
+        """The local call, then a guard: if its outcome ever differed between ranks (a reduction
+        that is not bitwise equal on every rank), their caches would drift apart silently; stop
+        loudly."""
+        out = getattr(self.verifier, name)(*args)
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        bits = [x.detach().to(self.dev).contiguous().view(-1).view(torch.uint8)
+                for x in outs if torch.is_tensor(x)]
+        if bits:  # one tiny broadcast: the result's bytes (verify's (n, t), prefill's t0)
+            mine = torch.cat(bits)
+            ref = mine.clone()
+            if mine.numel():
+                dist.broadcast(ref, src=0, group=self.group)
+            if not torch.equal(ref, mine):
+                raise RuntimeError(f"rank {self.rank} drew a different verification outcome than "
+                                   f"rank 0: ranks out of lockstep")
+        return out
