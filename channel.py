@@ -2,11 +2,11 @@
 
 `SpeculatorProcess` has the Speculator's methods (prefill, pre_speculate, respond, finish, stats),
 so decode.decode_ssd runs the same round with either. Here `respond` sends the outcome (n, t) across
-the channel and waits for the proposals; the speculator's process answers from its cache or fallback,
-sends the proposals, then pre-speculates the next round while this process verifies.
+the channel and waits for the proposals; the speculator's process answers from its cache or
+fallback, sends the proposals, then pre-speculates the next round while this process verifies.
 
-The channel is a set of tensors in shared memory, allocated once before the spawn (page-locked when a
-device is CUDA, so copies to and from the GPUs are direct), and two events per round: nothing is
+The channel is a set of tensors in shared memory, allocated once before the spawn (page-locked when
+a device is CUDA, so copies to and from the GPUs are direct), and two events per round: nothing is
 pickled on the per-round path. Each message fills the first b slots of the buffers.
 """
 import os
@@ -107,17 +107,20 @@ def flush(device):
 
 
 def start_child(target, args) -> mp.Process:
-    """Start target(*args) in a new, spawned Python process (a daemon: it cannot outlive us) and return it.
+    """Start target(*args) in a new, spawned Python process (a daemon: it cannot outlive us) and
+    return it.
 
-    1. The user's script is not run again in the child. To rebuild `target`, spawn first re-runs the parent's
-       __main__ in the child; a script or notebook cell without `if __name__ == "__main__":` would then call
-       generate() again, inside the child. The child needs only this project's modules (which `target`'s
-       pickle names), so __main__'s file is hidden while the child starts, unless `target` itself lives in
-       __main__ (run.py or bench.py run as scripts, whose top level is guarded).
-    2. The child ignores Ctrl-C from its first instruction (a Python started with SIGINT ignored keeps it so):
-       the terminal's Ctrl-C reaches every process, but only this one decides how to stop, and a child
-       interrupted while still importing torch would print a traceback. Only the main thread may change
-       signal handlers; from another thread the child starts with the default handler."""
+    1. The user's script is not run again in the child. To rebuild `target`, spawn first re-runs the
+       parent's __main__ in the child; a script or notebook cell without
+       `if __name__ == "__main__":` would then call generate() again, inside the child. The child
+       needs only this project's modules (which `target`'s pickle names), so __main__'s file is
+       hidden while the child starts, unless `target` itself lives in __main__ (run.py or bench.py
+       run as scripts, whose top level is guarded).
+    2. The child ignores Ctrl-C from its first instruction (a Python started with SIGINT ignored
+       keeps it so): the terminal's Ctrl-C reaches every process, but only this one decides how to
+       stop, and a child interrupted while still importing torch would print a traceback. Only the
+       main thread may change signal handlers; from another thread the child starts with the
+       default handler."""
     proc = mp.get_context("spawn").Process(target=target, args=args, daemon=True)
     main = sys.modules["__main__"]
     hide = target.__module__ != "__main__"
@@ -126,7 +129,8 @@ def start_child(target, args) -> mp.Process:
     old = signal.signal(signal.SIGINT, signal.SIG_IGN) if in_main_thread else None
     try:
         if hide:
-            main.__dict__.pop("__file__", None)  # multiprocessing.spawn reads __main__.__spec__, then __file__
+            # multiprocessing.spawn reads __main__.__spec__, then __file__
+            main.__dict__.pop("__file__", None)
             main.__spec__ = None
         proc.start()
     finally:
@@ -140,7 +144,8 @@ def start_child(target, args) -> mp.Process:
 
 
 def wait_for(event, alive, what, timeout=None):
-    """Wait on an event while checking that the other side is alive (a dead peer must not hang us)."""
+    """Wait on an event while checking that the other side is alive (a dead peer must not hang
+    us)."""
     start = time.perf_counter()
     while not event.wait(0.05):
         if not alive():
@@ -150,12 +155,13 @@ def wait_for(event, alive, what, timeout=None):
     event.clear()
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The two sides
 
 class SpeculatorProcess:
-    """The verifier's handle on the speculator's process: the Speculator's methods across the channel.
-    Starts the process and waits until its draft is loaded; close() stops it and raises its error."""
+    """The verifier's handle on the speculator's process: the Speculator's methods across the
+    channel. Starts the process and waits until its draft is loaded; close() stops it and raises its
+    error."""
 
     def __init__(self, cfg: DraftConfig, b: int, V: int, threads: int | None, pin: bool):
         self.ch = Channel(b, cfg.K, V, send_q=cfg.temperature > 0, pin=pin)
@@ -189,7 +195,8 @@ class SpeculatorProcess:
         """Stop the speculator and collect its counters."""
         self.ch.stop[0] = True
         self.ch.outcome_ready.set()
-        kind, stats = self.errors.get(timeout=30)  # before join: a full pipe blocks the child's exit
+        # before join: a full pipe blocks the child's exit
+        kind, stats = self.errors.get(timeout=30)
         if kind == "error":
             raise RuntimeError(f"speculator failed: {stats}")
         self.proc.join(timeout=30)
@@ -248,7 +255,8 @@ def speculator_main(cfg: DraftConfig, threads, ch: Channel, inbox, errors):
         errors.close()
         errors.join_thread()
         ch.unpin_here()
-        os._exit(0)  # done: skip the interpreter's slow teardown of torch, which the verifier awaits
+        # done: skip the interpreter's slow teardown of torch, which the verifier awaits
+        os._exit(0)
     except KeyboardInterrupt:
         pass
     except BaseException as e:  # reaches the user as one line; the traceback goes to stderr

@@ -3,12 +3,13 @@
     sd_round    the draft proposes K tokens, the target verifies them in one forward (accept/reject
                 plus a bonus token), the draft follows the outcome. AR is the same round with K = 0.
     ssd_round   the previous round's outcome arrives (cache hit: proposals ready; miss: fallback),
-                the speculator pre-speculates the next round for guessed outcomes, the target verifies.
+                the speculator pre-speculates the next round for guessed outcomes, the target
+                verifies.
 
 `decode_sd` and `decode_ssd` run rounds until every row is done. In SSD's two-process form the
-speculator is channel.SpeculatorProcess: the same methods, run across the channel in another process,
-so `pre_speculate` there overlaps `verify` here. The pieces: draft.py (Drafter, Speculator),
-verify.py (Verifier, accept_reject), spec_cache.py (guesses), fallback.py (misses).
+speculator is channel.SpeculatorProcess: the same methods, run across the channel in another
+process, so `pre_speculate` there overlaps `verify` here. The pieces: draft.py (Drafter,
+Speculator), verify.py (Verifier, accept_reject), spec_cache.py (guesses), fallback.py (misses).
 """
 import time
 
@@ -78,11 +79,12 @@ class Output:
              "accept_len_histogram": self.hist}
         if mode == "ssd":
             s["tokens_per_round_hit"] = self.tok_hit / self.rounds_hit if self.rounds_hit else 0.0
-            s["tokens_per_round_miss"] = self.tok_miss / self.rounds_miss if self.rounds_miss else 0.0
+            s["tokens_per_round_miss"] = (self.tok_miss / self.rounds_miss if self.rounds_miss
+                                          else 0.0)
         return s
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Speculative decoding (and AR)
 
 def sd_round(verifier, drafter, rows):
@@ -132,7 +134,7 @@ def decode_sd(verifier, drafter, prompts, out: Output):
         finished = out.round(rows, p.tokens, n, t)
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Speculative speculative decoding
 
 def ssd_round(verifier, speculator, rows, n, t, verify_s):
@@ -140,7 +142,8 @@ def ssd_round(verifier, speculator, rows, n, t, verify_s):
     verification took. Returns the proposals, the new outcome (n, t), the seconds the verifier
     waited for the speculator, and this verification's seconds."""
     start = time.perf_counter()
-    # 1. the outcome arrives: a hit answers from the branch pre-drafted for it, a miss asks the fallback
+    # 1. the outcome arrives: a hit answers from the branch pre-drafted for it, a miss asks the
+    #    fallback
     p = speculator.respond(rows, n, t, verify_s)
     # 2. guess this round's outcomes and draft the next round for each (in the two-process form this
     #    runs in the speculator's process, during step 3)

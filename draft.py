@@ -2,8 +2,9 @@
 
 Read in this order: `draft_k` (the draft's inner loop), `Drafter` (plain SD: prefill, draft, follow
 the verifier's outcome), then `Speculator`, which adds SSD: while the target verifies a round, guess
-its likely outcomes (n, t) and draft the next round for each of them (`pre_speculate`); when the real
-outcome arrives, answer from the speculation cache (a hit) or from a fallback (a miss) (`respond`).
+its likely outcomes (n, t) and draft the next round for each of them (`pre_speculate`); when the
+real outcome arrives, answer from the speculation cache (a hit) or from a fallback (a miss)
+(`respond`).
 
 Invariant (the verifier's too): a row's KV cache holds every committed token except its `pending`
 ones (the last bonus token t, plus x_K when all K drafted tokens were accepted).
@@ -79,7 +80,8 @@ class Row:
 
 
 class Drafter:
-    """Plain speculative decoding's draft: prefill, draft K tokens, follow the verifier's outcome."""
+    """Plain speculative decoding's draft: prefill, draft K tokens, follow the verifier's
+    outcome."""
 
     def __init__(self, model: Transformer, K: int, temperature: float, seed: int, kv_tokens: int,
                  block_size=16):
@@ -93,14 +95,15 @@ class Drafter:
         """Cache every prompt token; returns the draft's own next-token law [b, V]."""
         self.rows = [Row(self.cache.new_seq(), list(p)) for p in prompts]
         logits = self.model.forward_cached(self.cache, [row.seq for row in self.rows],
-                                           [x for p in prompts for x in p], [len(p) for p in prompts],
-                                           last_only=True)
+                                           [x for p in prompts for x in p],
+                                           [len(p) for p in prompts], last_only=True)
         return draft_probs(logits, self.temperature)
 
     def draft(self, rows: list[int]) -> Proposals:
         """Draft K tokens for the given rows (in SD the verifier waits for this)."""
         tok, q, _ = draft_k(self.model, self.cache, [self.rows[r].seq for r in rows],
-                            [self.rows[r].pending for r in rows], self.K, self.temperature, self.gen)
+                            [self.rows[r].pending for r in rows], self.K, self.temperature,
+                            self.gen)
         for i, r in enumerate(rows):
             self.rows[r].proposed, self.rows[r].pending = tok[i].tolist(), []  # fed by draft_k
         b = len(rows)
@@ -126,7 +129,7 @@ class Drafter:
             self.rows[r].seq = None
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # SSD: the speculator
 
 @dataclass
@@ -157,7 +160,8 @@ class SSDConfig:
 
 @dataclass
 class Branches:
-    """One round's pre-speculated branches, batched: branch m drafted the next round for one guess."""
+    """One round's pre-speculated branches, batched: branch m drafted the next round for one
+    guess."""
     seqs: list[int]                 # [M] forked KV sequences
     tokens: torch.Tensor | None     # [M, K] their x_1..x_K
     q: torch.Tensor | None          # [M, K, V] the laws the tokens were drawn from
@@ -205,7 +209,8 @@ class Speculator(Drafter):
     def pre_speculate(self, rows):
         """Guess each row's outcome (j, t) of the round being verified, fork a branch per guess at
         the committed prefix + j drafted tokens, feed t and draft K tokens for all branches of all
-        rows as one batch per step (K + 1 steps: x_K is fed too, so a winning branch is complete)."""
+        rows as one batch per step (K + 1 steps: x_K is fed too, so a winning branch is
+        complete)."""
         start = time.perf_counter()
         self.feed_fast_proposals(rows)
         groups = {}  # rows sharing a fan-out vector pick their guesses in one batched call
@@ -249,8 +254,9 @@ class Speculator(Drafter):
 
     def respond(self, rows, n, t, verify_seconds=None) -> Proposals:
         """The outcome (n, t) of the round just verified arrives for `rows`. Look each up in the
-        speculation cache: a hit's branch becomes the row's sequence, its proposals are ready; a miss
-        rolls back to the accepted prefix and the fallback proposes. Returns the next proposals."""
+        speculation cache: a hit's branch becomes the row's sequence, its proposals are ready; a
+        miss rolls back to the accepted prefix and the fallback proposes. Returns the next
+        proposals."""
         start = time.perf_counter()
         if verify_seconds is not None:
             self.verify_seconds.append(verify_seconds)
@@ -313,7 +319,8 @@ class Speculator(Drafter):
             row = self.rows[r]
             row.proposed, row.F, row.fast = backup.tokens[k].tolist(), F, fast
             # a fast backup's tokens are fed to the draft in pre_speculate, which then sets q_raw
-            row.q_raw, row.pending = (None, row.pending + row.proposed) if fast else (backup.q_raw[k], [])
+            row.q_raw, row.pending = ((None, row.pending + row.proposed) if fast
+                                      else (backup.q_raw[k], []))
         if fast:
             self.fast_seconds.append(time.perf_counter() - start)
         return backup
@@ -339,7 +346,7 @@ class Speculator(Drafter):
                 "fan_out": self.fan_out_for(fast=False), "acceptance_estimate": self.accept.a()}
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # One loader for every mode
 
 @dataclass

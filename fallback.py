@@ -1,11 +1,12 @@
-"""Fallback on a cache miss: the near-free backup speculators and the batch-size policy that picks one.
+"""Fallback on a cache miss: the near-free backup speculators and the batch-size policy that picks
+one.
 
-A whole batch waits for the backup if any of its b sequences misses, so a round needs the backup with
-chance 1 - p_hit^b. For small b the neural draft just in time is worth its cost (good tokens); for large b
-a near-free backup wins: an n-gram lookup over the sequence's own tokens, or random tokens. Both are
-deterministic proposals, so the verifier tests them with a one-hot q. The neural backup itself is
-draft.py's ordinary drafting; this file holds the cheap backups, the paper's speed model (Theorem 7,
-Corollary 16) and the critical batch size b* (Theorem 17) where the choice flips.
+A whole batch waits for the backup if any of its b sequences misses, so a round needs the backup
+with chance 1 - p_hit^b. For small b the neural draft just in time is worth its cost (good tokens);
+for large b a near-free backup wins: an n-gram lookup over the sequence's own tokens, or random
+tokens. Both are deterministic proposals, so the verifier tests them with a one-hot q. The neural
+backup itself is draft.py's ordinary drafting; this file holds the cheap backups, the paper's speed
+model (Theorem 7, Corollary 16) and the critical batch size b* (Theorem 17) where the choice flips.
 """
 
 from dataclasses import dataclass
@@ -16,33 +17,34 @@ import torch
 from spec_cache import DEFAULT_A, expected_tokens
 
 # Defaults for b* before anything is measured (assumptions, times normalised to one verification):
-# T_p: the draft's time to build a round's cache, also the neural backup's time on a miss. From the paper's
-#   SD speed-up at greedy (161.8 / 54.7 = 2.96 tok/s ratio, K = 6) and a = 0.8: E_SD = 3.95, so
-#   T_SD = 3.95 / 2.96 - 1 = 0.34 for 6 tokens, about 0.4 for K = 7.
+# T_p: the draft's time to build a round's cache, also the neural backup's time on a miss. From the
+#   paper's SD speed-up at greedy (161.8 / 54.7 = 2.96 tok/s ratio, K = 6) and a = 0.8: E_SD = 3.95,
+#   so T_SD = 3.95 / 2.96 - 1 = 0.34 for 6 tokens, about 0.4 for K = 7.
 DEFAULT_T_P = 0.4
 # T_f: an n-gram lookup or random draw on the host: near zero beside a verification.
 DEFAULT_T_F = 0.01
-# E_f: tokens per round after a fast-backup proposal; random tokens are almost always rejected (1 = the
-#   bonus token only). The n-gram backup does better on repetitive text; 1 is the cautious value.
+# E_f: tokens per round after a fast-backup proposal; random tokens are almost always rejected (1 =
+#   the bonus token only). The n-gram backup does better on repetitive text; 1 is the cautious
+#   value.
 DEFAULT_E_F = 1.0
 # p_hit: the paper's cache hit rates (Llama-3.1-70B / 1B, geometric fan-out): 0.86 at temperature 0,
 #   0.63 at temperature 1.
 DEFAULT_P_HIT = {0: 0.86, 1: 0.63}
-# E_hit: tokens per round of the neural draft, expected_tokens(DEFAULT_A, K) with the paper's SSD K = 7
-#   when the caller does not say (4.16).
+# E_hit: tokens per round of the neural draft, expected_tokens(DEFAULT_A, K) with the paper's SSD
+#   K = 7 when the caller does not say (4.16).
 DEFAULT_K = 7
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Fast backups
 
 def ngram_propose(tokens, K: int, max_n: int = 4) -> list[int]:
     """Propose K tokens by prompt lookup over the sequence's own tokens (prompt + output so far).
 
     Find the longest suffix (length max_n down to 1) that also occurs earlier, take its most recent
-    earlier occurrence, and propose the K tokens that followed it. A continuation shorter than K is padded
-    by repeating its last token; with no match at all the last token is repeated K times. Deterministic;
-    O(len(tokens) * max_n) vectorised work per call."""
+    earlier occurrence, and propose the K tokens that followed it. A continuation shorter than K is
+    padded by repeating its last token; with no match at all the last token is repeated K times.
+    Deterministic; O(len(tokens) * max_n) vectorised work per call."""
     if K < 0 or max_n < 1:
         raise ValueError(f"need K >= 0 and max_n >= 1, got K={K}, max_n={max_n}")
     x = np.asarray(tokens, dtype=np.int64)
@@ -77,7 +79,7 @@ def random_propose(b: int, K: int, V: int, generator: torch.Generator) -> torch.
     return torch.randint(V, (b, K), generator=generator, device=generator.device)
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The speed model (times normalised to one verification forward)
 
 def predicted_speedup(p_hit, E_hit, E_miss, T_p, T_b, b: int = 1) -> float:
@@ -85,34 +87,38 @@ def predicted_speedup(p_hit, E_hit, E_miss, T_p, T_b, b: int = 1) -> float:
 
         [p_hit E_hit + (1 - p_hit) E_miss] / [w max(1, T_p) + (1 - w)(1 + T_b)],   w = p_hit^b
 
-    p_hit: cache hit rate per sequence; E_hit / E_miss: tokens per round after a hit / a miss; T_p: time to
-    build the cache (a hit round lasts max(1, T_p): the verification or the draft, whichever is longer);
-    T_b: the backup's time on a miss (a miss round lasts 1 + T_b); b: batch size (a round hits only if every
-    sequence hits)."""
+    p_hit: cache hit rate per sequence; E_hit / E_miss: tokens per round after a hit / a miss; T_p:
+    time to build the cache (a hit round lasts max(1, T_p): the verification or the draft, whichever
+    is longer); T_b: the backup's time on a miss (a miss round lasts 1 + T_b); b: batch size (a
+    round hits only if every sequence hits)."""
     w = p_hit ** b
     return (p_hit * E_hit + (1 - p_hit) * E_miss) / (w * max(1.0, T_p) + (1 - w) * (1 + T_b))
 
 
 def predicted_sd_speedup(E_sd, T_sd) -> float:
-    """Ordinary SD over plain decoding: E_SD / (1 + T_SD) (E_SD tokens per round, T_SD drafting time)."""
+    """Ordinary SD over plain decoding: E_SD / (1 + T_SD) (E_SD tokens per round, T_SD drafting
+    time)."""
     return E_sd / (1 + T_sd)
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The batch-size policy
 
 def critical_batch_size(p_hit=None, E_hit=None, T_p=None, E_f=None, T_f=None, b_max: int = 4096):
-    """b*: the smallest batch size b >= 1 at which the fast backup beats the neural one (Theorem 17).
+    """b*: the smallest batch size b >= 1 at which the fast backup beats the neural one
+    (Theorem 17).
 
     At batch b a round hits with chance w = p_hit^b. The speed-ups over plain decoding are
         neural backup (T_b = T_p, E_miss = E_hit):  E_hit / (w + (1 - w)(1 + T_p)),
-        fast backup   (T_b = T_f, E_miss = E_f):    (p_hit E_hit + (1 - p_hit) E_f) / (w + (1 - w)(1 + T_f)),
-    with T_p clamped to <= 1 as the paper does (the cache is built within one verification, so a hit round
-    lasts 1). Symbols: p_hit, the per-sequence cache hit rate; E_hit, tokens per round of the neural
-    draft; E_f, tokens per round of the fast backup's proposals; T_p, the neural draft's time for a round;
-    T_f, the fast backup's time (all times in verifications). "Beats" is strict; we search the integers
-    1..b_max (their ratio is monotone in w, so it flips at most once). Returns None if it never flips.
-    A quantity not measured yet (None) takes the documented default at the top of this file (temperature 0)."""
+        fast backup   (T_b = T_f, E_miss = E_f):    (p_hit E_hit + (1 - p_hit) E_f)
+                                                        / (w + (1 - w)(1 + T_f)),
+    with T_p clamped to <= 1 as the paper does (the cache is built within one verification, so a hit
+    round lasts 1). Symbols: p_hit, the per-sequence cache hit rate; E_hit, tokens per round of the
+    neural draft; E_f, tokens per round of the fast backup's proposals; T_p, the neural draft's time
+    for a round; T_f, the fast backup's time (all times in verifications). "Beats" is strict; we
+    search the integers 1..b_max (their ratio is monotone in w, so it flips at most once). Returns
+    None if it never flips. A quantity not measured yet (None) takes the documented default at the
+    top of this file (temperature 0)."""
     p_hit = DEFAULT_P_HIT[0] if p_hit is None else p_hit
     E_hit = expected_tokens(DEFAULT_A, DEFAULT_K) if E_hit is None else E_hit
     T_p = DEFAULT_T_P if T_p is None else T_p
@@ -121,14 +127,16 @@ def critical_batch_size(p_hit=None, E_hit=None, T_p=None, E_f=None, T_f=None, b_
     if not 0 <= p_hit <= 1:
         raise ValueError(f"p_hit must be in [0, 1], got {p_hit}")
     if min(E_hit, E_f, T_p, T_f) < 0 or b_max < 1:
-        raise ValueError(f"need E_hit, E_f, T_p, T_f >= 0 and b_max >= 1, got {E_hit}, {E_f}, {T_p}, {T_f}, {b_max}")
+        raise ValueError(f"need E_hit, E_f, T_p, T_f >= 0 and b_max >= 1, "
+                         f"got {E_hit}, {E_f}, {T_p}, {T_f}, {b_max}")
     T_p = min(T_p, 1.0)
     for b in range(1, b_max + 1):
         neural = predicted_speedup(p_hit, E_hit, E_hit, T_p, T_p, b)
         fast = predicted_speedup(p_hit, E_hit, E_f, T_p, T_f, b)
         if fast > neural:
             return b
-        if p_hit ** b < 1e-12 or p_hit in (0, 1):  # w no longer changes: neither will the comparison
+        # w no longer changes: neither will the comparison
+        if p_hit ** b < 1e-12 or p_hit in (0, 1):
             return None
     return None
 
@@ -136,7 +144,8 @@ def critical_batch_size(p_hit=None, E_hit=None, T_p=None, E_f=None, T_f=None, b_
 def default_critical_batch_size(K: int, temperature: float = 0.0):
     """b* from the documented defaults above (before anything is measured)."""
     p_hit = DEFAULT_P_HIT[0 if temperature == 0 else 1]
-    return critical_batch_size(p_hit, expected_tokens(DEFAULT_A, K), DEFAULT_T_P, DEFAULT_E_F, DEFAULT_T_F)
+    return critical_batch_size(p_hit, expected_tokens(DEFAULT_A, K), DEFAULT_T_P, DEFAULT_E_F,
+                               DEFAULT_T_F)
 
 
 POLICIES = ("auto", "neural", "ngram", "random")  # --fallback
@@ -155,7 +164,7 @@ def choose_fallback(policy: str, b: int, b_star, fast: str = "ngram") -> str:
     return "neural" if b_star is None or b < b_star else fast
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # On a miss: one call picks the backup and runs it
 
 @dataclass

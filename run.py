@@ -5,9 +5,9 @@ speculative decoding (ssd): the `generate()` API and the command line.
     python run.py --mode sd --k 4 --temperature 0.7 --prompt "def fib(n):"
     python run.py --target llama-70b --draft llama-1b --chat --prompt "Write a haiku"
 
-generate() checks the request, places the models (devices, dtypes, CPU threads, tensor-parallel ranks),
-loads them and runs a decode loop from decode.py: where the algorithm is. In `ssd` mode the speculator
-runs in a second process (channel.py) unless parallel=False.
+generate() checks the request, places the models (devices, dtypes, CPU threads, tensor-parallel
+ranks), loads them and runs a decode loop from decode.py: where the algorithm is. In `ssd` mode the
+speculator runs in a second process (channel.py) unless parallel=False.
 """
 import argparse
 import json
@@ -26,9 +26,10 @@ from model import DTYPES, load_config, load_model, load_tokenizer, resolve_dtype
 from tp import TP_TIMEOUT_S, TPVerifier, TPWorkers
 from verify import Verifier
 
-# Ends where an editor leaves the cursor, at the body's indentation. The tiny pair's tokenizer splits
-# "\n        self" as "\n       " + " self", so the first line comes out one space too deep; a bare
-# final "\n" is worse: the tiny target ends the text at once. (Token healing would fix both.)
+# Ends where an editor leaves the cursor, at the body's indentation. The tiny pair's tokenizer
+# splits "\n        self" as "\n       " + " self", so the first line comes out one space too deep;
+# a bare final "\n" is worse: the tiny target ends the text at once. (Token healing would fix
+# both.)
 DEFAULT_PROMPT = "class Stack:\n    def __init__(self):\n        "
 
 
@@ -76,11 +77,12 @@ def generate(prompts, target="tiny", draft="tiny-draft", mode="sd", max_new_toke
     dev_t, dev_d = default_devices(len(target_devices) if target_devices else 1)
     target_device = target_devices[0] if target_devices else target_device or dev_t
     draft_device = draft_device or dev_d
-    target_dtype, draft_dtype = resolve_dtype(dtype, target_device), resolve_dtype(dtype, draft_device)
+    target_dtype, draft_dtype = (resolve_dtype(dtype, target_device),
+                                 resolve_dtype(dtype, draft_device))
     if two_processes and any(same_gpu(d, draft_device) for d in target_devices or [target_device]):
         warnings.warn(f"ssd: the draft shares {draft_device} with the target, so the verifier and "
-                      f"speculator processes will time-slice one GPU with no overlap; give the draft "
-                      f"its own GPU (--draft-device) or use --mode sd", stacklevel=2)
+                      f"speculator processes will time-slice one GPU with no overlap; give the "
+                      f"draft its own GPU (--draft-device) or use --mode sd", stacklevel=2)
     cores = os.cpu_count() or 1
     if two_processes:  # the two processes split the cores (when on the CPU)
         ts, td = split_cores(cores)
@@ -92,7 +94,8 @@ def generate(prompts, target="tiny", draft="tiny-draft", mode="sd", max_new_toke
     workers = speculator = None
     try:
         if target_devices and len(target_devices) > 1:  # ranks 1.. of a tensor-parallel target
-            workers = TPWorkers(target, list(target_devices), target_threads, tp_timeout, target_dtype)
+            workers = TPWorkers(target, list(target_devices), target_threads, tp_timeout,
+                                target_dtype)
         tmodel, tok = load_model(target, device=target_device, dtype=target_dtype,
                                  tp=workers.rank0 if workers else None)
         cfg = tmodel.config
@@ -122,8 +125,9 @@ def generate(prompts, target="tiny", draft="tiny-draft", mode="sd", max_new_toke
             prefill_s, decode_s, wait = decode_ssd(verifier, speculator, ids, out)
             stats = {**speculator.stats(), "verifier_wait_seconds": wait, "fallback": fallback,
                      "parallel": parallel}
-        stats = {**out.stats(mode, prefill_s, decode_s), **stats, "k": K, "temperature": temperature,
-                 "target_threads": target_threads, "draft_threads": draft_threads}
+        stats = {**out.stats(mode, prefill_s, decode_s), **stats, "k": K,
+                 "temperature": temperature, "target_threads": target_threads,
+                 "draft_threads": draft_threads}
         # the text a user reads: special tokens (<|im_end|>, </s>) stay in .tokens only
         text = ([tok.decode(x, skip_special_tokens=True) for x in out.tokens] if tok is not None
                 else None)
@@ -139,17 +143,19 @@ def generate(prompts, target="tiny", draft="tiny-draft", mode="sd", max_new_toke
 
 
 def check_prompts(ids, cfg, max_new_tokens, K):
-    """Each prompt has tokens, fits the target's context with its output, and is in the vocabulary."""
+    """Each prompt has tokens, fits the target's context with its output, and is in the
+    vocabulary."""
     for p in ids:
         if not p:
             raise ValueError("empty prompt: give at least one token")
         if len(p) + max_new_tokens + K + 1 > cfg.max_position_embeddings:
-            raise ValueError(f"prompt of {len(p)} tokens + max_new_tokens={max_new_tokens} exceeds the "
-                             f"target's context of {cfg.max_position_embeddings}: shorten the prompt "
-                             f"or max_new_tokens")
+            raise ValueError(f"prompt of {len(p)} tokens + max_new_tokens={max_new_tokens} "
+                             f"exceeds the target's context of {cfg.max_position_embeddings}: "
+                             f"shorten the prompt or max_new_tokens")
         bad = [x for x in p if not 0 <= x < cfg.vocab_size]
         if bad:
-            raise ValueError(f"prompt token id {bad[0]} outside the vocabulary of size {cfg.vocab_size}")
+            raise ValueError(f"prompt token id {bad[0]} outside the vocabulary of size "
+                             f"{cfg.vocab_size}")
 
 
 def kv_sizes(ids, max_new_tokens, K, block_size, kv_tokens=None, ssd: SSDConfig | None = None):
@@ -160,8 +166,8 @@ def kv_sizes(ids, max_new_tokens, K, block_size, kv_tokens=None, ssd: SSDConfig 
         raise ValueError(f"kv_tokens={kv_tokens} cannot hold {len(ids)} prompt(s) + max_new_tokens="
                          f"{max_new_tokens}: give at least {need} (--kv-tokens {need}) or leave it "
                          f"unset to size it automatically")
-    # default: per row the longest prompt + output, K + 1 in flight plus the draft's K + 1 pending and
-    # drafted tokens (2K + 4 covers both sides), and two blocks of rounding
+    # default: per row the longest prompt + output, K + 1 in flight plus the draft's K + 1 pending
+    # and drafted tokens (2K + 4 covers both sides), and two blocks of rounding
     b, longest = len(ids), max(len(p) for p in ids)
     kv_tokens = kv_tokens or b * (longest + max_new_tokens + 2 * K + 4 + 2 * block_size)
     if ssd is None:
@@ -210,72 +216,95 @@ def encode(tokenizer, prompt, chat):
     return ids
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The command line
 
 def main(argv=None):
     ap = argparse.ArgumentParser(
-        description="Generate text with autoregressive decoding (ar), speculative decoding (sd) or speculative "
-                    "speculative decoding (ssd, Saguaro). Streams the text of the prompt's continuation, then "
-                    "prints speed and acceptance statistics.")
+        description="Generate text with autoregressive decoding (ar), speculative decoding (sd) or "
+                    "speculative speculative decoding (ssd, Saguaro). Streams the text of the "
+                    "prompt's continuation, then prints speed and acceptance statistics.")
     g = ap.add_argument_group("what to generate")
-    g.add_argument("--prompt", default=DEFAULT_PROMPT, help="the prompt text (default: a Python class header the tiny pair continues)")
-    g.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template (instruct models)")
-    g.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="stop after N new tokens (default: %(default)s)")
-    g.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-sequence token")
+    g.add_argument("--prompt", default=DEFAULT_PROMPT,
+                   help="the prompt text (default: a Python class header the tiny pair continues)")
+    g.add_argument("--chat", action="store_true",
+                   help="wrap the prompt in the tokenizer's chat template (instruct models)")
+    g.add_argument("--max-new-tokens", type=int, default=128, metavar="N",
+                   help="stop after N new tokens (default: %(default)s)")
+    g.add_argument("--ignore-eos", action="store_true",
+                   help="keep going past the end-of-sequence token")
     g.add_argument("--temperature", type=float, default=0.0, metavar="T",
                    help="sampling temperature; 0 is greedy (argmax) (default: %(default)s)")
-    g.add_argument("--seed", type=int, default=0, help="random seed of the sampling (same seed, same tokens) (default: %(default)s)")
+    g.add_argument("--seed", type=int, default=0,
+                   help="random seed of the sampling (same seed, same tokens) "
+                        "(default: %(default)s)")
     g = ap.add_argument_group("models and algorithm")
     g.add_argument("--target", default="tiny", metavar="MODEL",
-                   help="target model: an HF directory, an HF hub id in the local cache, or an alias "
-                        "(llama-70b, llama-8b, llama-1b, qwen-8b, tiny, ...; see README) (default: %(default)s)")
+                   help="target model: an HF directory, an HF hub id in the local cache, or an "
+                        "alias (llama-70b, llama-8b, llama-1b, qwen-8b, tiny, ...; see README) "
+                        "(default: %(default)s)")
     g.add_argument("--draft", default="tiny-draft", metavar="MODEL",
-                   help="draft model (sd, ssd), same forms as --target; must share the target's vocabulary (default: %(default)s)")
+                   help="draft model (sd, ssd), same forms as --target; must share the target's "
+                        "vocabulary (default: %(default)s)")
     g.add_argument("--mode", default="ssd", choices=["ar", "sd", "ssd"],
-                   help="ar: target alone; sd: speculative decoding; ssd: speculative speculative decoding (default: %(default)s)")
-    g.add_argument("--k", type=int, default=4, metavar="K", help="K: draft tokens proposed per round (sd, ssd) (default: %(default)s)")
+                   help="ar: target alone; sd: speculative decoding; ssd: speculative speculative "
+                        "decoding (default: %(default)s)")
+    g.add_argument("--k", type=int, default=4, metavar="K",
+                   help="K: draft tokens proposed per round (sd, ssd) (default: %(default)s)")
     g.add_argument("--fan-out", default="geometric", metavar="F",
-                   help="ssd: how the B guesses per sequence spread over the K+1 depths: geometric, uniform, "
-                        "or comma-separated integers F_0,...,F_K (default: %(default)s)")
+                   help="ssd: how the B guesses per sequence spread over the K+1 depths: "
+                        "geometric, uniform, or comma-separated integers F_0,...,F_K "
+                        "(default: %(default)s)")
     g.add_argument("--budget", type=int, default=8, metavar="B",
-                   help="ssd: B, outcome guesses (branches) pre-speculated per sequence per round (default: %(default)s)")
+                   help="ssd: B, outcome guesses (branches) pre-speculated per sequence per round "
+                        "(default: %(default)s)")
     g.add_argument("--saguaro-c", type=float, default=1.0, metavar="C",
-                   help="ssd at T > 0: Saguaro sampling's C in [0, 1]; the draft's law is scaled by C on the "
-                        "cached guesses, so the target's rejections land on them more often (1 = the plain law) (default: %(default)s)")
+                   help="ssd at T > 0: Saguaro sampling's C in [0, 1]; the draft's law is scaled "
+                        "by C on the cached guesses, so the target's rejections land on them more "
+                        "often (1 = the plain law) (default: %(default)s)")
     g.add_argument("--fallback", default="auto", choices=POLICIES,
-                   help="ssd: who proposes after a cache miss: the draft (neural), a cheap n-gram or random "
-                        "speculator, or auto (the draft while the batch is below the critical batch size b*, "
-                        "estimated from this run's timings, n-gram from b* on) (default: %(default)s)")
+                   help="ssd: who proposes after a cache miss: the draft (neural), a cheap n-gram "
+                        "or random speculator, or auto (the draft while the batch is below the "
+                        "critical batch size b*, estimated from this run's timings, n-gram from b* "
+                        "on) (default: %(default)s)")
     g.add_argument("--no-parallel", action="store_true",
-                   help="ssd: run the verifier and the speculator interleaved in one process (same tokens, slower)")
+                   help="ssd: run the verifier and the speculator interleaved in one process "
+                        "(same tokens, slower)")
     g = ap.add_argument_group("devices and memory")
     g.add_argument("--device", default=None,
-                   help="device for both models, e.g. cpu or cuda:0 (default: target on cuda:0 and draft on the "
-                        "next GPU if there are GPUs, else cpu)")
-    g.add_argument("--target-device", default=None, help="device of the target (overrides --device)")
+                   help="device for both models, e.g. cpu or cuda:0 (default: target on cuda:0 "
+                        "and draft on the next GPU if there are GPUs, else cpu)")
+    g.add_argument("--target-device", default=None,
+                   help="device of the target (overrides --device)")
     g.add_argument("--draft-device", default=None, help="device of the draft (overrides --device)")
     g.add_argument("--target-devices", default=None, metavar="DEV,DEV,...",
-                   help="tensor-parallel target, one rank per device: cuda:0,cuda:1,cuda:2,cuda:3 (NCCL) or "
-                        "cpu,cpu (gloo)")
+                   help="tensor-parallel target, one rank per device: cuda:0,cuda:1,cuda:2,cuda:3 "
+                        "(NCCL) or cpu,cpu (gloo)")
     g.add_argument("--tp-timeout", type=float, default=TP_TIMEOUT_S, metavar="SECONDS",
-                   help="tensor parallel: a rank waiting longer than this in one collective (a stopped or hung "
-                        "peer) ends the run with an error naming the rank (default: %(default)s)")
+                   help="tensor parallel: a rank waiting longer than this in one collective (a "
+                        "stopped or hung peer) ends the run with an error naming the rank "
+                        "(default: %(default)s)")
     g.add_argument("--target-threads", type=int, default=None, metavar="N",
-                   help="CPU threads of the target (default: all cores; in parallel ssd the larger half)")
+                   help="CPU threads of the target (default: all cores; in parallel ssd the "
+                        "larger half)")
     g.add_argument("--draft-threads", type=int, default=None, metavar="N",
-                   help="CPU threads of the speculator process in parallel ssd (default: the smaller half)")
+                   help="CPU threads of the speculator process in parallel ssd (default: the "
+                        "smaller half)")
     g.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
-                   help="weights and activations of both models (the logits are float32 in every dtype): auto is "
-                        "bfloat16 on CUDA and float32 on the CPU; bfloat16 runs on the CPU too, slowly, to check a "
-                        "GPU's numerics there (default: %(default)s)")
+                   help="weights and activations of both models (the logits are float32 in every "
+                        "dtype): auto is bfloat16 on CUDA and float32 on the CPU; bfloat16 runs on "
+                        "the CPU too, slowly, to check a GPU's numerics there "
+                        "(default: %(default)s)")
     g.add_argument("--kv-tokens", type=int, default=None, metavar="TOKENS",
-                   help="target KV cache size in tokens (default: sized for the prompt and --max-new-tokens); "
-                        "the draft's cache gets the same plus room for ssd's branches")
+                   help="target KV cache size in tokens (default: sized for the prompt and "
+                        "--max-new-tokens); the draft's cache gets the same plus room for ssd's "
+                        "branches")
     g = ap.add_argument_group("output")
-    g.add_argument("--json", action="store_true", help="print one JSON line with the tokens, text and stats instead")
+    g.add_argument("--json", action="store_true",
+                   help="print one JSON line with the tokens, text and stats instead")
     a = ap.parse_args(argv)
-    fan = [int(x) for x in a.fan_out.split(",")] if "," in a.fan_out or a.fan_out.isdigit() else a.fan_out
+    fan = ([int(x) for x in a.fan_out.split(",")] if "," in a.fan_out or a.fan_out.isdigit()
+           else a.fan_out)
     printed = [0]
 
     def stream(row, tokens):  # print the decoded text of the first prompt as it is accepted
@@ -291,12 +320,14 @@ def main(argv=None):
         if not a.json:
             tokenizer[0] = load_tokenizer(a.target)  # the one load_model loads; only for streaming
             sys.stdout.write(a.prompt)
-        res = generate([a.prompt], target=a.target, draft=a.draft, mode=a.mode, max_new_tokens=a.max_new_tokens,
-                       temperature=a.temperature, k=a.k, seed=a.seed, ignore_eos=a.ignore_eos, fan_out=fan,
-                       budget=a.budget, saguaro_c=a.saguaro_c, fallback=a.fallback, parallel=not a.no_parallel,
-                       target_device=a.target_device or a.device, draft_device=a.draft_device or a.device,
-                       target_threads=a.target_threads, draft_threads=a.draft_threads, kv_tokens=a.kv_tokens,
-                       chat=a.chat, stream=stream, tp_timeout=a.tp_timeout, dtype=a.dtype,
+        res = generate([a.prompt], target=a.target, draft=a.draft, mode=a.mode,
+                       max_new_tokens=a.max_new_tokens, temperature=a.temperature, k=a.k,
+                       seed=a.seed, ignore_eos=a.ignore_eos, fan_out=fan, budget=a.budget,
+                       saguaro_c=a.saguaro_c, fallback=a.fallback, parallel=not a.no_parallel,
+                       target_device=a.target_device or a.device,
+                       draft_device=a.draft_device or a.device, target_threads=a.target_threads,
+                       draft_threads=a.draft_threads, kv_tokens=a.kv_tokens, chat=a.chat,
+                       stream=stream, tp_timeout=a.tp_timeout, dtype=a.dtype,
                        target_devices=a.target_devices.split(",") if a.target_devices else None)
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
@@ -305,16 +336,21 @@ def main(argv=None):
         print(f"\nerror: {e}", file=sys.stderr)
         return 1
     if a.json:
-        print(json.dumps({"tokens": res.tokens[0], "text": res.text[0] if res.text else None, "stats": res.stats}))
+        print(json.dumps({"tokens": res.tokens[0], "text": res.text[0] if res.text else None,
+                          "stats": res.stats}))
         return 0
     s = res.stats
     print("\n")
-    rows = [("mode", s["mode"]), ("new tokens", s["new_tokens"]), ("prefill s", f"{s['prefill_seconds']:.3f}"),
+    rows = [("mode", s["mode"]), ("new tokens", s["new_tokens"]),
+            ("prefill s", f"{s['prefill_seconds']:.3f}"),
             ("decode tok/s", f"{s['decode_tok_s']:.1f}"), ("rounds", s["rounds"]),
-            ("tokens/round", f"{s['mean_tokens_per_round']:.2f}"), ("acceptance", f"{s['acceptance_rate']:.2f}")]
+            ("tokens/round", f"{s['mean_tokens_per_round']:.2f}"),
+            ("acceptance", f"{s['acceptance_rate']:.2f}")]
     if s["mode"] == "ssd":
-        rows += [("cache hit rate", f"{s['cache_hit_rate']:.2f}"), ("fallback", f"{s['fallback']} (b*={s['b_star']})"),
-                 ("verifier wait", f"{s['verifier_wait_seconds'] / max(s['decode_seconds'], 1e-9):.0%}")]
+        rows += [("cache hit rate", f"{s['cache_hit_rate']:.2f}"),
+                 ("fallback", f"{s['fallback']} (b*={s['b_star']})"),
+                 ("verifier wait",
+                  f"{s['verifier_wait_seconds'] / max(s['decode_seconds'], 1e-9):.0%}")]
     for k_, v in rows:
         print(f"{k_:>16}  {v}")
     return 0

@@ -2,11 +2,12 @@
 
 Read top to bottom:
 1. `accept_reject`: the standard speculative-decoding test (Leviathan et al. 2023; Chen et al. 2023)
-   as a pure function of the target's logits and the proposals, batched over rows. Each token is tested
-   with the law it was drawn from (q, Saguaro's q', or one-hot for deterministic proposals), so the
-   output follows the target's law exactly, whatever the draft did (docs/design.md section 9).
-2. `Verifier`: the target with its paged KV cache. A round is one forward over [r, x_1..x_K] for every
-   row at once, `accept_reject`, then a rollback (`truncate`) of the rejected tokens' K/V.
+   as a pure function of the target's logits and the proposals, batched over rows. Each token is
+   tested with the law it was drawn from (q, Saguaro's q', or one-hot for deterministic proposals),
+   so the output follows the target's law exactly, whatever the draft did
+   (docs/design.md section 9).
+2. `Verifier`: the target with its paged KV cache. A round is one forward over [r, x_1..x_K] for
+   every row at once, `accept_reject`, then a rollback (`truncate`) of the rejected tokens' K/V.
 """
 import numbers
 
@@ -15,8 +16,8 @@ import torch
 from saguaro_sample import probs_from_logits, sample
 
 
-def accept_reject(target_logits: torch.Tensor, draft_tokens: torch.Tensor, draft_probs, deterministic,
-                  temperature: float, generator: torch.Generator):
+def accept_reject(target_logits: torch.Tensor, draft_tokens: torch.Tensor, draft_probs,
+                  deterministic, temperature: float, generator: torch.Generator):
     """One round's verification outcome (n, t) for b rows.
 
     target_logits [b, K+1, V]: the target's logits p_0..p_K (p_i: its next-token law after x_i).
@@ -29,7 +30,8 @@ def accept_reject(target_logits: torch.Tensor, draft_tokens: torch.Tensor, draft
     Returns n [b] long (accepted, 0..K) and t [b] long (the bonus); the round emits x_1..x_n, t.
     """
     if target_logits.dim() != 3:
-        raise ValueError(f"target_logits must be [b, K+1, V], got shape {list(target_logits.shape)}")
+        raise ValueError(f"target_logits must be [b, K+1, V], "
+                         f"got shape {list(target_logits.shape)}")
     b, K1, V = target_logits.shape
     K = K1 - 1
     if draft_tokens.shape != (b, K):
@@ -49,11 +51,13 @@ def accept_reject(target_logits: torch.Tensor, draft_tokens: torch.Tensor, draft
                          f"got {list(draft_probs.shape)}")
     x = draft_tokens.long()
 
-    def first_failures(accepted):  # [b, K] bool -> [b]: how many accepted before the first rejection
+    # [b, K] bool -> [b]: how many accepted before the first rejection
+    def first_failures(accepted):
         return accepted.long().cumprod(-1).sum(-1)
 
     if temperature == 0:
-        # Greedy: accept while x_{i+1} == argmax p_i; the bonus is argmax p_n (a one-hot q passes exactly these).
+        # Greedy: accept while x_{i+1} == argmax p_i; the bonus is argmax p_n (a one-hot q passes
+        # exactly these).
         best = target_logits.argmax(-1)                                        # [b, K+1]
         n = first_failures(x == best[:, :K])
         return n, best.gather(1, n[:, None]).squeeze(1)
@@ -63,12 +67,14 @@ def accept_reject(target_logits: torch.Tensor, draft_tokens: torch.Tensor, draft
     px = p[:, :K].gather(-1, x[..., None]).squeeze(-1)                         # [b, K]
     qx = draft_probs.float().gather(-1, x[..., None]).squeeze(-1)              # [b, K]
     qx = torch.where(deterministic[:, None], 1.0, qx)
-    # Accept x_{i+1} with probability min(1, p/q): u < p/q with u ~ U[0, 1), written u q < p so that q = 0 needs
-    # no division. All K uniforms at once; n counts the accepts before the first rejection.
+    # Accept x_{i+1} with probability min(1, p/q): u < p/q with u ~ U[0, 1), written u q < p so that
+    # q = 0 needs no division. All K uniforms at once; n counts the accepts before the first
+    # rejection.
     u = torch.rand(b, K, generator=generator, device=p.device)
     n = first_failures(u * qx < px)                                            # [b]
 
-    # Bonus: from the residual norm(max(p_n - q_n, 0)) after a rejection (n < K), from p_K if all were accepted.
+    # Bonus: from the residual norm(max(p_n - q_n, 0)) after a rejection (n < K), from p_K if all
+    # were accepted.
     rows = torch.arange(b, device=p.device)
     p_n = p[rows, n]                                                           # [b, V]
     if K > 0:
@@ -80,20 +86,21 @@ def accept_reject(target_logits: torch.Tensor, draft_tokens: torch.Tensor, draft
         residual = (p_n - q_n).clamp(min=0)
     else:
         residual = p_n
-    # An all-zero residual needs p_n <= q_n everywhere, i.e. p_n == q_n in exact arithmetic, where the test
-    # accepts surely; it can only come from float round-off, with tiny probability. Then p_n is the law to
-    # sample (it is the residual's limit and the target's own distribution).
+    # An all-zero residual needs p_n <= q_n everywhere, i.e. p_n == q_n in exact arithmetic, where
+    # the test accepts surely; it can only come from float round-off, with tiny probability. Then
+    # p_n is the law to sample (it is the residual's limit and the target's own distribution).
     empty = residual.sum(-1, keepdim=True) == 0                                # [b, 1]
     t = sample(torch.where(empty, p_n, residual), generator)                   # [b]
     return n, t
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The verifier: the target model, its paged KV cache, one forward per round
 
 class Verifier:
-    """The target side. Its KV cache holds every committed token except the last bonus token r, which
-    each round feeds first: one forward over [r, x_1..x_K] gives p_0..p_K for the whole round."""
+    """The target side. Its KV cache holds every committed token except the last bonus token r,
+    which each round feeds first: one forward over [r, x_1..x_K] gives p_0..p_K for the whole
+    round."""
 
     def __init__(self, model, temperature: float, seed: int, kv_tokens: int, block_size: int = 16):
         self.model, self.temperature = model, temperature
@@ -109,8 +116,8 @@ class Verifier:
                                            [len(p) for p in prompts], last_only=True)  # [b, V]
         b, V = logits.shape
         none = torch.zeros(b, 0, dtype=torch.long, device=logits.device)
-        _, self.last = accept_reject(logits[:, None, :], none, None, torch.ones(b, dtype=torch.bool),
-                                     self.temperature, self.gen)
+        _, self.last = accept_reject(logits[:, None, :], none, None,
+                                     torch.ones(b, dtype=torch.bool), self.temperature, self.gen)
         return self.last.clone()
 
     def verify(self, rows: list[int], tokens, q, deterministic):

@@ -114,3 +114,14 @@ def test_cited_design_sections_exist():
                     bad.append(f"{f.relative_to(REPO)}: section {n}")
     assert cited, "nothing cites docs/design.md sections (verify.py and bench.py should)"
     assert not bad, f"cited sections missing from docs/design.md (it has {sorted(sections)}): {bad}"
+
+
+def test_engine_lines_fit_100_columns():
+    """The engine's files (the top-level *.py) are read side by side: no line over 100 columns."""
+    files = sorted(REPO.glob("*.py"))
+    assert any(f.name == "run.py" for f in files), files
+    long = [f"{f.name}:{i} ({len(line)} columns)"
+            for f in files
+            for i, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1)
+            if len(line) > 100]
+    assert not long, "lines over 100 columns:\n" + "\n".join(long)
