@@ -10,6 +10,7 @@ calls `model.forward_cached` on a *ragged batch*: every sequence adds its own nu
 are read and written through each sequence's block table in a `PagedKVCache`.
 """
 import importlib.util
+import itertools
 import json
 import math
 import mmap
@@ -335,6 +336,7 @@ class AttnMeta:
     query_index: torch.Tensor  # [N] row * T + i: each new token's place in the padded [b, T]
     mask: torch.Tensor         # [b, 1, T, max_blocks * block_size]: 0 where a query may look, -inf
     T: int                     # most new tokens of any sequence in this batch
+    last: torch.Tensor         # [b] index in [N] of each sequence's last new token
 
 
 class PagedKVCache:
@@ -458,20 +460,29 @@ class PagedKVCache:
         max_blocks = max(len(self.seqs[s].blocks) for s in seq_ids)
         table = [self.seqs[s].blocks + [0] * (max_blocks - len(self.seqs[s].blocks))
                  for s in seq_ids]
-        # the index lists are built in Python, where the block tables live: one tensor each
-        positions = [p for st, c in zip(starts, counts) for p in range(st, st + c)]  # [N] absolute
-        query_index = [r * T + i for r, c in enumerate(counts) for i in range(c)]   # [N] in [b, T]
+        # the index lists are built in Python, where the block tables live, and cross to the device
+        # in one copy: [slots N | positions N | query_index N | last b | table b*blocks | qpos b*T]
+        positions = [p for st, c in zip(starts, counts) for p in range(st, st + c)]  # absolute
+        query_index = [r * T + i for r, c in enumerate(counts) for i in range(c)]   # in [b, T]
+        last = [x - 1 for x in itertools.accumulate(counts)]  # each sequence's last token in [N]
         # padded query positions [b, T]; padding queries get position 0: their rows are never empty
-        qpos = torch.tensor([[st + i if i < c else 0 for i in range(T)]
-                             for st, c in zip(starts, counts)], device=device)
+        qpos = [st + i if i < c else 0 for st, c in zip(starts, counts) for i in range(T)]
+        host = torch.tensor(slots + positions + query_index + last + sum(table, []) + qpos)
+        N = len(slots)
+        slots, positions, query_index, last, table, qpos = to_device(host, device).split(
+            [N, N, N, b, b * max_blocks, b * T])
         keys = torch.arange(max_blocks * bs, device=device)
         allowed = keys.view(1, 1, 1, -1) <= qpos.view(b, 1, T, 1)  # causal within and across rounds
         # additive float mask, built once per forward (SDPA would convert a bool mask per layer)
         mask = torch.zeros(allowed.shape, dtype=self.kv.dtype, device=device)
         mask.masked_fill_(~allowed, float("-inf"))
-        return AttnMeta(torch.tensor(slots, device=device), torch.tensor(positions, device=device),
-                        torch.tensor(table, device=device),
-                        torch.tensor(query_index, device=device), mask, T)
+        return AttnMeta(slots, positions, table.view(b, max_blocks), query_index, mask, T, last)
+
+
+def to_device(host: torch.Tensor, device) -> torch.Tensor:
+    """Every forward's host-built metadata crosses to the device here, in one copy (tests count
+    the calls)."""
+    return host.to(device, non_blocking=True)
 
 
 def paged_attention(q, k, v, kv_layer, meta: AttnMeta):
@@ -588,7 +599,7 @@ class Transformer(nn.Module):
         for l, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, cache.kv[l], meta)
         if last_only:
-            x = x[torch.cumsum(torch.tensor(counts, device=x.device), 0) - 1]
+            x = x[meta.last]
         return self.head(x)
 
 

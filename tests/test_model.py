@@ -212,6 +212,29 @@ def test_last_only(llama):
             assert max_diff(last[i], full(llama, torch.cat([seqs[i], nxt[i]]))[-1]) < TOL
 
 
+def test_one_host_to_device_copy_per_forward(llama, monkeypatch):
+    """A forward's metadata (slots, positions, block table, query index, last tokens, padded
+    positions) is built on the host and crosses to the device in one copy through
+    model.to_device; no other host tensor is made during the forward (on a GPU each would be a
+    copy, and most a sync). Counted on the CPU by logging tensors created from Python data."""
+    import model as model_module
+    copies, created = [], []
+    real = model_module.to_device
+    monkeypatch.setattr(model_module, "to_device", lambda h, d: copies.append(h.numel()) or real(h, d))
+    cache = llama.new_cache(64, 4)
+    sids = [cache.new_seq() for _ in range(3)]
+    tokens = torch.cat([rand_tokens(n, 40 + n) for n in (4, 1, 6)])
+    real_tensor = torch.tensor
+    monkeypatch.setattr(torch, "tensor", lambda *a, **k: created.append(1) or real_tensor(*a, **k))
+    with torch.no_grad():
+        llama.forward_cached(cache, sids, tokens, [4, 1, 6], last_only=True)
+        llama.forward_cached(cache, sids, tokens[:5], [2, 2, 1], last_only=True)
+    assert len(copies) == 2, copies          # one per forward
+    assert len(created) == 2, created        # only the packed metadata, once per forward
+    # [slots 11 | positions 11 | query_index 11 | last 3 | table 3 x 2 blocks | qpos 3 x 6]
+    assert copies[0] == 3 * 11 + 3 + 3 * 2 + 3 * 6
+
+
 # --------------------------------------------------------------------------------------------------
 # 3. Rollback, fork, copy on write, the allocator
 
