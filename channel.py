@@ -75,6 +75,10 @@ class Channel:
         flush(n.device)
         self.outcome_ready.set()
 
+    def send_stop(self):
+        self.stop[0] = True
+        self.outcome_ready.set()
+
     def outcome(self):
         """(rows, n [b], t [b], verify seconds or None), as the verifier sent them."""
         b = int(self.count[0])
@@ -193,8 +197,7 @@ class SpeculatorProcess:
 
     def stats(self) -> dict:
         """Stop the speculator and collect its counters."""
-        self.ch.stop[0] = True
-        self.ch.outcome_ready.set()
+        self.ch.send_stop()
         # before join: a full pipe blocks the child's exit
         kind, stats = self.errors.get(timeout=30)
         if kind == "error":
@@ -205,8 +208,7 @@ class SpeculatorProcess:
     def close(self):
         """Stop the process however the run ended; raise its error unless the user interrupted."""
         if self.proc.is_alive():
-            self.ch.stop[0] = True
-            self.ch.outcome_ready.set()
+            self.ch.send_stop()
             self.proc.join(timeout=2)
         if self.proc.is_alive():
             self.proc.terminate()

@@ -183,7 +183,7 @@ class Speculator(Drafter):
         super().__init__(model, ssd.K, temperature, seed, kv_tokens, block_size)
         self.ssd = ssd
         self.spec_cache = SpecCache(ssd.K)        # (row, n, t) -> branch index
-        self.branches = Branches([], None, None, None, [])
+        self.branches: Branches | None = None  # set by pre_speculate, used up by respond
         self.accept = AcceptanceTracker()         # a and r of the neural draft's proposals
         self.accept_fast = AcceptanceTracker()    # a of the fast backup's proposals
         self.busy_seconds = 0.0
@@ -286,7 +286,7 @@ class Speculator(Drafter):
                 misses.append(i)
         for m in self.spec_cache.clear():  # branches of outcomes that did not happen
             self.cache.free(br.seqs[m])
-        self.branches = Branches([], None, None, None, br.F)
+        self.branches = None
         if misses:
             backup = self.propose_on_miss([rows[i] for i in misses], b)
             tokens[misses] = backup.tokens

@@ -467,7 +467,8 @@ class PagedKVCache:
         last = [x - 1 for x in itertools.accumulate(counts)]  # each sequence's last token in [N]
         # padded query positions [b, T]; padding queries get position 0: their rows are never empty
         qpos = [st + i if i < c else 0 for st, c in zip(starts, counts) for i in range(T)]
-        host = torch.tensor(slots + positions + query_index + last + sum(table, []) + qpos)
+        flat_table = [x for row in table for x in row]
+        host = torch.tensor(slots + positions + query_index + last + flat_table + qpos)
         N = len(slots)
         slots, positions, query_index, last, table, qpos = to_device(host, device).split(
             [N, N, N, b, b * max_blocks, b * T])
