@@ -204,7 +204,7 @@ def run_engine(cfg: Config, batches, a):
     tot = dict(new=0, first=0, decode_s=0.0, prefill_s=0.0, rounds=0, row_rounds=0, accepted=0,
                proposed=0, trials=0, hits=0, misses=0, tok_hit=0.0, tok_miss=0.0, wait_s=0.0,
                busy_s=0.0, fallback_rounds={}, b_star=None, hist=[], hits_per_depth=[],
-               lookups_per_depth=[])
+               lookups_per_depth=[], stopped=0, budget_rounds=0.0)
     for i, batch in enumerate(batches):
         s = generate(batch, target=a.target, draft=a.draft, mode=cfg.engine,
                      max_new_tokens=a.max_new_tokens, temperature=cfg.temperature, k=cfg.k or 1,
@@ -233,6 +233,8 @@ def run_engine(cfg: Config, batches, a):
             for kind, n in s["fallback_rounds"].items():
                 tot["fallback_rounds"][kind] = tot["fallback_rounds"].get(kind, 0) + n
             tot["b_star"] = s["b_star"]
+            tot["stopped"] += s["pre_speculation_stopped"]
+            tot["budget_rounds"] += s["mean_budget"] * s["rounds"]
             for key in ("hits_per_depth", "lookups_per_depth"):
                 tot[key] = [x + y for x, y in zip(tot[key], s[key])] if tot[key] else list(s[key])
     return tot
@@ -336,6 +338,8 @@ def summarize(cfg: Config, runs):
                    verifier_wait_pct=100 * m["wait_s"] / m["decode_s"],
                    draft_busy_pct=100 * m["busy_s"] / m["decode_s"],
                    fallback_rounds=m["fallback_rounds"], b_star=m["b_star"],
+                   stopped_pct=100 * m["stopped"] / m["rounds"] if m["rounds"] else 0.0,
+                   mean_budget=m["budget_rounds"] / m["rounds"] if m["rounds"] else 0.0,
                    hits_per_depth=m["hits_per_depth"], lookups_per_depth=m["lookups_per_depth"])
     return row
 
@@ -404,7 +408,8 @@ def theory(m: Measured) -> dict:
       c    = (decode_s - wait_s) / rounds / T_ar      one ssd verification, in AR steps
     Returns those and ssd_pred (the paper's formula, c = 1), ssd_pred_c (with the measured c),
     sd_pred = E_SD / (1 + T_SD), sd_bound = (1 + T_SD) / c (the most SSD can gain over SD) and
-    b_star (fallback.critical_batch_size from the same p_hit, E_hit, T_p, with T_f ~ 0)."""
+    b_star (fallback.critical_batch_size from the same p_hit, E_hit, T_p, with T_f ~ 0 and the
+    neural backup's time T_SD)."""
     T_sd = m.sd_round / m.T_ar - 1 if m.sd_round else None
     fb_rounds = m.neural_rounds + m.fast_rounds
     if T_sd is not None:
@@ -420,7 +425,7 @@ def theory(m: Measured) -> dict:
             "sd_bound": (1 + T_sd) / c if T_sd is not None and c > 0 else None,
             "sd_pred": (predicted_sd_speedup(m.E_sd, T_sd)
                         if T_sd is not None and m.E_sd else None),
-            "b_star": critical_batch_size(m.p_hit, m.E_hit, T_p, m.E_f, None)}
+            "b_star": critical_batch_size(m.p_hit, m.E_hit, T_p, m.E_f, None, T_sd)}
 
 
 def add_theory(rows):
@@ -472,7 +477,8 @@ def fmt(x, spec=".2f", none="-"):
 LEGEND = ("accept: accepted / proposed draft tokens; a: the paper's per-token acceptance "
           "(capped-geometric MLE); hit: cache hit rate; wait%: verifier waiting for proposals / "
           "decode time; busy%: speculator busy / decode time (it includes the first round's "
-          "pre-speculation, done during the prefill)")
+          "pre-speculation, done during the prefill); B: mean budget (branches per sequence); "
+          "stop%: rounds whose pre-speculation the outcome cut short")
 
 
 def print_tables(rows, a, n_prompts):
@@ -499,7 +505,7 @@ def print_tables(rows, a, n_prompts):
                   f"see bench.theory):")
             print(f"{'engine':<{w}}  {'a':>5} {'p_hit':>5} {'E_hit':>5} {'E_miss':>6} {'T_p':>5} "
                   f"{'T_b':>5} {'T_SD':>5} {'c':>5} {'pred':>5} {'pred_c':>6} {'meas':>5} "
-                  f"{'SD pred':>7} {'b*':>4} {'SSD/SD max':>10}")
+                  f"{'SD pred':>7} {'b*':>4} {'SSD/SD max':>10} {'B':>4} {'stop%':>5}")
             for r in th:
                 t = r["theory"]
                 print(f"{r['label']:<{w}}  {r['acceptance_a']:>5.2f} {r['cache_hit_rate']:>5.2f} "
@@ -507,7 +513,32 @@ def print_tables(rows, a, n_prompts):
                       f"{t['T_p']:>5.2f} {t['T_b']:>5.2f} {fmt(t['T_SD']):>5} {t['c']:>5.2f} "
                       f"{t['ssd_pred']:>5.2f} {t['ssd_pred_c']:>6.2f} "
                       f"{fmt(r['speedup_vs_ar']):>5} {fmt(t['sd_pred']):>7} "
-                      f"{fmt(t['b_star'], 'd'):>4} {fmt(t['sd_bound']):>10}")
+                      f"{fmt(t['b_star'], 'd'):>4} {fmt(t['sd_bound']):>10} "
+                      f"{r['mean_budget']:>4.1f} {r['stopped_pct']:>5.0f}")
+
+
+def print_grid(rows):
+    """SSD / SD in every (temperature, batch) cell, measured, with the theory's prediction
+    (Corollary 16 with the measured c, over SD's measured speed-up) in brackets."""
+    cells = {}
+    for r in rows:
+        if r["engine"] == "ssd" and r["speedup_vs_sd"]:
+            sd = find(rows, "sd", r, r["threads"], r["k"])
+            t = r.get("theory")
+            pred = (t["ssd_pred_c"] / sd["speedup_vs_ar"]
+                    if t and sd and sd["speedup_vs_ar"] else None)
+            cells.setdefault((r["temperature"], r["batch"]), []).append((r["speedup_vs_sd"], pred))
+    if not cells:
+        return
+    Ts, bs = sorted({T for T, _ in cells}), sorted({b for _, b in cells})
+    print("\nSSD / SD, measured (theory with the measured c):")
+    print(f"{'':>6}" + "".join(f"{'batch ' + str(b):>16}" for b in bs))
+    for T in Ts:
+        line = f"{'T=' + format(T, 'g'):>6}"
+        for b in bs:
+            c = cells.get((T, b), [])
+            line += f"{', '.join(f'{m:.2f} ({fmt(p)})' for m, p in c) or '-':>16}"
+        print(line)
 
 
 def plot(rows, path):
@@ -751,6 +782,7 @@ def main(argv=None):
         else:
             rows, tuned = measure(make_configs(a, a.cores), batches, a, hf), None
             print_tables(rows, a, len(ids))
+            print_grid(rows)
         print(f"\nhardware: {hw['cpu']}, {hw['cores']} cores, torch {hw['torch']}, "
               f"device {hw['device']}; {a.cores} used; ssd threads target+draft = "
               f"{'+'.join(map(str, split_cores(a.cores)))}")

@@ -232,6 +232,9 @@ def speculator_main(cfg: DraftConfig, threads, ch: Channel, inbox, errors):
             torch.cuda.set_device(cfg.device)  # first: pinning creates a context on the current GPU
         ch.pin_here()
         spec = load_draft(cfg)
+        # pre-speculation stops when the outcome arrives: the verifier must not wait for branches
+        # it will not use (draft.Speculator.respond finishes the one that hit)
+        spec.arrived = lambda step: ch.outcome_ready.is_set()
         ch.loaded.set()
         parent = mp.parent_process()
         prompts = None

@@ -17,8 +17,9 @@ import torch
 import fallback
 from fallback import BACKUPS, POLICIES, critical_batch_size, default_critical_batch_size
 from model import PagedKVCache, Transformer, load_model
-from saguaro_sample import probs_from_logits, sample, saguaro
-from spec_cache import DEFAULT_A, DEFAULT_R, AcceptanceTracker, SpecCache, fan_out, guess_triples
+from saguaro_sample import exp_noise, probs_from_logits, sample, saguaro
+from spec_cache import (DEFAULT_A, DEFAULT_R, AcceptanceTracker, SpecCache, expected_tokens,
+                        fan_out, guess_triples, next_budget)
 
 
 @dataclass
@@ -37,33 +38,66 @@ def draft_probs(logits, temperature):
     return probs_from_logits(logits, temperature if temperature > 0 else 1.0)
 
 
-def draw(logits, temperature, generator, f=None, c=1.0):
+def draw(logits, temperature, generator, f=None, c=1.0, of_batch=None):
     """One draft token per row: (token [b], q_drawn [b, V], q_raw [b, V]). q_raw is the draft's
-    own law; q_drawn the one the token was drawn from (Saguaro's q' when f is set and C < 1)."""
+    own law; q_drawn the one the token was drawn from (Saguaro's q' when f is set and C < 1).
+    of_batch (M, rows): these rows are `rows` of a batch of M drawn with `generator`: draw the
+    batch's noise and keep theirs."""
     q_raw = draft_probs(logits, temperature)
     if temperature == 0:
         return q_raw.argmax(-1), q_raw, q_raw
     q = saguaro(q_raw, f, c) if f is not None and c < 1 else q_raw
-    return sample(q, generator), q, q_raw
+    noise = None
+    if of_batch is not None:
+        noise = exp_noise((of_batch[0], q.shape[-1]), generator)[of_batch[1]]
+    return sample(q, generator, noise), q, q_raw
+
+
+@dataclass
+class Drafted:
+    """Draft steps taken so far for a batch of sequences. Step i feeds one token per sequence (its
+    `first` tokens at i = 0, then x_i) and, for i < K, draws x_{i+1}; step K only feeds x_K.
+    SSD's pre-speculation may stop after any step and finish a branch later."""
+    tokens: list = field(default_factory=list)  # per step i < K: x_{i+1} [b]
+    q: list = field(default_factory=list)       # per step i < K: the law x_{i+1} came from [b, V]
+    q_raw: list = field(default_factory=list)   # per step i: the draft's own law at depth i [b, V]
+
+    @property
+    def steps(self) -> int:
+        return len(self.q_raw)
+
+    def rows(self, idx) -> "Drafted":
+        return Drafted([x[idx] for x in self.tokens], [x[idx] for x in self.q],
+                       [x[idx] for x in self.q_raw])
+
+    def stack(self):
+        """-> tokens [b, K], q [b, K, V], q_raw [b, steps, V]."""
+        return torch.stack(self.tokens, 1), torch.stack(self.q, 1), torch.stack(self.q_raw, 1)
 
 
 def draft_k(model: Transformer, cache: PagedKVCache, seqs, first, K, temperature, generator,
-            F=None, c=1.0, feed_last=False):
+            F=None, c=1.0, feed_last=False, stop=None, done: Drafted | None = None,
+            of_batch=None) -> Drafted:
     """Feed each sequence its `first` tokens (a list per row, e.g. [t] or [x_K, t]), then draft K
     tokens one step at a time, all rows together. F (K ints) and C select Saguaro sampling at each
-    depth. feed_last also feeds x_K, caching its KV and giving q_raw[:, K].
-    Returns tokens [b, K], q [b, K, V], q_raw [b, K(+1), V]."""
-    tokens, qs, raws = [], [], []
-    step_in, step_counts = [x for f in first for x in f], [len(f) for f in first]
-    for i in range(K + feed_last):
-        logits = model.forward_cached(cache, seqs, step_in, step_counts, last_only=True)  # [b, V]
+    depth. feed_last also feeds x_K, caching its KV and giving q_raw at depth K.
+    stop(step) -> True ends the drafting before that step (SSD: the verifier's outcome arrived);
+    done continues an earlier call's steps; of_batch: see `draw`."""
+    d = done if done is not None else Drafted()
+    while d.steps < K + feed_last and not (stop is not None and stop(d.steps)):
+        i = d.steps
+        if i == 0:
+            step_in, counts = [x for f in first for x in f], [len(f) for f in first]
+        else:
+            step_in, counts = d.tokens[i - 1], [1] * len(seqs)
+        logits = model.forward_cached(cache, seqs, step_in, counts, last_only=True)  # [b, V]
         if i == K:  # only feeding x_K
-            raws.append(draft_probs(logits, temperature))
+            d.q_raw.append(draft_probs(logits, temperature))
             break
-        x, q, q_raw = draw(logits, temperature, generator, None if F is None else F[i], c)
-        tokens.append(x), qs.append(q), raws.append(q_raw)
-        step_in, step_counts = x, [1] * len(seqs)
-    return torch.stack(tokens, 1), torch.stack(qs, 1), torch.stack(raws, 1)
+        x, q, q_raw = draw(logits, temperature, generator, None if F is None else F[i], c,
+                           of_batch)
+        d.tokens.append(x), d.q.append(q), d.q_raw.append(q_raw)
+    return d
 
 
 @dataclass
@@ -103,7 +137,7 @@ class Drafter:
         """Draft K tokens for the given rows (in SD the verifier waits for this)."""
         tok, q, _ = draft_k(self.model, self.cache, [self.rows[r].seq for r in rows],
                             [self.rows[r].pending for r in rows], self.K, self.temperature,
-                            self.gen)
+                            self.gen).stack()
         for i, r in enumerate(rows):
             self.rows[r].proposed, self.rows[r].pending = tok[i].tolist(), []  # fed by draft_k
         b = len(rows)
@@ -160,19 +194,22 @@ class SSDConfig:
 
 @dataclass
 class Branches:
-    """One round's pre-speculated branches, batched: branch m drafted the next round for one
+    """One round's pre-speculated branches, batched: branch m drafts the next round for one
     guess."""
-    seqs: list[int]                 # [M] forked KV sequences
-    tokens: torch.Tensor | None     # [M, K] their x_1..x_K
-    q: torch.Tensor | None          # [M, K, V] the laws the tokens were drawn from
-    q_raw: torch.Tensor | None      # [M, K+1, V] the draft's own laws: the next guesses
-    F: list[int]                    # the fan-out the next round's guesses will use
+    seqs: list[int]       # [M] forked KV sequences
+    guess: list[int]      # [M] the bonus token each one guessed (its first input)
+    drafted: Drafted      # their draft steps: K + 1, or fewer if the outcome arrived first
+    F: list[int]          # the fan-out the next round's guesses will use
 
 
 def recent_median(xs, window=64):
     """Median of the last `window` measurements: robust to outliers, constant cost per round."""
     recent = sorted(xs[-window:])
     return recent[len(recent) // 2]
+
+
+# miss rounds each backup gets under "auto" before b* decides (both must be measured to compare)
+EXPLORE_ROUNDS = 4
 
 
 class Speculator(Drafter):
@@ -183,13 +220,28 @@ class Speculator(Drafter):
         super().__init__(model, ssd.K, temperature, seed, kv_tokens, block_size)
         self.ssd = ssd
         self.spec_cache = SpecCache(ssd.K)        # (row, n, t) -> branch index
-        self.branches: Branches | None = None  # set by pre_speculate, used up by respond
+        self.branches: Branches | None = None     # set by pre_speculate, used up by respond
         self.accept = AcceptanceTracker()         # a and r of the neural draft's proposals
         self.accept_fast = AcceptanceTracker()    # a of the fast backup's proposals
+        # B of the next pre-speculation: the user's budget is its ceiling, the measured time its
+        # limit (spec_cache.next_budget); an explicit fan-out is fixed
+        self.B = ssd.budget
+        self.adaptive = not isinstance(ssd.fan_out, (list, tuple))
+        # branch noise: a generator reseeded each round from a host-side one (no device sync)
+        self.seeds = torch.Generator().manual_seed(seed)
+        self.branch_gen = torch.Generator(device=model.device)
         self.busy_seconds = 0.0
-        self.pre_seconds, self.fast_seconds, self.verify_seconds = [], [], []
+        self.pre_seconds, self.neural_seconds, self.fast_seconds = [], [], []
+        self.verify_seconds = []
         self.fallback_used = dict.fromkeys(BACKUPS, 0)
         self.b_star = None
+        self.stopped = self.finished = self.budget_sum = self.pre_rounds = 0
+
+    def arrived(self, step: int) -> bool:
+        """Has the verifier's outcome arrived? Checked before each pre-speculation step. In one
+        process the verifier runs only after pre_speculate returns: never. The speculator's process
+        looks at the channel instead (channel.speculator_main); tests force an arrival at a step."""
+        return False
 
     def fan_out_for(self, fast: bool) -> list[int]:
         """F_0..F_K for a round whose proposals came from the neural draft or a fast backup (its
@@ -198,19 +250,20 @@ class Speculator(Drafter):
         # until a warm-up's worth of rounds is measured, use the documented defaults
         a, r = (tracker.a(), self.accept.r()) if tracker.ready else (0.1 if fast else DEFAULT_A,
                                                                      DEFAULT_R)
-        return fan_out(self.ssd.fan_out, a, r, self.K, self.ssd.budget)
+        return fan_out(self.ssd.fan_out, a, r, self.K, self.B)
 
     def prefill(self, prompts):
         q0 = super().prefill(prompts)  # [b, V]: the draft's guess of the verifier's first token
         for r, row in enumerate(self.rows):  # round 0 proposes nothing: its outcome is (0, t0)
-            row.q_raw, row.F = q0[r:r + 1], [self.ssd.budget]
+            row.q_raw, row.F = q0[r:r + 1], [self.B]
         return q0
 
     def pre_speculate(self, rows):
         """Guess each row's outcome (j, t) of the round being verified, fork a branch per guess at
         the committed prefix + j drafted tokens, feed t and draft K tokens for all branches of all
         rows as one batch per step (K + 1 steps: x_K is fed too, so a winning branch is
-        complete)."""
+        complete). Stops early when the outcome arrives: `respond` then finishes only the branch
+        that hit."""
         start = time.perf_counter()
         self.feed_fast_proposals(rows)
         groups = {}  # rows sharing a fan-out vector pick their guesses in one batched call
@@ -228,17 +281,23 @@ class Speculator(Drafter):
         seqs = [self.cache.fork(self.rows[r].seq, len(self.rows[r].history) + j)
                 for r, j in zip(owner, depth)]
         F_next = self.fan_out_for(fast=False)  # a hit answers with neural proposals
+        self.branch_gen.manual_seed(int(torch.randint(2**62, (1,), generator=self.seeds)))
+        drafted = Drafted()
         if seqs:
-            tok, q, q_raw = draft_k(self.model, self.cache, seqs, [[g] for g in guess], self.K,
-                                    self.temperature, self.gen, F=F_next[:self.K],
-                                    c=self.ssd.saguaro_c, feed_last=True)
-        else:
-            tok = q = q_raw = None
-        self.branches = Branches(seqs, tok, q, q_raw, F_next)
+            drafted = draft_k(self.model, self.cache, seqs, [[g] for g in guess], self.K,
+                              self.temperature, self.branch_gen, F=F_next[:self.K],
+                              c=self.ssd.saguaro_c, feed_last=True, stop=self.arrived)
+        self.branches = Branches(seqs, guess, drafted, F_next)
         for m, (r, j, g) in enumerate(zip(owner, depth, guess)):
             self.spec_cache.put(r, j, g, m)
-        self.pre_seconds.append(time.perf_counter() - start)
-        self.busy_seconds += self.pre_seconds[-1]
+        seconds, stopped = time.perf_counter() - start, bool(seqs) and drafted.steps <= self.K
+        self.pre_seconds.append(seconds)
+        self.busy_seconds += seconds
+        self.stopped += stopped
+        self.budget_sum, self.pre_rounds = self.budget_sum + self.B, self.pre_rounds + 1
+        if self.adaptive and self.verify_seconds:
+            self.B = next_budget(self.B, self.ssd.budget,
+                                 seconds / recent_median(self.verify_seconds), stopped)
 
     def feed_fast_proposals(self, rows):
         """A fast backup's proposals never went through the draft: feed [t, x_1..x_K] in one
@@ -265,7 +324,7 @@ class Speculator(Drafter):
         q = torch.zeros(b, K, self.V, device=self.model.device) if self.temperature > 0 else None
         deterministic = torch.full((b,), self.temperature == 0)
         hit = torch.zeros(b, dtype=torch.bool)
-        misses = []
+        hits, misses = [], []  # (i, branch m) / i
         for i, (r, n_r, t_r) in enumerate(zip(rows, n.tolist(), t.tolist())):
             row = self.rows[r]
             m = self.spec_cache.get(r, n_r, t_r)  # the branch drafted for this outcome, or None
@@ -273,17 +332,23 @@ class Speculator(Drafter):
             if row.F[n_r] > 0:  # a depth with no guesses always misses: it says nothing about r
                 self.accept.observe_lookup(row.F[n_r], m is not None)
             row.history += row.proposed[:n_r] + [t_r]
-            if m is not None:  # hit: the branch holds the committed tokens + the next x_1..x_K
-                self.cache.free(row.seq)
-                row.seq, row.proposed, row.q_raw, row.F, row.fast = (
-                    br.seqs[m], br.tokens[m].tolist(), br.q_raw[m], br.F, False)
-                tokens[i], hit[i] = br.tokens[m], True
-                if q is not None:
-                    q[i] = br.q[m]
+            if m is not None:
+                hits.append((i, m))
             else:  # miss: keep the accepted prefix; t is not in the cache yet
                 self.cache.truncate(row.seq, len(row.history) - 1)
                 row.pending = [t_r]
                 misses.append(i)
+        if hits:  # the branch holds the committed tokens + the next x_1..x_K
+            hit_tokens, hit_q, hit_q_raw = self.finish_branches([m for _, m in hits])
+            for (i, m), proposed, q_raw in zip(hits, hit_tokens.tolist(), hit_q_raw):
+                row = self.rows[rows[i]]
+                self.cache.free(row.seq)
+                row.seq, row.proposed, row.q_raw, row.F, row.fast = (br.seqs[m], proposed, q_raw,
+                                                                     br.F, False)
+            idx = [i for i, _ in hits]
+            tokens[idx], hit[idx] = hit_tokens, True
+            if q is not None:
+                q[idx] = hit_q
         for m in self.spec_cache.clear():  # branches of outcomes that did not happen
             self.cache.free(br.seqs[m])
         self.branches = None
@@ -297,22 +362,38 @@ class Speculator(Drafter):
         self.busy_seconds += time.perf_counter() - start
         return Proposals(tokens, q, deterministic, hit)
 
+    def finish_branches(self, ms):
+        """The proposals of the branches that hit: tokens [h, K], q [h, K, V], q_raw [h, K+1, V].
+        If pre-speculation stopped early, these branches (and no others) draft their remaining steps
+        now, with the noise they would have had in the full batch: the same tokens as without the
+        stop."""
+        br = self.branches
+        idx = torch.tensor(ms, device=self.model.device)
+        d = br.drafted.rows(idx)
+        if d.steps < self.K + 1:
+            d = draft_k(self.model, self.cache, [br.seqs[m] for m in ms],
+                        [[br.guess[m]] for m in ms], self.K, self.temperature, self.branch_gen,
+                        F=br.F[:self.K], c=self.ssd.saguaro_c, feed_last=True, done=d,
+                        of_batch=(len(br.seqs), idx))
+            self.finished += len(ms)
+        return d.stack()
+
     def propose_on_miss(self, miss_rows, b) -> fallback.Backup:
-        """The fallback's proposals for the rows that missed (fallback.py picks the backup for batch
-        size b); each row then holds what its next guesses need."""
+        """The fallback's proposals for the rows that missed, from the backup `backup_for` picks
+        for batch size b; each row then holds what its next guesses need."""
         start = time.perf_counter()
         self.b_star = self.critical_batch_size()
+        kind = self.backup_for(b)
         F = self.fan_out_for(fast=False)
 
         def neural():  # the draft, just in time: good tokens, costs a full drafting pass
             return draft_k(self.model, self.cache, [self.rows[r].seq for r in miss_rows],
                            [self.rows[r].pending for r in miss_rows], self.K, self.temperature,
-                           self.gen, F=F[:self.K], c=self.ssd.saguaro_c, feed_last=True)
+                           self.gen, F=F[:self.K], c=self.ssd.saguaro_c, feed_last=True).stack()
 
-        backup = fallback.propose(self.ssd.fallback, b, self.b_star,
-                                  [self.rows[r].history for r in miss_rows], self.K, self.V,
-                                  self.gen, neural, fast=self.ssd.fast_fallback)
-        self.fallback_used[backup.kind] += 1
+        backup = fallback.propose(kind, [self.rows[r].history for r in miss_rows], self.K, self.V,
+                                  self.gen, neural)
+        self.fallback_used[kind] += 1
         fast = backup.q_raw is None
         F = self.fan_out_for(fast=True) if fast else F
         for k, r in enumerate(miss_rows):
@@ -321,9 +402,20 @@ class Speculator(Drafter):
             # a fast backup's tokens are fed to the draft in pre_speculate, which then sets q_raw
             row.q_raw, row.pending = ((None, row.pending + row.proposed) if fast
                                       else (backup.q_raw[k], []))
-        if fast:
-            self.fast_seconds.append(time.perf_counter() - start)
+        (self.fast_seconds if fast else self.neural_seconds).append(time.perf_counter() - start)
         return backup
+
+    def backup_for(self, b) -> str:
+        """The backup for this miss round: the user's, or under "auto" each in turn until both have
+        EXPLORE_ROUNDS measured miss rounds, then the neural draft while b < b* (measured)."""
+        policy, fast = self.ssd.fallback, self.ssd.fast_fallback
+        if policy != "auto":
+            return policy
+        tried = {"neural": len(self.neural_seconds), fast: len(self.fast_seconds)}
+        least = min(tried, key=tried.get)
+        if tried[least] < EXPLORE_ROUNDS:
+            return least
+        return fallback.choose_fallback(policy, b, self.b_star, fast)
 
     def critical_batch_size(self):
         """b* from what was measured so far (fallback.critical_batch_size has the formula)."""
@@ -331,10 +423,12 @@ class Speculator(Drafter):
             return default_critical_batch_size(self.K, self.temperature)  # until measured
         T_v = recent_median(self.verify_seconds)  # latencies in verifications, recent rounds
         T_p = recent_median(self.pre_seconds) / T_v
-        T_f = recent_median(self.fast_seconds) / T_v if self.fast_seconds else 0.0
+        T_n = recent_median(self.neural_seconds) / T_v if self.neural_seconds else None
+        T_f = recent_median(self.fast_seconds) / T_v if self.fast_seconds else None
         E_hit = self.accept.expected_tokens(self.K)
-        E_f = self.accept_fast.expected_tokens(self.K) if self.accept_fast.ready else None
-        return critical_batch_size(self.spec_cache.stats.hit_rate, E_hit, T_p, E_f, T_f)
+        E_f = (expected_tokens(self.accept_fast.a(), self.K) if self.accept_fast.rounds
+               else None)
+        return critical_batch_size(self.spec_cache.stats.hit_rate, E_hit, T_p, E_f, T_f, T_n)
 
     def stats(self) -> dict:
         st = self.spec_cache.stats
@@ -343,6 +437,8 @@ class Speculator(Drafter):
                 "lookups_per_depth": list(st.lookups_per_depth),
                 "fallback_rounds": dict(self.fallback_used), "b_star": self.b_star,
                 "draft_busy_seconds": self.busy_seconds,
+                "pre_speculation_stopped": self.stopped, "branches_finished": self.finished,
+                "mean_budget": self.budget_sum / self.pre_rounds if self.pre_rounds else 0.0,
                 "fan_out": self.fan_out_for(fast=False), "acceptance_estimate": self.accept.a()}
 
 

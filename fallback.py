@@ -104,7 +104,8 @@ def predicted_sd_speedup(E_sd, T_sd) -> float:
 # --------------------------------------------------------------------------------------------------
 # The batch-size policy
 
-def critical_batch_size(p_hit=None, E_hit=None, T_p=None, E_f=None, T_f=None, b_max: int = 4096):
+def critical_batch_size(p_hit=None, E_hit=None, T_p=None, E_f=None, T_f=None, T_n=None,
+                        b_max: int = 4096):
     """b*: the smallest batch size b >= 1 at which the fast backup beats the neural one
     (Theorem 17).
 
@@ -114,8 +115,10 @@ def critical_batch_size(p_hit=None, E_hit=None, T_p=None, E_f=None, T_f=None, b_
                                                         / (w + (1 - w)(1 + T_f)),
     with T_p clamped to <= 1 as the paper does (the cache is built within one verification, so a hit
     round lasts 1). Symbols: p_hit, the per-sequence cache hit rate; E_hit, tokens per round of the
-    neural draft; E_f, tokens per round of the fast backup's proposals; T_p, the neural draft's time
-    for a round; T_f, the fast backup's time (all times in verifications). "Beats" is strict; we
+    neural draft; E_f, tokens per round of the fast backup's proposals; T_p, the time to build the
+    cache; T_n, the neural backup's time on a miss (default: T_p; measured, it is K + 1 draft steps
+    for the rows that missed only); T_f, the fast backup's time (all times in verifications).
+    "Beats" is strict; we
     search the integers 1..b_max (their ratio is monotone in w, so it flips at most once). Returns
     None if it never flips. A quantity not measured yet (None) takes the documented default at the
     top of this file (temperature 0)."""
@@ -126,12 +129,13 @@ def critical_batch_size(p_hit=None, E_hit=None, T_p=None, E_f=None, T_f=None, b_
     T_f = DEFAULT_T_F if T_f is None else T_f
     if not 0 <= p_hit <= 1:
         raise ValueError(f"p_hit must be in [0, 1], got {p_hit}")
-    if min(E_hit, E_f, T_p, T_f) < 0 or b_max < 1:
-        raise ValueError(f"need E_hit, E_f, T_p, T_f >= 0 and b_max >= 1, "
-                         f"got {E_hit}, {E_f}, {T_p}, {T_f}, {b_max}")
+    if min(E_hit, E_f, T_p, T_f, T_p if T_n is None else T_n) < 0 or b_max < 1:
+        raise ValueError(f"need E_hit, E_f, T_p, T_f, T_n >= 0 and b_max >= 1, "
+                         f"got {E_hit}, {E_f}, {T_p}, {T_f}, {T_n}, {b_max}")
     T_p = min(T_p, 1.0)
+    T_n = T_p if T_n is None else T_n
     for b in range(1, b_max + 1):
-        neural = predicted_speedup(p_hit, E_hit, E_hit, T_p, T_p, b)
+        neural = predicted_speedup(p_hit, E_hit, E_hit, T_p, T_n, b)
         fast = predicted_speedup(p_hit, E_hit, E_f, T_p, T_f, b)
         if fast > neural:
             return b
@@ -165,7 +169,7 @@ def choose_fallback(policy: str, b: int, b_star, fast: str = "ngram") -> str:
 
 
 # --------------------------------------------------------------------------------------------------
-# On a miss: one call picks the backup and runs it
+# On a miss: the chosen backup proposes
 
 @dataclass
 class Backup:
@@ -176,15 +180,16 @@ class Backup:
     q_raw: torch.Tensor | None   # [m, K+1, V] the draft's own laws at depths 0..K (neural only)
 
 
-def propose(policy, b, b_star, histories, K, V, generator, neural, fast="ngram") -> Backup:
-    """Proposals for the rows that missed, one committed token list per row in `histories`.
-    The policy picks the backup for batch size b; `neural()` runs the draft model just in time
-    and returns (tokens, q, q_raw). The fast backups are deterministic (tested with a one-hot q)."""
-    kind = choose_fallback(policy, b, b_star, fast)
+def propose(kind, histories, K, V, generator, neural) -> Backup:
+    """Proposals from backup `kind` for the rows that missed, one committed token list per row in
+    `histories`. `neural()` runs the draft model just in time and returns (tokens, q, q_raw). The
+    fast backups are deterministic (tested with a one-hot q)."""
     if kind == "neural":
         return Backup(kind, *neural())
     if kind == "ngram":
         tokens = torch.tensor([ngram_propose(h, K) for h in histories], dtype=torch.long)
-    else:
+    elif kind == "random":
         tokens = random_propose(len(histories), K, V, generator)
+    else:
+        raise ValueError(f"unknown backup {kind!r}; choose one of {', '.join(BACKUPS)}")
     return Backup(kind, tokens.to(generator.device), None, None)

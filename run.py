@@ -349,6 +349,8 @@ def main(argv=None):
     if s["mode"] == "ssd":
         rows += [("cache hit rate", f"{s['cache_hit_rate']:.2f}"),
                  ("fallback", f"{s['fallback']} (b*={s['b_star']})"),
+                 ("mean budget B", f"{s['mean_budget']:.1f}"),
+                 ("pre-spec stopped", f"{s['pre_speculation_stopped']} rounds"),
                  ("verifier wait",
                   f"{s['verifier_wait_seconds'] / max(s['decode_seconds'], 1e-9):.0%}")]
     for k_, v in rows:

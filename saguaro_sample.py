@@ -21,17 +21,22 @@ def probs_from_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return torch.softmax(logits / temperature, dim=-1)
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """One token per row of probs [..., V] (>= 0 with a positive sum, not necessarily normalised),
-    drawn with `generator` (on probs' device). Returns LongTensor [...].
+def exp_noise(shape, generator: torch.Generator) -> torch.Tensor:
+    """Exp(1) draws of `shape`, float32, on the generator's device (never exactly 0)."""
+    e = torch.empty(shape, device=generator.device).exponential_(generator=generator)
+    return e.clamp_min_(torch.finfo(torch.float32).tiny)
 
-    torch.multinomial, not an inverse CDF: it never picks a zero-probability token, which a float32
-    cumulative sum over 150k tokens can by round-off (docs/design.md section 2)."""
-    V = probs.shape[-1]
-    flat = probs.reshape(-1, V)  # [rows, V]
-    if flat.shape[0] == 0:
-        return torch.empty(probs.shape[:-1], dtype=torch.long, device=probs.device)
-    return torch.multinomial(flat.float(), 1, generator=generator).view(probs.shape[:-1])
+
+def sample(probs: torch.Tensor, generator: torch.Generator, noise=None) -> torch.Tensor:
+    """One token per row of probs [..., V] (>= 0 with a positive sum, not necessarily normalised):
+    argmax(probs / E) with E ~ Exp(1) i.i.d. per entry (the exponential race: token x wins with
+    chance probs(x) / sum(probs); a zero-probability token never wins). Returns LongTensor [...].
+
+    noise: E, given (shape of probs) or drawn here with `generator`. Drawn apart from probs, it
+    lets SSD give a branch the noise it would have had in the full batch (draft.draft_k)."""
+    if noise is None:
+        noise = exp_noise(probs.shape, generator)
+    return (probs.float() / noise).argmax(-1)
 
 
 def saguaro(q: torch.Tensor, f, c: float) -> torch.Tensor:

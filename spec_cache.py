@@ -125,6 +125,19 @@ def fit_power_law(F_values, miss_rates, default: float = DEFAULT_R) -> float:
     return r if r > 0 else default
 
 
+def next_budget(B: int, ceiling: int, T_p: float, stopped: bool) -> int:
+    """The budget B for the next pre-speculation, so that it fits within one verification.
+    T_p: the last pre-speculation's time in verifications; stopped: the outcome arrived before it
+    was done. Too slow: B shrinks by a quarter (at least 1); under 3/4 of a verification: it grows
+    by one, up to `ceiling` (the user's budget). Additive increase, multiplicative decrease: it
+    settles just under the verification time and recovers quickly from a slow round."""
+    if stopped or T_p > 1:
+        return max(1, B - max(1, B // 4))
+    if T_p < 0.75:
+        return min(ceiling, B + 1)
+    return B
+
+
 # --------------------------------------------------------------------------------------------------
 # Guess selection: at depth j the top-F_j tokens of the draft's distribution, excluding x_{j+1}
 

@@ -142,6 +142,19 @@ def test_critical_batch_size_edges():
         critical_batch_size(1.2, 4.0, 0.5, 1.0, 0.0)
 
 
+def test_critical_batch_size_reads_the_neural_backups_own_time():
+    """The neural backup drafts for the missed rows only; charged its measured time T_n instead of T_p (the
+    whole cache's), it stays the better backup to larger batches, and never flips if it is free."""
+    p, E_hit, T_p, E_f, T_f = 0.5, 3.0, 1.0, 1.7, 0.01
+    charged_T_p = critical_batch_size(p, E_hit, T_p, E_f, T_f)
+    assert critical_batch_size(p, E_hit, T_p, E_f, T_f, T_n=T_p) == charged_T_p
+    assert charged_T_p == 1 and critical_batch_size(p, E_hit, T_p, E_f, T_f, T_n=0.3) == 5
+    assert critical_batch_size(p, E_hit, T_p, E_f, T_f, T_n=0.2) is None
+    for b in range(1, 40):  # the same flip as a direct comparison of the two predicted speed-ups
+        faster = predicted_speedup(p, E_hit, E_f, T_p, T_f, b) > predicted_speedup(p, E_hit, E_hit, T_p, 0.3, b)
+        assert faster == (b >= 5), b
+
+
 def test_choose_fallback():
     assert choose_fallback("auto", 1, 4) == "neural"
     assert choose_fallback("auto", 3, 4) == "neural"
@@ -159,7 +172,7 @@ def test_choose_fallback():
 # ----------------------------------------------------------------------------------------------------
 # propose: the one call a miss makes
 
-def test_propose_picks_and_runs_the_backup():
+def test_propose_runs_the_chosen_backup():
     histories, K, V = [[1, 2, 3, 1, 2], [5, 6, 5]], 3, 50
     calls = []
 
@@ -168,15 +181,13 @@ def test_propose_picks_and_runs_the_backup():
         return torch.zeros(2, K, dtype=torch.long), torch.full((2, K, V), 1 / V), torch.full((2, K + 1, V), 1 / V)
 
     g = torch.Generator().manual_seed(0)
-    # below b* the neural draft proposes, with its laws
-    b = propose("auto", 1, 2, histories, K, V, g, neural)
+    b = propose("neural", histories, K, V, g, neural)  # the neural draft proposes, with its laws
     assert b.kind == "neural" and calls == [1] and b.q.shape == (2, K, V) and b.q_raw.shape == (2, K + 1, V)
-    # from b* on the n-gram backup: its tokens, deterministic (no laws), the draft not run
-    b = propose("auto", 2, 2, histories, K, V, g, neural)
+    # the n-gram backup: its tokens, deterministic (no laws), the draft not run
+    b = propose("ngram", histories, K, V, g, neural)
     assert b.kind == "ngram" and calls == [1] and b.q is None and b.q_raw is None
     assert b.tokens.tolist() == [ngram_propose(h, K) for h in histories]
-    b = propose("random", 1, None, histories, K, V, g, neural)
+    b = propose("random", histories, K, V, g, neural)
     assert b.kind == "random" and b.q is None and b.tokens.shape == (2, K) and int(b.tokens.max()) < V
-    assert propose("auto", 5, 2, histories, K, V, g, neural, fast="random").kind == "random"
-    with pytest.raises(ValueError, match="fallback policy"):
-        propose("magic", 1, None, histories, K, V, g, neural)
+    with pytest.raises(ValueError, match="unknown backup"):
+        propose("auto", histories, K, V, g, neural)  # a policy, not a backup: choose_fallback resolves it

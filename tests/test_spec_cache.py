@@ -9,7 +9,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from spec_cache import (AcceptanceTracker, CacheStats, SpecCache, acceptance_trials,  # noqa: E402
+from spec_cache import (AcceptanceTracker, CacheStats, SpecCache, acceptance_trials, next_budget,  # noqa: E402
                         expected_tokens, fan_out, fit_power_law, geometric_fan_out,
                         geometric_fan_out_real, guess_triples, select_guesses_batch,
                         uniform_fan_out)
@@ -370,3 +370,29 @@ def test_expected_tokens():
         P = [(1 - a) * a ** j for j in range(K)] + [a ** K]
         assert expected_tokens(a, K) == pytest.approx(sum(p * (j + 1) for j, p in enumerate(P)))
     assert expected_tokens(1.0, 5) == 6 and expected_tokens(0.0, 5) == 1
+
+
+# ----------------------------------------------------------------------------------------------------
+# The adaptive budget
+
+def test_next_budget_steps():
+    assert next_budget(8, 8, 1.3, False) == 6 and next_budget(8, 8, 0.5, True) == 6  # too slow or stopped
+    assert next_budget(3, 8, 2.0, False) == 2 and next_budget(1, 8, 5.0, True) == 1   # at least 1
+    assert next_budget(5, 8, 0.5, False) == 6 and next_budget(8, 8, 0.1, False) == 8  # grows to the ceiling
+    assert next_budget(5, 8, 0.9, False) == 5                                         # fits: stays
+
+
+@pytest.mark.parametrize("step_cost,expect", [(0.02, 8), (0.05, 6), (0.2, 1)])
+def test_next_budget_settles_where_pre_speculation_fits(step_cost, expect):
+    """Pre-speculation costing 0.1 + step_cost * B verifications (a fixed part and one per branch): from the
+    user's budget 8 the budget settles near the largest B that fits one verification, and rounds that do
+    not fit are a minority once it has."""
+    B, seen = 8, []
+    for _ in range(200):
+        T_p = 0.1 + step_cost * B
+        seen.append(B)
+        B = next_budget(B, 8, T_p, stopped=T_p > 1)
+    settled = seen[50:]
+    fits = max(b for b in range(1, 9) if 0.1 + step_cost * b <= 1) if step_cost < 0.9 else 1
+    assert min(expect, fits) - 2 <= sorted(settled)[len(settled) // 2] <= fits
+    assert sum(0.1 + step_cost * b > 1 for b in settled) <= len(settled) / 2

@@ -114,10 +114,11 @@ def test_parallel_greedy(ckpts, K, fan_out, fallback, batch):
 
 
 def test_parallel_matches_serial_at_temperature_1(ckpts):
-    """Same seed, same tokens, and the same cache hits, whether the two sides share a process or not. (A
-    fixed fallback: `auto` reads measured times, so its choices, hence the random draws, may differ.)"""
-    kw = dict(mode="ssd", k=7, fan_out="uniform", fallback="random", saguaro_c=0.5, temperature=1.0, seed=5,
-              max_new_tokens=2 * NEW)
+    """Same seed, same tokens, and the same cache hits, whether the two sides share a process or not, and
+    although the two-process speculator stops pre-speculating whenever the outcome arrives first. (A fixed
+    fallback and fan-out: `auto` and the adaptive budget read measured times, so their choices may differ.)"""
+    kw = dict(mode="ssd", k=7, fan_out=[1] * 8, fallback="random", saguaro_c=0.5, temperature=1.0, seed=5,
+              max_new_tokens=2 * NEW)  # an explicit fan-out: the budget does not adapt to measured times
     ser = gen(PROMPTS, ckpts["target"], ckpts["different"], parallel=False, **kw)
     par = gen(PROMPTS, ckpts["target"], ckpts["different"], parallel=True, **kw)
     assert par.tokens == ser.tokens
@@ -128,6 +129,44 @@ def test_parallel_matches_serial_at_temperature_1(ckpts):
     assert par.stats["hits"] > 0 and par.stats["misses"] > 0
     other = gen(PROMPTS, ckpts["target"], ckpts["different"], parallel=False, **{**kw, "seed": 6})
     assert other.tokens != ser.tokens
+
+
+# ----------------------------------------------------------------------------------------------------
+# Pre-speculation stopped early (the outcome arrives before the branches are drafted): the same tokens
+
+def arrive_at(monkeypatch, j):
+    """Force the verifier's outcome to arrive before pre-speculation step j, every round (the hook the
+    two-process speculator reads the channel through)."""
+    monkeypatch.setattr(draft_module.Speculator, "arrived", lambda self, step: step >= j)
+
+
+@pytest.mark.parametrize("j", range(5))  # K = 3: steps 0..3; j = 4 never stops (the reference)
+def test_stopped_pre_speculation_same_tokens(ckpts, monkeypatch, j):
+    """Greedy and at temperature 1: wherever pre-speculation stops, the tokens are those of a run that never
+    stops (a hit's branch is finished alone with the noise it would have had in the whole batch)."""
+    greedy = dict(mode="ssd", k=3, max_new_tokens=NEW, parallel=False)
+    sampled = dict(greedy, fan_out=[2, 2, 2, 2], fallback="neural", saguaro_c=0.5, temperature=1.0, seed=3)
+    ref = gen(PROMPTS, ckpts["target"], ckpts["different"], **sampled)
+    arrive_at(monkeypatch, j)
+    res = gen(PROMPTS, ckpts["target"], ckpts["different"], **greedy)
+    assert res.tokens == ckpts["ref"]
+    res_t1 = gen(PROMPTS, ckpts["target"], ckpts["different"], **sampled)
+    assert res_t1.tokens == ref.tokens
+    for s in (res.stats, res_t1.stats):
+        assert s["hits"] > 0 and s["misses"] > 0, s
+        assert (s["pre_speculation_stopped"] > 0) == (j <= 3), s
+        assert (s["branches_finished"] > 0) == (j <= 3), s
+    assert res_t1.stats["hits"] == ref.stats["hits"]
+    if j <= 3:  # the stops shrank the adaptive budget (greedy run); the explicit fan-out stays
+        assert res.stats["mean_budget"] < 8 and res_t1.stats["mean_budget"] == 8
+
+
+def test_auto_fallback_measures_both_backups(ckpts):
+    """`auto` tries each backup before b* (from measured terms) decides: both are used on a run of misses."""
+    res = gen(PROMPTS, ckpts["target"], ckpts["random"], mode="ssd", k=3, max_new_tokens=3 * NEW, parallel=False)
+    used = res.stats["fallback_rounds"]
+    assert used["neural"] >= draft_module.EXPLORE_ROUNDS and used["ngram"] >= draft_module.EXPLORE_ROUNDS, used
+    assert [x[:NEW] for x in res.tokens] == ckpts["ref"]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -179,14 +218,25 @@ def test_ssd_law_matches_target(small_vocab, T, C, fallback):
     assert d < bound, (d, bound)
 
 
+@pytest.mark.parametrize("j,fallback", [(0, "neural"), (1, "ngram"), (2, "random")])
+def test_ssd_law_with_stopped_pre_speculation(small_vocab, monkeypatch, j, fallback):
+    """The outcome arrives before pre-speculation step j of every round (K = 2, Saguaro C = 0.3): the hit
+    branches are finished alone, the law is still the target's."""
+    arrive_at(monkeypatch, j)
+    res, d, bound = ssd_law_run(small_vocab, 1.0, 0.3, fallback)
+    s = res.stats
+    assert s["hits"] > 0 and s["branches_finished"] > 0 and s["pre_speculation_stopped"] > 0, s
+    assert d < bound, (d, bound)
+
+
 def test_ssd_law_negative_control_wrong_q(small_vocab, monkeypatch):
     """The speculator samples from Saguaro's q' (C = 0: the likely tokens get no mass at all) but reports the
     raw q to the verifier: the test then uses the wrong law and the output is biased; the check must fail.
     Patched at draft.draw, the one place where the law a token was drawn from (q') and the raw q part ways."""
     orig = draft_module.draw
 
-    def draw_reporting_raw_q(logits, temperature, generator, f=None, c=1.0):
-        token, q_drawn, q_raw = orig(logits, temperature, generator, f, c)
+    def draw_reporting_raw_q(logits, temperature, generator, f=None, c=1.0, of_batch=None):
+        token, q_drawn, q_raw = orig(logits, temperature, generator, f, c, of_batch)
         return token, q_raw, q_raw
 
     monkeypatch.setattr(draft_module, "draw", draw_reporting_raw_q)

@@ -1,0 +1,418 @@
+"""The GPU check: one command that measures what only a GPU can show, with no network.
+
+    python scripts/gpu_check.py                          # on a GPU: about 10 minutes
+    python scripts/gpu_check.py --device cpu --quick     # every check at tiny sizes (CI runs it)
+
+Random-weight bf16 models shaped like Llama-3.2-1B and Llama-3.1-8B (built here, nothing is
+downloaded), and the shipped tiny pair for the token checks. Each check adds one entry to a JSON
+report {"checks": [{"name", "ok", ...figures}], ...} (--out; default docs/gpu_check_<device>.json)
+and one line to the table printed at the end:
+
+  versions        torch, CUDA, the device
+  load            load_model's peak memory over the weights' bytes (1B shape, from a checkpoint
+                  written here): parameters are allocated once, in bf16
+  step:<shape>    decode-step and verification ms (batch 1, T = 1 and T = K + 1) beside the step's
+                  memory-bandwidth floor (weights + KV bytes / bandwidth), kernels per step and the
+                  attention kernel SDPA chose (torch.profiler)
+  host_syncs      host-device synchronisations per SD and SSD round (CUDA's sync debug mode); on
+                  the CPU, the tensor reads to the host (.tolist(), .item(), int()) that would be
+                  syncs on a GPU
+  greedy          AR, SD and SSD (one process and two) emit the same greedy tokens in bf16
+  ssd:<devices>   two-process SSD on one GPU (time-sliced) and on two when there are two: tok/s
+                  beside SD's, hit rate, verifier wait
+  long_prefill    peak memory of one long prompt's prefill (1B shape) over weights + its KV
+
+A check that fails records its error and the run goes on. The exit status is 1 if any check is
+not ok. Whenever a GPU is at hand: run it, commit the report under docs/, act on what it shows.
+"""
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from torch.utils._pytree import tree_leaves  # noqa: E402
+
+from model import ModelConfig, Transformer, load_model, materialize  # noqa: E402
+from run import generate  # noqa: E402
+
+# HF config fields of the shapes (Llama-3.2-1B and Llama-3.1-8B), and their --quick stand-ins
+SHAPES = {
+    "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                     vocab_size=128256, tie_word_embeddings=True, rope_theta=500000.0),
+    "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                     vocab_size=128256, tie_word_embeddings=False, rope_theta=500000.0),
+}
+QUICK_SHAPES = {
+    "llama-1b": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
+                     tie_word_embeddings=True, rope_theta=500000.0),
+    "llama-8b": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=512,
+                     tie_word_embeddings=False, rope_theta=500000.0),
+}
+# HBM bandwidth in GB/s by a substring of the device name (datasheet figures)
+BANDWIDTH_GBS = {"H200": 4800, "H100": 3350, "A100": 2039, "L40S": 864, "L4": 300, "4090": 1008,
+                 "A10": 600}
+K = 4  # verification steps check T = K + 1
+
+
+def hf_config(fields: dict) -> dict:
+    return {"model_type": "llama", "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+            "bos_token_id": 0, "eos_token_id": 1, **fields}
+
+
+def random_model(fields: dict, device, dtype=torch.bfloat16) -> Transformer:
+    """A model of this shape with random weights (logits of order 1), built in place."""
+    cfg = ModelConfig.from_hf(hf_config(fields))
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    materialize(model, device, dtype)
+    g = torch.Generator(device=device).manual_seed(0)
+    for name, p in model.named_parameters():
+        if p.dim() == 1:
+            p.fill_(1.0)
+        else:
+            p.normal_(0, p.shape[1] ** -0.5, generator=g)
+    model.init_rope()
+    return model.eval().requires_grad_(False)
+
+
+def weight_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def sync(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Allocations(TorchDispatchMode):
+    """Every tensor an aten op returns in fresh storage (the CPU has no allocator counters): their
+    total bounds the peak from above, and the largest one shows a materialised score matrix."""
+
+    def __init__(self):
+        super().__init__()
+        self.total = self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {x.untyped_storage().data_ptr() for x in tree_leaves((args, kwargs))
+                  if isinstance(x, torch.Tensor) and x.device.type != "meta"}
+        for x in tree_leaves(out):
+            if isinstance(x, torch.Tensor) and x.device.type != "meta":
+                s = x.untyped_storage()
+                if s.nbytes() and s.data_ptr() not in inputs:
+                    self.total += s.nbytes()
+                    self.largest = max(self.largest, s.nbytes())
+        return out
+
+
+@contextmanager
+def peak_bytes(device):
+    """-> a dict: "bytes", the peak allocated during the block beyond what was there before (CUDA)
+    or the bytes of all tensors allocated during it (CPU, an upper bound), and "largest", the
+    largest single allocation (CPU only)."""
+    res = {}
+    if torch.device(device).type == "cuda":
+        sync(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        yield res
+        sync(device)
+        res["bytes"] = torch.cuda.max_memory_allocated(device) - base
+    else:
+        with Allocations() as mode:
+            yield res
+        res["bytes"], res["largest"] = mode.total, mode.largest
+
+
+# --------------------------------------------------------------------------------------------------
+# The checks: each returns a dict of figures with "ok"
+
+def check_versions(a):
+    info = {"torch": torch.__version__, "python": platform.python_version(), "device": a.device,
+            "cuda": torch.version.cuda, "ok": True}
+    if torch.device(a.device).type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(a.device)
+        info["gpus"] = torch.cuda.device_count()
+        info["cudnn"] = torch.backends.cudnn.version()
+    return info
+
+
+def check_load(a, shapes, work: Path):
+    """Write a random 1B-shaped bf16 checkpoint, load it, compare the peak with its weights."""
+    fields = shapes["llama-1b"]
+    model = random_model(fields, "cpu")
+    state = {k: v for k, v in model.state_dict().items()
+             if not (fields["tie_word_embeddings"] and k == "lm_head.weight")}
+    path = work / "llama-1b"
+    path.mkdir(exist_ok=True)
+    save_file({k: v.contiguous() for k, v in state.items()}, path / "model.safetensors",
+              metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps({**hf_config(fields), "torch_dtype": "bfloat16"}))
+    wbytes = weight_bytes(model)
+    del model, state
+    start = time.perf_counter()
+    with peak_bytes(a.device) as peak:
+        loaded, _ = load_model(path, device=a.device, dtype="bfloat16", tokenizer=False)
+    seconds = time.perf_counter() - start
+    ratio = peak["bytes"] / wbytes
+    del loaded
+    # the weights once, plus at most one tensor's staging copy and the RoPE buffer
+    return {"weight_bytes": wbytes, "peak_bytes": peak["bytes"], "peak_over_weights": ratio,
+            "seconds": seconds, "ok": ratio < 1.15}
+
+
+def time_steps(model, cache, seq, T, n, device):
+    """Median ms of n cached forwards of T tokens (rolled back after each)."""
+    L = cache.length(seq)
+    tokens = torch.randint(model.config.vocab_size, (T,), device=device)
+    times = []
+    for i in range(n + 3):
+        sync(device)
+        t = time.perf_counter()
+        model.forward_cached(cache, [seq], tokens, [T], last_only=T == 1)
+        sync(device)
+        if i >= 3:  # warm-up
+            times.append(time.perf_counter() - t)
+        cache.truncate(seq, L)
+    return 1000 * statistics.median(times)
+
+
+def profile_step(model, cache, seq, device):
+    """Kernels launched by one decode step, and the attention kernel names (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+    cuda = torch.device(device).type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    L = cache.length(seq)
+    tok = torch.randint(model.config.vocab_size, (1,), device=device)
+    with profile(activities=acts) as prof:
+        model.forward_cached(cache, [seq], tok, [1], last_only=True)
+        sync(device)
+    cache.truncate(seq, L)
+    events = prof.events()
+    if cuda:
+        kernels = [e for e in events if e.device_type.name == "CUDA"]
+    else:  # the CPU runs aten ops, not kernels: count the leaf ops
+        kernels = [e for e in events if e.name.startswith("aten::") and not e.cpu_children]
+    attn = sorted({e.name for e in events
+                   if any(s in e.name.lower() for s in ("flash", "efficient", "cudnn_attention",
+                                                        "_scaled_dot_product", "fmha"))})
+    return len(kernels), attn
+
+
+def check_step(a, name, fields):
+    model = random_model(fields, a.device)
+    ctx = 64 if a.quick else 1024
+    cache = model.new_cache(ctx + K + 8, block_size=16)
+    seq = cache.new_seq()
+    model.forward_cached(cache, [seq], torch.randint(fields["vocab_size"], (ctx,),
+                                                     device=a.device), [ctx], last_only=True)
+    n = 5 if a.quick else 30
+    decode_ms = time_steps(model, cache, seq, 1, n, a.device)
+    verify_ms = time_steps(model, cache, seq, K + 1, n, a.device)
+    kernels, attn = profile_step(model, cache, seq, a.device)
+    cfg = model.config
+    kv_bytes = (2 * cfg.num_hidden_layers * ctx * cfg.num_key_value_heads * cfg.head_dim
+                * model.lm_head.weight.element_size())
+    out = {"shape": name, "context": ctx, "weight_bytes": weight_bytes(model),
+           "decode_ms": decode_ms, "verify_ms": verify_ms, "kernels_per_step": kernels,
+           "attention_ops": attn, "ok": True}
+    bw = bandwidth(a)
+    if bw:
+        floor = 1000 * (out["weight_bytes"] + kv_bytes) / (bw * 1e9)
+        out.update(floor_ms=floor, decode_over_floor=decode_ms / floor)
+    return out
+
+
+def bandwidth(a):
+    if a.bandwidth_gbs:
+        return a.bandwidth_gbs
+    if torch.device(a.device).type != "cuda":
+        return None
+    gpu = torch.cuda.get_device_name(a.device)
+    return next((v for k, v in BANDWIDTH_GBS.items() if k in gpu), None)
+
+
+@contextmanager
+def count_host_syncs(device):
+    """-> a dict whose "n" counts the host-device synchronisations in the block: CUDA's sync
+    debug mode on a GPU; on the CPU, reads of a tensor's values into Python (each one a sync on a
+    GPU; host-only tensors are counted too, so this bounds the GPU's count from above)."""
+    res = {"n": 0}
+    if torch.device(device).type == "cuda":
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                yield res
+            res["n"] = sum("synchroniz" in str(w.message) for w in caught)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        return
+    names = ("tolist", "item", "__int__", "__float__", "__bool__", "__index__")
+    saved = {k: getattr(torch.Tensor, k) for k in names}
+
+    def counted(orig):
+        def f(self, *args):
+            res["n"] += 1
+            return orig(self, *args)
+        return f
+    for k, orig in saved.items():
+        setattr(torch.Tensor, k, counted(orig))
+    try:
+        yield res
+    finally:
+        for k, orig in saved.items():
+            setattr(torch.Tensor, k, orig)
+
+
+def tiny_run(a, mode, prompts, **kw):
+    return generate(prompts, target="tiny", draft="tiny-draft", mode=mode, k=K,
+                    target_device=a.device, draft_device=kw.pop("draft_device", a.device),
+                    dtype="bfloat16", ignore_eos=True, **kw)
+
+
+def check_host_syncs(a, prompts):
+    out = {"ok": True}
+    new = 16 if a.quick else 64
+    for mode in ("ar", "sd", "ssd"):
+        with count_host_syncs(a.device) as c:
+            res = tiny_run(a, mode, prompts[:1], max_new_tokens=new, parallel=False)
+        out[f"{mode}_per_round"] = c["n"] / max(1, res.stats["rounds"])
+    return out
+
+
+def check_greedy(a, prompts):
+    new = 16 if a.quick else 64
+    ref = tiny_run(a, "ar", prompts, max_new_tokens=new).tokens
+    out, total = {}, sum(len(x) for x in ref)
+    for label, mode, kw in [("sd", "sd", {}), ("ssd_one_process", "ssd", {"parallel": False}),
+                            ("ssd_two_processes", "ssd", {"parallel": True})]:
+        toks = tiny_run(a, mode, prompts, max_new_tokens=new, **kw).tokens
+        same = sum(next((i for i, (x, y) in enumerate(zip(r, t)) if x != y), len(r))
+                   for r, t in zip(ref, toks))
+        out[label] = same / total  # the share of AR's tokens matched before the first difference
+    # bf16 near-ties may part sequences legitimately (tests/test_dtype.py); most must agree
+    out["ok"] = min(out.values()) >= 0.9
+    return out
+
+
+def check_ssd(a, prompts, draft_device):
+    new = 16 if a.quick else 128
+    sd = tiny_run(a, "sd", prompts[:1], max_new_tokens=new)
+    ssd = tiny_run(a, "ssd", prompts[:1], max_new_tokens=new, draft_device=draft_device)
+    s = ssd.stats
+    return {"draft_device": draft_device, "sd_tok_s": sd.stats["decode_tok_s"],
+            "ssd_tok_s": s["decode_tok_s"], "ssd_over_sd": s["decode_tok_s"]
+            / sd.stats["decode_tok_s"], "hit_rate": s["cache_hit_rate"],
+            "verifier_wait_pct": 100 * s["verifier_wait_seconds"] / s["decode_seconds"],
+            "mean_budget": s["mean_budget"], "tokens_equal": ssd.tokens == sd.tokens,
+            "ok": ssd.tokens == sd.tokens}
+
+
+def check_long_prefill(a, shapes):
+    """One long prompt (16k tokens; 256 with --quick) through the 1B shape. The score matrix of
+    one layer, [heads, L, L] in fp32, would be 34 GB at 16k if attention materialised it."""
+    fields = shapes["llama-1b"]
+    model = random_model(fields, a.device)
+    L = 256 if a.quick else 16384
+    cache = model.new_cache(L + 16)
+    seq = cache.new_seq()
+    cfg = model.config
+    tokens = torch.randint(cfg.vocab_size, (L,), device=a.device)
+    start = time.perf_counter()
+    with peak_bytes(a.device) as peak:
+        model.forward_cached(cache, [seq], tokens, [L], last_only=True)
+    scores = 4 * cfg.num_attention_heads * L * L
+    out = {"prompt_tokens": L, "weight_bytes": weight_bytes(model),
+           "kv_cache_bytes": cache.kv.numel() * cache.kv.element_size(),
+           "prefill_bytes": peak["bytes"], "largest_alloc_bytes": peak.get("largest"),
+           "scores_bytes_if_materialised": scores, "seconds": time.perf_counter() - start}
+    # an attention that streams over keys needs a few [L, intermediate] activations, not scores
+    biggest = peak["bytes"] if torch.device(a.device).type == "cuda" else peak["largest"]
+    out["ok"] = biggest < scores
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--quick", action="store_true", help="tiny sizes: checks the script itself")
+    ap.add_argument("--out", default=None, help="JSON report (default docs/gpu_check_<dev>.json)")
+    ap.add_argument("--bandwidth-gbs", type=float, default=None,
+                    help="memory bandwidth for the floor (default: by GPU name)")
+    ap.add_argument("--only", default=None, help="comma-separated check names (default: all)")
+    a = ap.parse_args(argv)
+    if torch.device(a.device).type == "cuda" and not torch.cuda.is_available():
+        print(f"error: device {a.device} requested but CUDA is not available: use --device cpu",
+              file=sys.stderr)
+        return 2
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2)) if a.device == "cpu" else None
+    shapes = QUICK_SHAPES if a.quick else SHAPES
+    prompts = [[0] + list(range(100, 100 + n)) for n in (12, 20, 7, 30)]
+    work = Path(tempfile.mkdtemp(prefix="gpu_check_"))
+    checks = [("versions", lambda: check_versions(a)),
+              ("load", lambda: check_load(a, shapes, work))]
+    checks += [(f"step:{n}", lambda n=n, f=f: check_step(a, n, f)) for n, f in shapes.items()]
+    checks += [("host_syncs", lambda: check_host_syncs(a, prompts)),
+               ("greedy", lambda: check_greedy(a, prompts))]
+    draft_devices = [a.device]
+    if torch.device(a.device).type == "cuda" and torch.cuda.device_count() > 1:
+        draft_devices.append("cuda:1")
+    checks += [(f"ssd:{a.device}+{d}", lambda d=d: check_ssd(a, prompts, d))
+               for d in draft_devices]
+    checks.append(("long_prefill", lambda: check_long_prefill(a, shapes)))
+    only = set(a.only.split(",")) if a.only else None
+    report = {"command": " ".join(["python scripts/gpu_check.py"] + (argv or sys.argv[1:])),
+              "date": time.strftime("%Y-%m-%d"), "checks": []}
+    for name, fn in checks:
+        if only and name.split(":")[0] not in only:
+            continue
+        start = time.perf_counter()
+        try:
+            res = fn()
+        except Exception as e:  # noqa: BLE001 (recorded; the other checks still run)
+            traceback.print_exc()
+            res = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        res = {"name": name, **res, "check_seconds": time.perf_counter() - start}
+        report["checks"].append(res)
+        print(f"{'ok ' if res['ok'] else 'FAIL'} {name:<22} {summary(res)}", flush=True)
+    out = Path(a.out or REPO / "docs" / f"gpu_check_{a.device.replace(':', '')}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1, default=str) + "\n")
+    print(f"report written to {out}")
+    return 0 if all(c["ok"] for c in report["checks"]) else 1
+
+
+def summary(res: dict) -> str:
+    skip = {"name", "ok", "check_seconds", "attention_ops"}
+    parts = []
+    for k, v in res.items():
+        if k in skip:
+            continue
+        parts.append(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}")
+    return " ".join(parts)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
