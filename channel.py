@@ -31,8 +31,13 @@ class Channel:
         self.rows = torch.zeros(b, dtype=torch.long)      # the verifier's row ids
         self.n = torch.zeros(b, dtype=torch.long)         # outcome: accepted count
         self.t = torch.zeros(b, dtype=torch.long)         # outcome: bonus token
-        self.verify_seconds = torch.zeros(1, dtype=torch.float64)  # of the round just verified
+        self.round_seconds = torch.zeros(1, dtype=torch.float64)  # the verifier's last round
         self.stop = torch.zeros(1, dtype=torch.bool)
+        # set with each outcome (and stop), cleared when the speculator reads it: pre-speculation
+        # polls it between steps. A plain shared flag, not the event: the event's internal lock,
+        # taken at every poll, would be left held by a speculator killed while polling, and the
+        # verifier's next set() would block forever
+        self.posted = torch.zeros(1, dtype=torch.bool)
         self.tokens = torch.zeros(b, K, dtype=torch.long)  # proposals x_1..x_K
         self.q = torch.zeros(b, K, V) if send_q else None  # their laws (temperature 0: not needed)
         self.deterministic = torch.zeros(b, dtype=torch.bool)
@@ -66,24 +71,27 @@ class Channel:
             self.pinned = False
 
     # -- verifier -> speculator
-    def send_outcome(self, rows, n, t, verify_seconds):
+    def send_outcome(self, rows, n, t, round_seconds):
         b = len(rows)
         self.count[0] = b
         self.rows[:b] = torch.tensor(rows)
         put(self.n, n), put(self.t, t)
-        self.verify_seconds[0] = verify_seconds or 0.0
+        self.round_seconds[0] = round_seconds or 0.0
         flush(n.device)
+        self.posted[0] = True
         self.outcome_ready.set()
 
     def send_stop(self):
         self.stop[0] = True
+        self.posted[0] = True
         self.outcome_ready.set()
 
     def outcome(self):
         """(rows, n [b], t [b], verify seconds or None), as the verifier sent them."""
         b = int(self.count[0])
+        self.posted[0] = False
         return (self.rows[:b].tolist(), self.n[:b].clone(), self.t[:b].clone(),
-                float(self.verify_seconds[0]) or None)
+                float(self.round_seconds[0]) or None)
 
     # -- speculator -> verifier
     def send_proposals(self, p: Proposals):
@@ -187,8 +195,8 @@ class SpeculatorProcess:
     def pre_speculate(self, rows):
         pass  # runs in the speculator's process right after it sends proposals, during verify
 
-    def respond(self, rows, n, t, verify_seconds=None) -> Proposals:
-        self.ch.send_outcome(rows, n, t, verify_seconds)
+    def respond(self, rows, n, t, round_seconds=None) -> Proposals:
+        self.ch.send_outcome(rows, n, t, round_seconds)
         wait_for(self.ch.proposals_ready, self.proc.is_alive, "speculator")
         return self.ch.proposals(len(rows))
 
@@ -234,7 +242,7 @@ def speculator_main(cfg: DraftConfig, threads, ch: Channel, inbox, errors):
         spec = load_draft(cfg)
         # pre-speculation stops when the outcome arrives: the verifier must not wait for branches
         # it will not use (draft.Speculator.respond finishes the one that hit)
-        spec.arrived = lambda step: ch.outcome_ready.is_set()
+        spec.arrived = lambda step: bool(ch.posted[0])
         ch.loaded.set()
         parent = mp.parent_process()
         prompts = None
@@ -251,10 +259,10 @@ def speculator_main(cfg: DraftConfig, threads, ch: Channel, inbox, errors):
             wait_for(ch.outcome_ready, parent.is_alive, "verifier")
             if ch.stop[0]:
                 break
-            active, n, t, verify_seconds = ch.outcome()
+            active, n, t, round_seconds = ch.outcome()
             spec.finish(sorted(set(rows) - set(active)))
             rows = active
-            ch.send_proposals(spec.respond(rows, n, t, verify_seconds))
+            ch.send_proposals(spec.respond(rows, n, t, round_seconds))
             spec.pre_speculate(rows)  # the next round, while the verifier verifies this one
         errors.put(("stats", spec.stats()))
         errors.close()

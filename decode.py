@@ -16,6 +16,7 @@ import time
 import torch
 
 from draft import Proposals
+from model import to_host
 
 
 class Output:
@@ -43,15 +44,18 @@ class Output:
 
     def first(self, t0) -> list[int]:
         """Emit each row's first token (from the verifier's prefill); returns the rows done."""
-        return [r for r in range(len(self.tokens)) if self.emit(r, [int(t0[r])])]
+        return [r for r, t in enumerate(to_host(t0)) if self.emit(r, [t])]
 
     def round(self, rows, tokens, n, t, hit=None) -> list[int]:
         """Record one verified round (x_1..x_n and t per row); returns the rows that finished."""
         self.rounds += 1
         K = tokens.shape[1]
+        # one read of the round's outcome and proposals: [b, 2 + K] = n, t, x_1..x_K per row
+        host = to_host(torch.cat([n[:, None], t[:, None], tokens.to(n.device)], 1))
+        hit = None if hit is None else hit.tolist()  # a host tensor
         finished = []
         for i, r in enumerate(rows):
-            n_i = int(n[i])
+            n_i, t_i, x = host[i][0], host[i][1], host[i][2:]
             self.row_rounds += 1
             self.accepted += n_i
             self.proposed += K
@@ -60,7 +64,7 @@ class Output:
                 self.tok_hit, self.rounds_hit = self.tok_hit + n_i + 1, self.rounds_hit + 1
             elif hit is not None:
                 self.tok_miss, self.rounds_miss = self.tok_miss + n_i + 1, self.rounds_miss + 1
-            if self.emit(r, tokens[i, :n_i].tolist() + [int(t[i])]):
+            if self.emit(r, x[:n_i] + [t_i]):
                 finished.append(r)
         return finished
 
@@ -137,20 +141,21 @@ def decode_sd(verifier, drafter, prompts, out: Output):
 # --------------------------------------------------------------------------------------------------
 # Speculative speculative decoding
 
-def ssd_round(verifier, speculator, rows, n, t, verify_s):
-    """One SSD round for `rows`, given the previous round's outcome (n, t) and how long its
-    verification took. Returns the proposals, the new outcome (n, t), the seconds the verifier
-    waited for the speculator, and this verification's seconds."""
+def ssd_round(verifier, speculator, rows, n, t, round_s):
+    """One SSD round for `rows`, given the previous round's outcome (n, t) and the seconds the
+    verifier spent on that round (verification and bookkeeping: the time pre-speculation had).
+    Returns the proposals, the new outcome (n, t), the seconds the verifier waited for the
+    speculator, and the time this verification started."""
     start = time.perf_counter()
     # 1. the outcome arrives: a hit answers from the branch pre-drafted for it, a miss asks the
     #    fallback
-    p = speculator.respond(rows, n, t, verify_s)
+    p = speculator.respond(rows, n, t, round_s)
     # 2. guess this round's outcomes and draft the next round for each (in the two-process form this
     #    runs in the speculator's process, during step 3)
     speculator.pre_speculate(rows)
     wait_s, start = time.perf_counter() - start, time.perf_counter()
     n, t = verifier.verify(rows, p.tokens, p.q, p.deterministic)  # 3. as in sd_round
-    return p, n, t, wait_s, time.perf_counter() - start
+    return p, n, t, wait_s, start
 
 
 def decode_ssd(verifier, speculator, prompts, out: Output):
@@ -162,7 +167,7 @@ def decode_ssd(verifier, speculator, prompts, out: Output):
     speculator.pre_speculate(list(range(b)))  # round 0's outcome is (0, t0): guess t0
     t0 = verifier.prefill(prompts)
     prefill_s, start = time.perf_counter() - start, time.perf_counter()
-    rows, n, t, verify_s, wait = list(range(b)), torch.zeros(b, dtype=torch.long), t0, None, 0.0
+    rows, n, t, verify_start, wait = list(range(b)), torch.zeros(b, dtype=torch.long), t0, None, 0.0
     finished = out.first(t0)
     while True:
         verifier.finish(finished)
@@ -171,6 +176,7 @@ def decode_ssd(verifier, speculator, prompts, out: Output):
         rows, n, t = [rows[i] for i in keep], n[keep], t[keep]
         if not rows:
             return prefill_s, time.perf_counter() - start, wait
-        p, n, t, wait_s, verify_s = ssd_round(verifier, speculator, rows, n, t, verify_s)
+        round_s = time.perf_counter() - verify_start if verify_start else None
+        p, n, t, wait_s, verify_start = ssd_round(verifier, speculator, rows, n, t, round_s)
         wait += wait_s
         finished = out.round(rows, p.tokens, n, t, p.hit)

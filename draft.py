@@ -16,7 +16,7 @@ import torch
 
 import fallback
 from fallback import BACKUPS, POLICIES, critical_batch_size, default_critical_batch_size
-from model import PagedKVCache, Transformer, load_model
+from model import PagedKVCache, Transformer, load_model, to_host
 from saguaro_sample import exp_noise, probs_from_logits, sample, saguaro
 from spec_cache import (DEFAULT_A, DEFAULT_R, AcceptanceTracker, SpecCache, expected_tokens,
                         fan_out, guess_triples, next_budget)
@@ -128,9 +128,7 @@ class Drafter:
     def prefill(self, prompts: list[list[int]]):
         """Cache every prompt token; returns the draft's own next-token law [b, V]."""
         self.rows = [Row(self.cache.new_seq(), list(p)) for p in prompts]
-        logits = self.model.forward_cached(self.cache, [row.seq for row in self.rows],
-                                           [x for p in prompts for x in p],
-                                           [len(p) for p in prompts], last_only=True)
+        logits = self.model.prefill(self.cache, [row.seq for row in self.rows], prompts)
         return draft_probs(logits, self.temperature)
 
     def draft(self, rows: list[int]) -> Proposals:
@@ -138,8 +136,8 @@ class Drafter:
         tok, q, _ = draft_k(self.model, self.cache, [self.rows[r].seq for r in rows],
                             [self.rows[r].pending for r in rows], self.K, self.temperature,
                             self.gen).stack()
-        for i, r in enumerate(rows):
-            self.rows[r].proposed, self.rows[r].pending = tok[i].tolist(), []  # fed by draft_k
+        for r, proposed in zip(rows, to_host(tok)):
+            self.rows[r].proposed, self.rows[r].pending = proposed, []  # fed by draft_k
         b = len(rows)
         return Proposals(tok, q if self.temperature > 0 else None,
                          torch.full((b,), self.temperature == 0), torch.zeros(b, dtype=torch.bool))
@@ -148,7 +146,7 @@ class Drafter:
         """Follow the outcome (n accepted, bonus t): the committed sequence grows by x_1..x_n, t.
         The cache keeps the committed prefix it holds; the committed tokens it lacks (t, and x_K
         when all K were accepted, since drafting never fed it) become pending."""
-        for r, n_r, t_r in zip(rows, n.tolist(), t.tolist()):
+        for r, (n_r, t_r) in zip(rows, to_host(torch.stack([n, t], 1))):
             row = self.rows[r]
             keep = min(len(row.history) + n_r, self.cache.length(row.seq))
             row.history += row.proposed[:n_r] + [t_r]
@@ -208,10 +206,6 @@ def recent_median(xs, window=64):
     return recent[len(recent) // 2]
 
 
-# miss rounds each backup gets under "auto" before b* decides (both must be measured to compare)
-EXPLORE_ROUNDS = 4
-
-
 class Speculator(Drafter):
     """SSD's draft side. Per round: `respond` to the verifier's outcome (n, t) from the speculation
     cache or a fallback, then `pre_speculate` the next round's outcomes while the verifier works."""
@@ -232,7 +226,7 @@ class Speculator(Drafter):
         self.branch_gen = torch.Generator(device=model.device)
         self.busy_seconds = 0.0
         self.pre_seconds, self.neural_seconds, self.fast_seconds = [], [], []
-        self.verify_seconds = []
+        self.round_seconds = []
         self.fallback_used = dict.fromkeys(BACKUPS, 0)
         self.b_star = None
         self.stopped = self.finished = self.budget_sum = self.pre_rounds = 0
@@ -265,7 +259,7 @@ class Speculator(Drafter):
         complete). Stops early when the outcome arrives: `respond` then finishes only the branch
         that hit."""
         start = time.perf_counter()
-        self.feed_fast_proposals(rows)
+        self.feed_pending(rows)
         groups = {}  # rows sharing a fan-out vector pick their guesses in one batched call
         for r in rows:
             groups.setdefault(tuple(self.rows[r].F), []).append(r)
@@ -274,14 +268,12 @@ class Speculator(Drafter):
             q_raw = torch.stack([self.rows[r].q_raw for r in group])  # [g, K+1, V]
             x = torch.tensor([self.rows[r].proposed for r in group], dtype=torch.long,
                              device=q_raw.device).view(len(group), -1)  # [g, K]
-            rr, dd, gg = guess_triples(q_raw, x, list(F))
-            owner += [group[i] for i in rr.tolist()]
-            depth += dd.tolist()
-            guess += gg.tolist()
+            for i, j, g in to_host(torch.stack(guess_triples(q_raw, x, list(F)), 1)):  # [m, 3]
+                owner.append(group[i]), depth.append(j), guess.append(g)
         seqs = [self.cache.fork(self.rows[r].seq, len(self.rows[r].history) + j)
                 for r, j in zip(owner, depth)]
         F_next = self.fan_out_for(fast=False)  # a hit answers with neural proposals
-        self.branch_gen.manual_seed(int(torch.randint(2**62, (1,), generator=self.seeds)))
+        self.branch_gen.manual_seed(torch.randint(2**62, (1,), generator=self.seeds).item())
         drafted = Drafted()
         if seqs:
             drafted = draft_k(self.model, self.cache, seqs, [[g] for g in guess], self.K,
@@ -295,37 +287,41 @@ class Speculator(Drafter):
         self.busy_seconds += seconds
         self.stopped += stopped
         self.budget_sum, self.pre_rounds = self.budget_sum + self.B, self.pre_rounds + 1
-        if self.adaptive and self.verify_seconds:
+        if self.adaptive and self.round_seconds:
             self.B = next_budget(self.B, self.ssd.budget,
-                                 seconds / recent_median(self.verify_seconds), stopped)
+                                 seconds / recent_median(self.round_seconds), stopped)
 
-    def feed_fast_proposals(self, rows):
-        """A fast backup's proposals never went through the draft: feed [t, x_1..x_K] in one
-        forward to cache their KV and get q_0..q_K for the guesses."""
+    def feed_pending(self, rows):
+        """Feed, in one forward, the tokens of the proposals under verification that the draft has
+        not fed: a fast backup's [t, x_1..x_K], or x_K after neural drafting (which stops at x_K
+        so that the verifier gets it sooner). This caches their KV and completes q_0..q_K, the laws
+        the guesses come from."""
         todo = [r for r in rows if self.rows[r].pending]
         if not todo:
             return
         counts = [len(self.rows[r].pending) for r in todo]
         logits = self.model.forward_cached(self.cache, [self.rows[r].seq for r in todo],
                                            [x for r in todo for x in self.rows[r].pending], counts)
-        for r, q_raw in zip(todo, draft_probs(logits, self.temperature).split(counts)):
-            self.rows[r].q_raw, self.rows[r].pending = q_raw, []  # q_raw [K+1, V]
+        for r, q_new in zip(todo, draft_probs(logits, self.temperature).split(counts)):
+            row = self.rows[r]
+            row.q_raw = q_new if row.q_raw is None else torch.cat([row.q_raw, q_new])  # [K+1, V]
+            row.pending = []
 
-    def respond(self, rows, n, t, verify_seconds=None) -> Proposals:
+    def respond(self, rows, n, t, round_seconds=None) -> Proposals:
         """The outcome (n, t) of the round just verified arrives for `rows`. Look each up in the
         speculation cache: a hit's branch becomes the row's sequence, its proposals are ready; a
         miss rolls back to the accepted prefix and the fallback proposes. Returns the next
         proposals."""
         start = time.perf_counter()
-        if verify_seconds is not None:
-            self.verify_seconds.append(verify_seconds)
+        if round_seconds is not None:
+            self.round_seconds.append(round_seconds)
         br, b, K = self.branches, len(rows), self.K
         tokens = torch.zeros(b, K, dtype=torch.long, device=self.model.device)
         q = torch.zeros(b, K, self.V, device=self.model.device) if self.temperature > 0 else None
         deterministic = torch.full((b,), self.temperature == 0)
         hit = torch.zeros(b, dtype=torch.bool)
         hits, misses = [], []  # (i, branch m) / i
-        for i, (r, n_r, t_r) in enumerate(zip(rows, n.tolist(), t.tolist())):
+        for i, (r, (n_r, t_r)) in enumerate(zip(rows, to_host(torch.stack([n, t], 1)))):
             row = self.rows[r]
             m = self.spec_cache.get(r, n_r, t_r)  # the branch drafted for this outcome, or None
             (self.accept_fast if row.fast else self.accept).update(n_r, len(row.proposed))
@@ -340,11 +336,13 @@ class Speculator(Drafter):
                 misses.append(i)
         if hits:  # the branch holds the committed tokens + the next x_1..x_K
             hit_tokens, hit_q, hit_q_raw = self.finish_branches([m for _, m in hits])
-            for (i, m), proposed, q_raw in zip(hits, hit_tokens.tolist(), hit_q_raw):
+            fed_x_K = hit_q_raw.shape[1] == K + 1  # else pre_speculate feeds it
+            for (i, m), proposed, q_raw in zip(hits, to_host(hit_tokens), hit_q_raw):
                 row = self.rows[rows[i]]
                 self.cache.free(row.seq)
                 row.seq, row.proposed, row.q_raw, row.F, row.fast = (br.seqs[m], proposed, q_raw,
                                                                      br.F, False)
+                row.pending = [] if fed_x_K else proposed[-1:]
             idx = [i for i, _ in hits]
             tokens[idx], hit[idx] = hit_tokens, True
             if q is not None:
@@ -363,17 +361,17 @@ class Speculator(Drafter):
         return Proposals(tokens, q, deterministic, hit)
 
     def finish_branches(self, ms):
-        """The proposals of the branches that hit: tokens [h, K], q [h, K, V], q_raw [h, K+1, V].
-        If pre-speculation stopped early, these branches (and no others) draft their remaining steps
-        now, with the noise they would have had in the full batch: the same tokens as without the
-        stop."""
+        """The proposals of the branches that hit: tokens [h, K], q [h, K, V], q_raw [h, K(+1), V].
+        If pre-speculation stopped before x_K was drawn, these branches (and no others) draft their
+        remaining steps now, with the noise they would have had in the full batch: the same tokens
+        as without the stop. Feeding x_K waits for the next pre-speculation (feed_pending)."""
         br = self.branches
         idx = torch.tensor(ms, device=self.model.device)
         d = br.drafted.rows(idx)
-        if d.steps < self.K + 1:
+        if d.steps < self.K:
             d = draft_k(self.model, self.cache, [br.seqs[m] for m in ms],
                         [[br.guess[m]] for m in ms], self.K, self.temperature, self.branch_gen,
-                        F=br.F[:self.K], c=self.ssd.saguaro_c, feed_last=True, done=d,
+                        F=br.F[:self.K], c=self.ssd.saguaro_c, done=d,
                         of_batch=(len(br.seqs), idx))
             self.finished += len(ms)
         return d.stack()
@@ -386,42 +384,38 @@ class Speculator(Drafter):
         kind = self.backup_for(b)
         F = self.fan_out_for(fast=False)
 
-        def neural():  # the draft, just in time: good tokens, costs a full drafting pass
+        def neural():  # the draft, just in time: good tokens, costs SD's drafting (K steps)
             return draft_k(self.model, self.cache, [self.rows[r].seq for r in miss_rows],
                            [self.rows[r].pending for r in miss_rows], self.K, self.temperature,
-                           self.gen, F=F[:self.K], c=self.ssd.saguaro_c, feed_last=True).stack()
+                           self.gen, F=F[:self.K], c=self.ssd.saguaro_c).stack()
 
         backup = fallback.propose(kind, [self.rows[r].history for r in miss_rows], self.K, self.V,
                                   self.gen, neural)
         self.fallback_used[kind] += 1
         fast = backup.q_raw is None
         F = self.fan_out_for(fast=True) if fast else F
-        for k, r in enumerate(miss_rows):
+        for k, (r, proposed) in enumerate(zip(miss_rows, to_host(backup.tokens))):
             row = self.rows[r]
-            row.proposed, row.F, row.fast = backup.tokens[k].tolist(), F, fast
-            # a fast backup's tokens are fed to the draft in pre_speculate, which then sets q_raw
-            row.q_raw, row.pending = ((None, row.pending + row.proposed) if fast
-                                      else (backup.q_raw[k], []))
+            row.proposed, row.F, row.fast = proposed, F, fast
+            # tokens the draft has not fed yet go in at the start of pre_speculate (feed_pending):
+            # all of a fast backup's, x_K of the neural one's
+            row.q_raw, row.pending = ((None, row.pending + proposed) if fast
+                                      else (backup.q_raw[k], proposed[-1:]))
         (self.fast_seconds if fast else self.neural_seconds).append(time.perf_counter() - start)
         return backup
 
     def backup_for(self, b) -> str:
-        """The backup for this miss round: the user's, or under "auto" each in turn until both have
-        EXPLORE_ROUNDS measured miss rounds, then the neural draft while b < b* (measured)."""
-        policy, fast = self.ssd.fallback, self.ssd.fast_fallback
-        if policy != "auto":
-            return policy
-        tried = {"neural": len(self.neural_seconds), fast: len(self.fast_seconds)}
-        least = min(tried, key=tried.get)
-        if tried[least] < EXPLORE_ROUNDS:
-            return least
-        return fallback.choose_fallback(policy, b, self.b_star, fast)
+        """The backup for this miss round: the user's, or under "auto" the neural draft while
+        b < b*, the fast backup from b* on. b* reads this run's measurements, each term replacing
+        its cautious default once measured: a backup that turns out worse than assumed loses the
+        comparison, and the other one gets used and measured."""
+        return fallback.choose_fallback(self.ssd.fallback, b, self.b_star, self.ssd.fast_fallback)
 
     def critical_batch_size(self):
         """b* from what was measured so far (fallback.critical_batch_size has the formula)."""
-        if not self.verify_seconds or not self.pre_seconds or not self.accept.ready:
+        if not self.round_seconds or not self.pre_seconds or not self.accept.ready:
             return default_critical_batch_size(self.K, self.temperature)  # until measured
-        T_v = recent_median(self.verify_seconds)  # latencies in verifications, recent rounds
+        T_v = recent_median(self.round_seconds)  # latencies in verifications, recent rounds
         T_p = recent_median(self.pre_seconds) / T_v
         T_n = recent_median(self.neural_seconds) / T_v if self.neural_seconds else None
         T_f = recent_median(self.fast_seconds) / T_v if self.fast_seconds else None

@@ -177,7 +177,7 @@ class Backup:
     kind: str                    # "neural", "ngram" or "random"
     tokens: torch.Tensor         # [m, K] x_1..x_K
     q: torch.Tensor | None       # [m, K, V] the law each x_i was drawn from; None: deterministic
-    q_raw: torch.Tensor | None   # [m, K+1, V] the draft's own laws at depths 0..K (neural only)
+    q_raw: torch.Tensor | None   # [m, K, V] the draft's own laws at depths 0..K-1 (neural only)
 
 
 def propose(kind, histories, K, V, generator, neural) -> Backup:

@@ -334,7 +334,8 @@ class AttnMeta:
     positions: torch.Tensor    # [N] absolute position of each new token
     block_table: torch.Tensor  # [b, max_blocks] (padded with block 0; padding is masked out)
     query_index: torch.Tensor  # [N] row * T + i: each new token's place in the padded [b, T]
-    mask: torch.Tensor         # [b, 1, T, max_blocks * block_size]: 0 where a query may look, -inf
+    mask: torch.Tensor         # [b, 1, g * T, max_blocks * block_size]: 0 where a query may look,
+                               #   -inf elsewhere; g = query heads per KV head (see paged_attention)
     T: int                     # most new tokens of any sequence in this batch
     last: torch.Tensor         # [b] index in [N] of each sequence's last new token
 
@@ -346,6 +347,7 @@ class PagedKVCache:
             raise ValueError(f"KV cache needs block_size >= 1 and num_tokens >= 1 "
                              f"(got {block_size}, {num_tokens})")
         self.block_size = block_size
+        self.group = cfg.num_attention_heads // cfg.num_key_value_heads  # g: q heads per KV head
         self.num_blocks = -(-num_tokens // block_size)
         self.kv = torch.zeros(cfg.num_hidden_layers, 2, self.num_blocks, block_size,
                               cfg.num_key_value_heads, cfg.head_dim, device=device, dtype=dtype)
@@ -473,11 +475,18 @@ class PagedKVCache:
         slots, positions, query_index, last, table, qpos = to_device(host, device).split(
             [N, N, N, b, b * max_blocks, b * T])
         keys = torch.arange(max_blocks * bs, device=device)
-        allowed = keys.view(1, 1, 1, -1) <= qpos.view(b, 1, T, 1)  # causal within and across rounds
+        # causal within and across rounds; the rows repeat g times, one copy per query head of a
+        # KV head: [b, 1, g * T, L]
+        qpos = qpos.view(b, 1, 1, T).expand(b, 1, self.group, T).reshape(b, 1, -1, 1)
+        allowed = keys.view(1, 1, 1, -1) <= qpos
         # additive float mask, built once per forward (SDPA would convert a bool mask per layer)
         mask = torch.zeros(allowed.shape, dtype=self.kv.dtype, device=device)
         mask.masked_fill_(~allowed, float("-inf"))
         return AttnMeta(slots, positions, table.view(b, max_blocks), query_index, mask, T, last)
+
+
+# Tokens per prefill forward (Transformer.prefill): long prompts go in pieces of this size
+PREFILL_CHUNK = 2048
 
 
 def to_device(host: torch.Tensor, device) -> torch.Tensor:
@@ -486,25 +495,38 @@ def to_device(host: torch.Tensor, device) -> torch.Tensor:
     return host.to(device, non_blocking=True)
 
 
+def to_host(x: torch.Tensor) -> list:
+    """The values of a device tensor, as Python lists: the decode loop's every device-to-host read
+    goes through here (each one is a sync on a GPU; tests count the calls). Callers stack what a
+    step needs into one tensor first, so a round reads a few times, not once per row."""
+    return x.tolist()
+
+
 def paged_attention(q, k, v, kv_layer, meta: AttnMeta):
     """Reference paged attention: write the new K/V through the block table, gather each sequence's
     K/V back into a padded batch, and run SDPA with a mask. Works on any device and block size.
-    q [N, nh, hd], k/v [N, nkv, hd] -> [N, nh, hd]."""
+    q [N, nh, hd], k/v [N, nkv, hd] -> [N, nh, hd].
+
+    Grouped-query attention is folded into the query length: the g = nh / nkv query heads that
+    read one KV head become g * T queries of that head, so SDPA sees as many heads in q as in K/V
+    and needs no `enable_gqa` (with which, and a mask, CUDA falls back to the math kernel that
+    materialises every score); the mask is built for that layout (PagedKVCache.prepare)."""
     k_pool, v_pool = kv_layer[0], kv_layer[1]  # [num_blocks, block_size, nkv, hd]
     nb, bs, nkv, hd = k_pool.shape
     k_pool.view(nb * bs, nkv, hd).index_copy_(0, meta.slots, k.to(k_pool.dtype))
     v_pool.view(nb * bs, nkv, hd).index_copy_(0, meta.slots, v.to(v_pool.dtype))
-    b, T = meta.block_table.shape[0], meta.T
+    b, T, nh = meta.block_table.shape[0], meta.T, q.shape[1]
     blocks = meta.block_table.flatten()  # index_select copies whole blocks: faster than indexing
-    # [b * max_blocks, bs, nkv, hd] -> [b, L, nkv, hd]
-    keys = k_pool.index_select(0, blocks).view(b, -1, nkv, hd)
-    vals = v_pool.index_select(0, blocks).view(b, -1, nkv, hd)
-    qp = q.new_zeros(b * T, *q.shape[1:]).index_copy_(0, meta.query_index, q)
-    qp = qp.view(b, T, *q.shape[1:])                                    # [b, T, nh, hd]
-    y = F.scaled_dot_product_attention(qp.transpose(1, 2), keys.transpose(1, 2),
-                                       vals.transpose(1, 2), attn_mask=meta.mask,
-                                       enable_gqa=True)  # [b, nh, T, hd]
-    return y.transpose(1, 2).reshape(b * T, *q.shape[1:])[meta.query_index]
+    # [b * max_blocks, bs, nkv, hd] -> [b, nkv, L, hd]
+    keys = k_pool.index_select(0, blocks).view(b, -1, nkv, hd).transpose(1, 2)
+    vals = v_pool.index_select(0, blocks).view(b, -1, nkv, hd).transpose(1, 2)
+    qp = q.new_zeros(b * T, nh, hd).index_copy_(0, meta.query_index, q)
+    # [b*T, nh, hd] -> [b, T, nkv, g, hd] -> [b, nkv, g, T, hd] -> [b, nkv, g*T, hd]
+    qp = qp.view(b, T, nkv, nh // nkv, hd).permute(0, 2, 3, 1, 4).reshape(b, nkv, -1, hd)
+    y = F.scaled_dot_product_attention(qp, keys, vals, attn_mask=meta.mask)  # [b, nkv, g*T, hd]
+    # [b, nkv, g*T, hd] -> [b, nkv, g, T, hd] -> [b, T, nkv, g, hd] -> [b*T, nh, hd]
+    y = y.view(b, nkv, nh // nkv, T, hd).permute(0, 3, 1, 2, 4).reshape(b * T, nh, hd)
+    return y[meta.query_index]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -545,8 +567,9 @@ class Transformer(nn.Module):
 
     def new_cache(self, num_tokens: int, block_size: int = 16) -> PagedKVCache:
         cfg = self.config
-        if self.tp:  # each rank caches only its own KV heads
-            cfg = replace(cfg, num_key_value_heads=cfg.num_key_value_heads // self.tp.world)
+        if self.tp:  # each rank caches only its own KV heads (and serves its own q heads)
+            cfg = replace(cfg, num_key_value_heads=cfg.num_key_value_heads // self.tp.world,
+                          num_attention_heads=cfg.num_attention_heads // self.tp.world)
         return PagedKVCache(cfg, num_tokens, block_size, self.device, self.lm_head.weight.dtype)
 
     def embed(self, tokens):
@@ -602,6 +625,33 @@ class Transformer(nn.Module):
         if last_only:
             x = x[meta.last]
         return self.head(x)
+
+
+    def prefill(self, cache: PagedKVCache, seq_ids: list[int], prompts: list[list[int]],
+                chunk: int = PREFILL_CHUNK):
+        """Cache every prompt token; returns float32 logits [b, V] after each prompt's last token.
+        Forwards take at most `chunk` new tokens (a longer prompt goes in pieces, in order), so a
+        forward's mask and attention work stay [chunk x context]: one 16k-token prompt in one
+        forward would build a 16k x 16k mask per query head of a KV head."""
+        pieces = {i: [p[s:s + chunk] for s in range(0, len(p), chunk)]
+                  for i, p in enumerate(prompts)}
+        last = [None] * len(prompts)
+        while pieces:
+            rows, total = [], 0  # the next piece of each waiting prompt, while they fit in a chunk
+            for i, queue in pieces.items():
+                if rows and total + len(queue[0]) > chunk:
+                    break
+                rows.append(i)
+                total += len(queue[0])
+            logits = self.forward_cached(cache, [seq_ids[i] for i in rows],
+                                         [x for i in rows for x in pieces[i][0]],
+                                         [len(pieces[i][0]) for i in rows], last_only=True)
+            for i, row_logits in zip(rows, logits):
+                pieces[i].pop(0)
+                if not pieces[i]:
+                    del pieces[i]
+                    last[i] = row_logits
+        return torch.stack(last)
 
 
 # --------------------------------------------------------------------------------------------------

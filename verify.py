@@ -13,6 +13,7 @@ import numbers
 
 import torch
 
+from model import to_host
 from saguaro_sample import probs_from_logits, sample
 
 
@@ -112,8 +113,7 @@ class Verifier:
     def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
         """Cache all prompt tokens and draw each row's first token t0 (round 0: no proposals)."""
         self.seqs = [self.cache.new_seq() for _ in prompts]
-        logits = self.model.forward_cached(self.cache, self.seqs, [x for p in prompts for x in p],
-                                           [len(p) for p in prompts], last_only=True)  # [b, V]
+        logits = self.model.prefill(self.cache, self.seqs, prompts)  # [b, V]
         b, V = logits.shape
         none = torch.zeros(b, 0, dtype=torch.long, device=logits.device)
         _, self.last = accept_reject(logits[:, None, :], none, None,
@@ -132,7 +132,7 @@ class Verifier:
         q = None if q is None else q.to(logits.device)
         n, t = accept_reject(logits, inp[:, 1:], q, deterministic.to(logits.device),
                              self.temperature, self.gen)
-        for s, L, n_r in zip(seqs, start, n.tolist()):
+        for s, L, n_r in zip(seqs, start, to_host(n)):
             self.cache.truncate(s, L + 1 + n_r)  # the rejected tokens never happened
         self.last[rows] = t
         return n, t

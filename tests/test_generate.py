@@ -174,6 +174,40 @@ def small_vocab(tmp_path_factory):
 
 
 # ----------------------------------------------------------------------------------------------------
+# Device-to-host reads: a fixed few per round, none per draft step (on a GPU each read is a sync)
+
+@pytest.fixture
+def host_reads(monkeypatch):
+    """Log the shape of every read through model.to_host, the decode loop's one device-to-host crossing."""
+    import decode
+    import draft
+    log = []
+    for module in (decode, draft, verify):
+        real = module.to_host
+        monkeypatch.setattr(module, "to_host", lambda x, real=real: log.append(tuple(x.shape)) or real(x))
+    return log
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_host_reads_per_round_do_not_grow_with_batch(ckpts, host_reads, batch):
+    """AR reads twice per round (the verifier's n to roll back its cache; n, t and the tokens for the output)
+    and SD four times (+ the draft's proposals, + n and t for the draft's cache), whatever the batch size;
+    the prefill adds one read (the first tokens) and SD's draft one more (t0). None per draft step. SSD in one
+    process reads at most 7 times per round (the outcome, the hits' proposals, a fallback's proposals, the
+    guesses of each fan-out group (at most 2), the verifier's n, the output)."""
+    for mode, per_round, prefill in (("ar", 2, 1), ("sd", 4, 2)):
+        host_reads.clear()
+        res = gen(PROMPTS[:batch], ckpts["target"], ckpts["perturbed"], mode=mode, k=3, max_new_tokens=NEW)
+        assert res.tokens == ckpts["ref"][:batch]
+        assert len(host_reads) == per_round * res.stats["rounds"] + prefill, (mode, host_reads)
+    host_reads.clear()
+    res = gen(PROMPTS[:batch], ckpts["target"], ckpts["perturbed"], mode="ssd", k=3, max_new_tokens=NEW,
+              parallel=False)
+    assert res.tokens == ckpts["ref"][:batch] and res.stats["hits"] > 0
+    assert len(host_reads) <= 7 * res.stats["rounds"] + 3, host_reads
+
+
+# ----------------------------------------------------------------------------------------------------
 # Greedy: exactly transformers' tokens
 
 @pytest.mark.parametrize("batch", [1, 3])

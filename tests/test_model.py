@@ -16,6 +16,8 @@ import pytest
 import torch
 from conftest import hf_model, make_checkpoint, one_line
 from safetensors.torch import load_file, save_file
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from model import ModelConfig, load_model, rope_inv_freq
 
@@ -233,6 +235,56 @@ def test_one_host_to_device_copy_per_forward(llama, monkeypatch):
     assert len(created) == 2, created        # only the packed metadata, once per forward
     # [slots 11 | positions 11 | query_index 11 | last 3 | table 3 x 2 blocks | qpos 3 x 6]
     assert copies[0] == 3 * 11 + 3 + 3 * 2 + 3 * 6
+
+
+def test_chunked_prefill_equals_one_forward(llama):
+    """Prompts prefilled in pieces of 8 tokens (two rows whose pieces share forwards, one that waits) give
+    the same last-token logits and the same cache as one forward over everything: the next step agrees."""
+    prompts = [rand_tokens(n, 70 + n).tolist() for n in (37, 5, 20)]
+    out = []
+    for chunk in (8, 1000):
+        cache = llama.new_cache(128, 4)
+        sids = [cache.new_seq() for _ in prompts]
+        with torch.no_grad():
+            first = llama.prefill(cache, sids, prompts, chunk=chunk)
+            nxt = llama.forward_cached(cache, sids, [3, 4, 5], [1, 1, 1], last_only=True)
+        out.append((first, nxt, [cache.length(s) for s in sids]))
+    (a, a2, la), (b, b2, lb) = out
+    assert a.shape == (3, V) and la == lb == [38, 6, 21]
+    assert max_diff(a, b) < TOL and max_diff(a2, b2) < TOL
+
+
+class FreshAllocations(TorchDispatchMode):
+    """The largest tensor an op returns in fresh storage (views and in-place ops excluded)."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {x.untyped_storage().data_ptr() for x in tree_leaves((args, kwargs))
+                  if isinstance(x, torch.Tensor)}
+        for x in tree_leaves(out):
+            if isinstance(x, torch.Tensor) and x.untyped_storage().data_ptr() not in inputs:
+                self.largest = max(self.largest, x.untyped_storage().nbytes())
+        return out
+
+
+def test_long_prefill_never_builds_a_prompt_by_prompt_tensor(llama):
+    """Issue 13, item 6: a long prompt is prefilled in chunks, so no forward allocates anything of the size of
+    a [prompt x prompt] float32 matrix (an attention mask or score matrix); one forward over the whole prompt
+    does (the negative control)."""
+    L = 200
+    square = L * L * 4
+    largest = {}
+    for chunk in (32, L):
+        cache = llama.new_cache(L + 8, 4)
+        sid = cache.new_seq()
+        with torch.no_grad(), FreshAllocations() as allocs:
+            llama.prefill(cache, [sid], [rand_tokens(L, 9).tolist()], chunk=chunk)
+        largest[chunk] = allocs.largest
+    assert largest[32] < square / 2 <= square <= largest[L], (largest, square)
 
 
 # --------------------------------------------------------------------------------------------------
