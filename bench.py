@@ -532,12 +532,12 @@ def print_grid(rows):
         return
     Ts, bs = sorted({T for T, _ in cells}), sorted({b for _, b in cells})
     print("\nSSD / SD, measured (theory with the measured c):")
-    print(f"{'':>6}" + "".join(f"{'batch ' + str(b):>16}" for b in bs))
+    print(f"{'':>6}" + "".join(f" {'batch ' + str(b):>15}" for b in bs))
     for T in Ts:
         line = f"{'T=' + format(T, 'g'):>6}"
         for b in bs:
             c = cells.get((T, b), [])
-            line += f"{', '.join(f'{m:.2f} ({fmt(p)})' for m, p in c) or '-':>16}"
+            line += " " + f"{', '.join(f'{m:.2f} ({fmt(p)})' for m, p in c) or '-':>15}"
         print(line)
 
 

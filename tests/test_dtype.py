@@ -358,7 +358,9 @@ def test_bf16_greedy_ssd_parallel_emits_ar_tokens(ar):
 def test_speculator_process_drafts_in_bf16(monkeypatch):
     """The spawned speculator's draft computes in bf16: the laws q of its first proposals (temperature 1, the neural
     draft), as the verifier receives them, are bit for bit those of the one-process bf16 run, and not a float32
-    draft's."""
+    draft's. No branches (fan-out all 0), so the proposals come from the neural backup, drafted over the same rows
+    in both runs: a pre-speculated branch could be finished alone in the two-process run (its pre-speculation
+    stopped by the outcome), and a batch of another size rounds differently in bf16."""
     first_q = []
 
     def verify(self, rows, tokens, q, deterministic):
@@ -366,7 +368,7 @@ def test_speculator_process_drafts_in_bf16(monkeypatch):
         raise Spawned  # one round is enough
 
     monkeypatch.setattr(verify_module.Verifier, "verify", verify)
-    kw = dict(mode="ssd", k=4, fallback="neural", temperature=1.0, seed=3, **KW)
+    kw = dict(mode="ssd", k=4, fan_out=[0] * 5, fallback="neural", temperature=1.0, seed=3, **KW)
     for parallel, dtype in [(True, "bfloat16"), (False, "bfloat16"), (False, "float32")]:
         with pytest.raises(Spawned):
             generate(PROMPTS[:2], parallel=parallel, dtype=dtype, **kw)
