@@ -105,10 +105,13 @@ class Row:
     """One sequence on the draft side."""
     seq: int | None        # its sequence in the draft's KV cache (None once finished)
     history: list[int]     # committed tokens: prompt + output
-    pending: list[int] = field(default_factory=list)   # committed, not yet in the cache
+    # fed first by the next forward: committed tokens not in the cache (SSD: also proposals the
+    # draft has not fed, a fast backup's or x_K)
+    pending: list[int] = field(default_factory=list)
     proposed: list[int] = field(default_factory=list)  # x_1..x_K now being verified
     # SSD only: what the guesses for the round being verified come from
     q_raw: torch.Tensor | None = None  # [K+1, V] the draft's own laws after 0..K proposed tokens
+                                       #   (until feed_pending: [K, V] or None)
     F: list[int] = field(default_factory=list)         # F_0..F_K: guesses per depth this round
     fast: bool = False     # the proposals came from a fast backup (n-gram, random)
 
