@@ -6,7 +6,7 @@ the channel and waits for the proposals; the speculator's process answers from i
 fallback, sends the proposals, then pre-speculates the next round while this process verifies.
 
 The channel is a set of tensors in shared memory, allocated once before the spawn (page-locked when
-a device is CUDA, so copies to and from the GPUs are direct), and two events per round: nothing is
+a device is CUDA, so copies to and from the GPUs are direct), and two signals per round: nothing is
 pickled on the per-round path. Each message fills the first b slots of the buffers.
 """
 import os
@@ -34,9 +34,7 @@ class Channel:
         self.round_seconds = torch.zeros(1, dtype=torch.float64)  # the verifier's last round
         self.stop = torch.zeros(1, dtype=torch.bool)
         # set with each outcome (and stop), cleared when the speculator reads it: pre-speculation
-        # polls it between steps. A plain shared flag, not the event: the event's internal lock,
-        # taken at every poll, would be left held by a speculator killed while polling, and the
-        # verifier's next set() would block forever
+        # polls it between steps (a shared flag costs nothing to read)
         self.posted = torch.zeros(1, dtype=torch.bool)
         self.tokens = torch.zeros(b, K, dtype=torch.long)  # proposals x_1..x_K
         self.q = torch.zeros(b, K, V) if send_q else None  # their laws (temperature 0: not needed)
@@ -44,9 +42,12 @@ class Channel:
         self.hit = torch.zeros(b, dtype=torch.bool)
         for x in self.tensors():
             x.share_memory_()
+        # signals: semaphores, each released by one side and acquired by the other. Not events: an
+        # mp.Event guards its flag with a lock, and a process killed while holding it (inside set()
+        # or wait()) would leave the other side blocked forever; a semaphore holds no lock
         ctx = mp.get_context("spawn")
-        self.outcome_ready, self.proposals_ready = ctx.Event(), ctx.Event()
-        self.loaded = ctx.Event()  # the speculator has its model: start the clocks only then
+        self.outcome_ready, self.proposals_ready = ctx.Semaphore(0), ctx.Semaphore(0)
+        self.loaded = ctx.Semaphore(0)  # the speculator has its model: start the clocks only then
         self.pin, self.pinned = pin, False
 
     def tensors(self):
@@ -79,12 +80,12 @@ class Channel:
         self.round_seconds[0] = round_seconds or 0.0
         flush(n.device)
         self.posted[0] = True
-        self.outcome_ready.set()
+        self.outcome_ready.release()
 
     def send_stop(self):
         self.stop[0] = True
         self.posted[0] = True
-        self.outcome_ready.set()
+        self.outcome_ready.release()
 
     def outcome(self):
         """(rows, n [b], t [b], verify seconds or None), as the verifier sent them."""
@@ -99,7 +100,7 @@ class Channel:
         if self.q is not None:
             put(self.q, p.q)
         flush(p.tokens.device)
-        self.proposals_ready.set()
+        self.proposals_ready.release()
 
     def proposals(self, b) -> Proposals:
         # tokens and flags are copied (the output keeps them); q is read during verify only
@@ -155,16 +156,15 @@ def start_child(target, args) -> mp.Process:
     return proc
 
 
-def wait_for(event, alive, what, timeout=None):
-    """Wait on an event while checking that the other side is alive (a dead peer must not hang
-    us)."""
+def wait_for(signal_, alive, what, timeout=None):
+    """Acquire a signal (a semaphore the other side releases) while checking that the other side is
+    alive (a dead peer must not hang us)."""
     start = time.perf_counter()
-    while not event.wait(0.05):
+    while not signal_.acquire(timeout=0.05):
         if not alive():
             raise RuntimeError(f"the {what} process died")
         if timeout and time.perf_counter() - start > timeout:
             raise RuntimeError(f"timed out waiting for the {what}")
-    event.clear()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -243,7 +243,7 @@ def speculator_main(cfg: DraftConfig, threads, ch: Channel, inbox, errors):
         # pre-speculation stops when the outcome arrives: the verifier must not wait for branches
         # it will not use (draft.Speculator.respond finishes the one that hit)
         spec.arrived = lambda step: bool(ch.posted[0])
-        ch.loaded.set()
+        ch.loaded.release()
         parent = mp.parent_process()
         prompts = None
         while prompts is None:
