@@ -251,19 +251,33 @@ def bandwidth(a):
     return next((v for k, v in BANDWIDTH_GBS.items() if k in gpu), None)
 
 
+class SyncCounter:
+    """Host-device synchronisations seen since `mark()` (or since counting began)."""
+
+    def __init__(self):
+        self.events, self.since = [], 0  # CUDA: the warnings caught; CPU: one entry per read
+
+    def mark(self):
+        self.since = len(self.events)
+
+    def n(self) -> int:
+        return sum(1 for e in self.events[self.since:]
+                   if e is True or "synchroniz" in str(getattr(e, "message", "")))
+
+
 @contextmanager
 def count_host_syncs(device):
-    """-> a dict whose "n" counts the host-device synchronisations in the block: CUDA's sync
-    debug mode on a GPU; on the CPU, the decode loop's device-to-host reads (model.to_host, each a
-    sync on a GPU; other syncs, which the GPU's count would show, are not seen here)."""
-    res = {"n": 0}
+    """-> a SyncCounter for the block; call its mark() when decoding starts (loading and prefill
+    sync too). CUDA's sync debug mode on a GPU; on the CPU, the decode loop's device-to-host reads
+    (model.to_host, each a sync on a GPU; other syncs, which the GPU's count shows, are not seen)."""
+    counter = SyncCounter()
     if torch.device(device).type == "cuda":
         torch.cuda.set_sync_debug_mode("warn")
         try:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                yield res
-            res["n"] = sum("synchroniz" in str(w.message) for w in caught)
+                counter.events = caught  # the list catch_warnings appends to
+                yield counter
         finally:
             torch.cuda.set_sync_debug_mode(0)
         return
@@ -275,13 +289,13 @@ def count_host_syncs(device):
 
     def counted(real):
         def to_host(x):
-            res["n"] += 1
+            counter.events.append(True)
             return real(x)
         return to_host
     for m, real in zip(modules, saved):
         m.to_host = counted(real)
     try:
-        yield res
+        yield counter
     finally:
         for m, real in zip(modules, saved):
             m.to_host = real
@@ -293,8 +307,7 @@ def tiny_run(a, mode, prompts, **kw):
                     dtype="bfloat16", ignore_eos=True, **kw)
 
 
-# syncs per round the decode loop is designed for (tests/test_generate.py counts them on the CPU);
-# the prefill's few reads, spread over the rounds, fit in the margin
+# syncs per decode round the loop is designed for (tests/test_generate.py counts them on the CPU)
 SYNCS_PER_ROUND = {"ar": 2.5, "sd": 4.5, "ssd": 7.5}
 
 
@@ -303,8 +316,14 @@ def check_host_syncs(a, prompts):
     new = 16 if a.quick else 64
     for mode in ("ar", "sd", "ssd"):
         with count_host_syncs(a.device) as c:
-            res = tiny_run(a, mode, prompts[:1], max_new_tokens=new, parallel=False)
-        out[f"{mode}_per_round"] = c["n"] / max(1, res.stats["rounds"])
+            started = []  # the first token is streamed after the prefill: count from there
+
+            def stream(row, tokens):
+                if not started:
+                    started.append(c.mark())
+            res = tiny_run(a, mode, prompts[:1], max_new_tokens=new, parallel=False,
+                           stream=stream)
+            out[f"{mode}_per_round"] = c.n() / max(1, res.stats["rounds"])
     out["ok"] = all(out[f"{m}_per_round"] <= v for m, v in SYNCS_PER_ROUND.items())
     return out
 
@@ -376,7 +395,8 @@ def main(argv=None):
         print(f"error: device {a.device} requested but CUDA is not available: use --device cpu",
               file=sys.stderr)
         return 2
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2)) if a.device == "cpu" else None
+    if a.device == "cpu":  # the two SSD processes split the cores, as run.py does
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     shapes = QUICK_SHAPES if a.quick else SHAPES
     prompts = [[0] + list(range(100, 100 + n)) for n in (12, 20, 7, 30)]
     work = Path(tempfile.mkdtemp(prefix="gpu_check_"))
