@@ -104,12 +104,14 @@ def sync(device):
 
 
 class Allocations(TorchDispatchMode):
-    """Every tensor an aten op returns in fresh storage (the CPU has no allocator counters): their
-    total bounds the peak from above, and the largest one shows a materialised score matrix."""
+    """Logs every tensor an aten op returns in fresh storage on a real device (factory ops, copies,
+    arithmetic; views and in-place ops reuse their input's storage): (op, dtype, numel, bytes).
+    The CPU has no allocator counters: the total bounds the peak from above, and the largest one
+    shows a materialised score matrix. tests/test_dtype.py and tests/test_model.py use it too."""
 
     def __init__(self):
         super().__init__()
-        self.total = self.largest = 0
+        self.log = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -119,9 +121,16 @@ class Allocations(TorchDispatchMode):
             if isinstance(x, torch.Tensor) and x.device.type != "meta":
                 s = x.untyped_storage()
                 if s.nbytes() and s.data_ptr() not in inputs:
-                    self.total += s.nbytes()
-                    self.largest = max(self.largest, s.nbytes())
+                    self.log.append((str(func), x.dtype, x.numel(), s.nbytes()))
         return out
+
+    @property
+    def total(self) -> int:
+        return sum(a[3] for a in self.log)
+
+    @property
+    def largest(self) -> int:
+        return max((a[3] for a in self.log), default=0)
 
 
 @contextmanager
@@ -254,15 +263,15 @@ def bandwidth(a):
 class SyncCounter:
     """Host-device synchronisations seen since `mark()` (or since counting began)."""
 
-    def __init__(self):
+    def __init__(self, is_sync=lambda event: True):
         self.events, self.since = [], 0  # CUDA: the warnings caught; CPU: one entry per read
+        self.is_sync = is_sync
 
     def mark(self):
         self.since = len(self.events)
 
     def n(self) -> int:
-        return sum(1 for e in self.events[self.since:]
-                   if e is True or "synchroniz" in str(getattr(e, "message", "")))
+        return sum(map(self.is_sync, self.events[self.since:]))
 
 
 @contextmanager
@@ -270,8 +279,8 @@ def count_host_syncs(device):
     """-> a SyncCounter for the block; call its mark() when decoding starts (loading and prefill
     sync too). CUDA's sync debug mode on a GPU; on the CPU, the decode loop's device-to-host reads
     (model.to_host, each a sync on a GPU; other syncs, which the GPU's count shows, are not seen)."""
-    counter = SyncCounter()
     if torch.device(device).type == "cuda":
+        counter = SyncCounter(lambda w: "synchroniz" in str(w.message))  # not other warnings
         torch.cuda.set_sync_debug_mode("warn")
         try:
             with warnings.catch_warnings(record=True) as caught:
@@ -284,6 +293,7 @@ def count_host_syncs(device):
     import decode
     import draft
     import verify
+    counter = SyncCounter()
     modules = (decode, draft, verify)
     saved = [m.to_host for m in modules]
 

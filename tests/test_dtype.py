@@ -26,8 +26,6 @@ import torch.nn.functional as F
 from conftest import make_checkpoint, one_line
 from safetensors.torch import load_file
 from test_docs import capture_parser
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 import bench
 import channel
@@ -39,6 +37,7 @@ from channel import speculator_main
 from model import (DTYPES, FP32_REDUCE_MAX, MM_FP32_OUT, TP, Transformer, all_reduce, load_model, matmul_fp32,
                    resolve, resolve_dtype)
 from run import GenerateResult, generate, same_gpu
+from scripts.gpu_check import Allocations
 from tp import tp_worker_main
 
 torch.set_num_threads(1)
@@ -65,26 +64,6 @@ KW = dict(target="tiny", draft="tiny-draft", max_new_tokens=NEW, ignore_eos=True
 
 # ----------------------------------------------------------------------------------------------------
 # 1. Loading: the parameters are allocated once, in the requested dtype
-
-class Allocations(TorchDispatchMode):
-    """Logs every tensor an aten op returns in fresh storage on a real device (factory ops, copies, arithmetic;
-    views and in-place ops reuse their input's storage): (op, dtype, numel, bytes)."""
-
-    def __init__(self):
-        super().__init__()
-        self.log = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {x.untyped_storage().data_ptr() for x in tree_leaves((args, kwargs))
-                  if isinstance(x, torch.Tensor) and x.device.type != "meta"}
-        for x in tree_leaves(out):
-            if isinstance(x, torch.Tensor) and x.device.type != "meta":
-                s = x.untyped_storage()
-                if s.nbytes() and s.data_ptr() not in inputs:
-                    self.log.append((str(func), x.dtype, x.numel(), s.nbytes()))
-        return out
-
 
 @pytest.fixture(scope="module")
 def random_llama(tmp_path_factory):

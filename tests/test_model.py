@@ -16,10 +16,9 @@ import pytest
 import torch
 from conftest import hf_model, make_checkpoint, one_line
 from safetensors.torch import load_file, save_file
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from model import ModelConfig, load_model, rope_inv_freq
+from scripts.gpu_check import Allocations
 
 TOL = 1e-4
 V = 100  # vocab of the tiny checkpoints
@@ -254,23 +253,6 @@ def test_chunked_prefill_equals_one_forward(llama):
     assert max_diff(a, b) < TOL and max_diff(a2, b2) < TOL
 
 
-class FreshAllocations(TorchDispatchMode):
-    """The largest tensor an op returns in fresh storage (views and in-place ops excluded)."""
-
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {x.untyped_storage().data_ptr() for x in tree_leaves((args, kwargs))
-                  if isinstance(x, torch.Tensor)}
-        for x in tree_leaves(out):
-            if isinstance(x, torch.Tensor) and x.untyped_storage().data_ptr() not in inputs:
-                self.largest = max(self.largest, x.untyped_storage().nbytes())
-        return out
-
-
 def test_long_prefill_never_builds_a_prompt_by_prompt_tensor(llama):
     """Issue 13, item 6: a long prompt is prefilled in chunks, so no forward allocates anything of the size of
     a [prompt x prompt] float32 matrix (an attention mask or score matrix); one forward over the whole prompt
@@ -281,7 +263,7 @@ def test_long_prefill_never_builds_a_prompt_by_prompt_tensor(llama):
     for chunk in (32, L):
         cache = llama.new_cache(L + 8, 4)
         sid = cache.new_seq()
-        with torch.no_grad(), FreshAllocations() as allocs:
+        with torch.no_grad(), Allocations() as allocs:
             llama.prefill(cache, [sid], [rand_tokens(L, 9).tolist()], chunk=chunk)
         largest[chunk] = allocs.largest
     assert largest[32] < square / 2 <= square <= largest[L], (largest, square)
