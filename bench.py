@@ -210,7 +210,8 @@ def run_engine(cfg: Config, batches, a):
                      max_new_tokens=a.max_new_tokens, temperature=cfg.temperature, k=cfg.k or 1,
                      seed=a.seed + i, ignore_eos=True, fan_out=cfg.fan_out, budget=cfg.budget,
                      saguaro_c=cfg.saguaro_c, fallback=cfg.fallback, target_threads=cfg.threads,
-                     draft_threads=cfg.draft_threads, dtype=a.dtype).stats
+                     draft_threads=cfg.draft_threads, dtype=a.dtype,
+                     graphs=False if a.no_graphs else None).stats
         hist = s["accept_len_histogram"]
         tot["new"] += s["new_tokens"]
         tot["first"] += s["batch"]  # the first token of each row comes from the prefill
@@ -729,6 +730,9 @@ def parse_args(argv):
                     help="weights and activations of this engine's models (ar, sd, ssd; the "
                          "transformers peers stay float32 on the CPU, bfloat16 on CUDA): auto is "
                          "bfloat16 on CUDA and float32 on the CPU (default: %(default)s)")
+    ap.add_argument("--no-graphs", action="store_true",
+                    help="on CUDA, run this engine's decode steps and verifications eagerly "
+                         "instead of as CUDA graphs")
     ap.add_argument("--tune", action="store_true",
                     help="instead of the sweep, time ssd at batch 1 with the first "
                          "--temperatures, --fan-out and --saguaro-c values over K in "

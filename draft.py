@@ -454,11 +454,13 @@ class DraftConfig:
     kv_tokens: int
     block_size: int = 16
     ssd: SSDConfig | None = None  # None: plain SD
+    graphs: bool | None = None    # static shapes / CUDA graphs (Transformer.use_graphs)
 
 
 def load_draft(c: DraftConfig) -> Drafter:
     """Load the draft model: a Drafter for SD, a Speculator for SSD."""
     model, _ = load_model(c.name, device=c.device, dtype=c.dtype, tokenizer=False)
+    model.use_graphs(c.graphs)
     if c.ssd is None:
         return Drafter(model, c.K, c.temperature, c.seed, c.kv_tokens, c.block_size)
     return Speculator(model, c.ssd, c.temperature, c.seed, c.kv_tokens, c.block_size)

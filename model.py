@@ -234,17 +234,20 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 def rope_cos_sin(inv_freq, positions, dtype):
     """positions [...] -> cos, sin [..., head_dim] in the rotate-half layout (HF weights need no
-    permutation)."""
+    permutation). Once per forward, shared by every layer; sin comes with its first half negated,
+    so that apply_rope needs no cat or neg per layer."""
     freqs = positions.float()[..., None] * inv_freq.float()  # [..., head_dim/2]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    cos, sin = freqs.cos(), freqs.sin()
+    return torch.cat((cos, cos), -1).to(dtype), torch.cat((-sin, sin), -1).to(dtype)
 
 
 def apply_rope(x, cos, sin):
-    # x [..., heads, head_dim], cos/sin [..., head_dim] (broadcast over heads)
+    """x [..., heads, head_dim], cos/sin [..., head_dim] (broadcast over heads). HF's
+    x * cos + rotate_half(x) * sin with rotate_half(x) = (-x2, x1): here (x2, x1) * (-sin, sin),
+    the same products (a sign flip is exact), with one flip instead of chunk, neg and cat."""
     cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)  # (x1, x2) -> (x2, x1)
+    return x * cos + swapped * sin
 
 
 class Attention(nn.Module):
@@ -256,19 +259,25 @@ class Attention(nn.Module):
         world, self.tp = (tp.world if tp else 1), tp
         self.nh, self.nkv = cfg.num_attention_heads // world, cfg.num_key_value_heads // world
         self.hd = cfg.head_dim
-        self.q_proj = Linear(cfg.hidden_size, self.nh * self.hd)
-        self.k_proj = Linear(cfg.hidden_size, self.nkv * self.hd)
-        self.v_proj = Linear(cfg.hidden_size, self.nkv * self.hd)
+        # q_proj, k_proj and v_proj packed into one GEMM, rows [q | k | v]: one kernel instead of
+        # three; the loaders fill each part from the checkpoint's own tensor (checkpoint_params)
+        self.sizes = [self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd]
+        self.qkv_proj = Linear(cfg.hidden_size, sum(self.sizes))
         self.o_proj = Linear(self.nh * self.hd, cfg.hidden_size)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
 
+    def packed(self) -> dict:
+        """The checkpoint's tensor names -> the rows of qkv_proj.weight they fill."""
+        return dict(zip(("q_proj.weight", "k_proj.weight", "v_proj.weight"),
+                        self.qkv_proj.weight.split(self.sizes)))
+
     def qkv(self, x, cos, sin):
         # x [..., hidden] -> q [..., nh, hd], k and v [..., nkv, hd], RoPE applied to q and k
-        q = self.q_proj(x).unflatten(-1, (self.nh, self.hd))
-        k = self.k_proj(x).unflatten(-1, (self.nkv, self.hd))
-        v = self.v_proj(x).unflatten(-1, (self.nkv, self.hd))
+        q, k, v = self.qkv_proj(x).split(self.sizes, -1)
+        q = q.unflatten(-1, (self.nh, self.hd))
+        k, v = k.unflatten(-1, (self.nkv, self.hd)), v.unflatten(-1, (self.nkv, self.hd))
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
@@ -290,13 +299,17 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TP | None = None):
         super().__init__()
         self.tp = tp
-        inter = cfg.intermediate_size // (tp.world if tp else 1)  # TP: this rank's units
-        self.gate_proj = Linear(cfg.hidden_size, inter)
-        self.up_proj = Linear(cfg.hidden_size, inter)
-        self.down_proj = Linear(inter, cfg.hidden_size)
+        self.inter = cfg.intermediate_size // (tp.world if tp else 1)  # TP: this rank's units
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.inter)  # rows [gate | up], one GEMM
+        self.down_proj = Linear(self.inter, cfg.hidden_size)
+
+    def packed(self) -> dict:
+        return dict(zip(("gate_proj.weight", "up_proj.weight"),
+                        self.gate_up_proj.weight.split(self.inter)))
 
     def forward(self, x):
-        return all_reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)), self.tp)
+        gate, up = self.gate_up_proj(x).split(self.inter, -1)
+        return all_reduce(self.down_proj(F.silu(gate) * up), self.tp)
 
 
 class Block(nn.Module):
@@ -450,37 +463,63 @@ class PagedKVCache:
 
     def prepare(self, seq_ids: list[int], counts: list[int]) -> AttnMeta:
         """Append counts[i] tokens to each sequence and build the metadata of one forward (every
-        layer uses it)."""
-        device, bs = self.kv.device, self.block_size
+        layer uses it): the host's plan, one copy to the device, the device's part."""
+        host, shape = self.plan(seq_ids, counts)
+        return self.meta(to_device(host, self.kv.device), *shape)
+
+    def pad_block(self) -> int:
+        """A block no sequence owns, taken from the pool on first use and never released: the
+        static-shape path (StaticSteps) points its padding rows here, so they write and read
+        nothing that belongs to a sequence."""
+        if not hasattr(self, "_pad_block"):
+            self._pad_block = self._alloc()
+        return self._pad_block
+
+    def plan(self, seq_ids: list[int], counts: list[int], rows: int | None = None,
+             blocks: int | None = None) -> tuple[torch.Tensor, tuple[int, int, int]]:
+        """The host's half of a forward: append the tokens' slots and lay out the index lists in
+        one int64 tensor -> (it, (b, T, max_blocks)). rows / blocks pad the batch to `rows`
+        sequences (each with T tokens) and the block table to `blocks` columns, so that a step's
+        shapes depend only on its bucket (StaticSteps); padding rows write into pad_block()."""
+        bs = self.block_size
         if min(counts) < 1:
             raise ValueError(f"every sequence in a cached forward needs >= 1 new token "
                              f"(counts {counts})")
         self._reserve(sum(self.blocks_needed(s, c) for s, c in zip(seq_ids, counts)))
         starts = [self.seqs[s].length for s in seq_ids]
         slots = [x for s, c in zip(seq_ids, counts) for x in self.append(s, c)]
-        b, T = len(seq_ids), max(counts)
-        max_blocks = max(len(self.seqs[s].blocks) for s in seq_ids)
-        table = [self.seqs[s].blocks + [0] * (max_blocks - len(self.seqs[s].blocks))
-                 for s in seq_ids]
-        # the index lists are built in Python, where the block tables live, and cross to the device
-        # in one copy: [slots N | positions N | query_index N | last b | table b*blocks | qpos b*T]
+        tables = [self.seqs[s].blocks for s in seq_ids]
+        T, max_blocks = max(counts), blocks or max(len(t) for t in tables)
+        if rows is not None and rows > len(seq_ids):  # padding rows: T tokens at position 0
+            pad = self.pad_block()
+            n_pad = rows - len(seq_ids)
+            starts, counts = starts + [0] * n_pad, counts + [T] * n_pad
+            slots = slots + [pad * bs] * (n_pad * T)
+            tables = tables + [[pad]] * n_pad
+        b = len(counts)
+        table = [t + [0] * (max_blocks - len(t)) for t in tables]  # padded with block 0, masked out
+        # [slots N | positions N | query_index N | last b | table b*blocks | qpos b*T]
         positions = [p for st, c in zip(starts, counts) for p in range(st, st + c)]  # absolute
         query_index = [r * T + i for r, c in enumerate(counts) for i in range(c)]   # in [b, T]
         last = [x - 1 for x in itertools.accumulate(counts)]  # each sequence's last token in [N]
         # padded query positions [b, T]; padding queries get position 0: their rows are never empty
         qpos = [st + i if i < c else 0 for st, c in zip(starts, counts) for i in range(T)]
         flat_table = [x for row in table for x in row]
-        host = torch.tensor(slots + positions + query_index + last + flat_table + qpos)
-        N = len(slots)
-        slots, positions, query_index, last, table, qpos = to_device(host, device).split(
+        return torch.tensor(slots + positions + query_index + last + flat_table + qpos), (b, T, max_blocks)
+
+    def meta(self, ints: torch.Tensor, b: int, T: int, max_blocks: int) -> AttnMeta:
+        """The device's half: split the plan's int64 tensor (already on the device) and build the
+        attention mask. No host values are read, so a CUDA graph can hold this."""
+        N = (ints.numel() - b - b * max_blocks - b * T) // 3
+        slots, positions, query_index, last, table, qpos = ints.split(
             [N, N, N, b, b * max_blocks, b * T])
-        keys = torch.arange(max_blocks * bs, device=device)
+        keys = torch.arange(max_blocks * self.block_size, device=ints.device)
         # causal within and across rounds; the rows repeat g times, one copy per query head of a
         # KV head: [b, 1, g * T, L]
         qpos = qpos.view(b, 1, 1, T).expand(b, 1, self.group, T).reshape(b, 1, -1, 1)
         allowed = keys.view(1, 1, 1, -1) <= qpos
         # additive float mask, built once per forward (SDPA would convert a bool mask per layer)
-        mask = torch.zeros(allowed.shape, dtype=self.kv.dtype, device=device)
+        mask = torch.zeros(allowed.shape, dtype=self.kv.dtype, device=ints.device)
         mask.masked_fill_(~allowed, float("-inf"))
         return AttnMeta(slots, positions, table.view(b, max_blocks), query_index, mask, T, last)
 
@@ -551,7 +590,21 @@ class Transformer(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, vocab)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.static: StaticSteps | None = None  # set by use_graphs
         self.init_rope()
+
+    def use_graphs(self, graphs: bool | None):
+        """graphs=None: CUDA graphs where the model is on CUDA (and not tensor parallel), the
+        dynamic eager path elsewhere; True: decode steps and verifications padded to static shapes
+        (StaticSteps, below), each shape captured once as a CUDA graph and replayed on CUDA, run
+        eagerly on the CPU (where tests check it); False: dynamic shapes, eager."""
+        on_cuda = self.device.type == "cuda"
+        if graphs is None:
+            graphs = on_cuda and self.tp is None
+        if graphs and self.tp is not None:
+            raise ValueError("CUDA graphs are not implemented with tensor parallelism: run with "
+                             "--no-graphs (graphs=False)")
+        self.static = StaticSteps(capture=on_cuda) if graphs else None
 
     def init_rope(self):
         # not a parameter: recomputed after loading (a model built on the meta device holds no
@@ -564,6 +617,22 @@ class Transformer(nn.Module):
     @property
     def device(self):
         return self.lm_head.weight.device
+
+    def checkpoint_params(self) -> dict:
+        """The parameters under their Hugging Face checkpoint names: q_proj, k_proj, v_proj, gate_proj
+        and up_proj are views of the rows of the packed qkv_proj / gate_up_proj they fill; a tied
+        lm_head is left out (it is the embedding). Loaders copy into these; a checkpoint can be
+        written from them."""
+        params = {}
+        for name, p in self.named_parameters():  # a tied lm_head.weight appears once, as embed_tokens
+            module = name.rpartition(".")[0]  # model.layers.3.self_attn.qkv_proj
+            if module.endswith(("qkv_proj", "gate_up_proj")):
+                parent = module.rpartition(".")[0]  # model.layers.3.self_attn
+                for part, view in self.get_submodule(parent).packed().items():
+                    params[f"{parent}.{part}"] = view
+            else:
+                params[name] = p
+        return params
 
     def new_cache(self, num_tokens: int, block_size: int = 16) -> PagedKVCache:
         cfg = self.config
@@ -615,9 +684,17 @@ class Transformer(nn.Module):
         """Ragged cached forward. tokens: LongTensor [N] (or a list), the new tokens of each
         sequence in seq_ids back to back, counts[i] of them for sequence i; their K/V are appended
         to the cache. Returns float32 logits [N, V], or [b, V] (each sequence's last token) if
-        last_only."""
+        last_only. A step whose rows all add the same few tokens (decode, verification) takes the
+        static-shape path when it is on (`self.static`, below); the others plan and run here."""
         tokens = torch.as_tensor(tokens, device=self.device)
-        meta = cache.prepare(seq_ids, counts)
+        if self.static is not None and self.static.fits(counts):
+            logits = self.static.step(self, cache, seq_ids, tokens, counts[0])  # [b * T, V]
+            return logits.view(len(seq_ids), counts[0], -1)[:, -1] if last_only else logits
+        return self.run(cache, tokens, cache.prepare(seq_ids, counts), last_only)
+
+    def run(self, cache: PagedKVCache, tokens, meta: AttnMeta, last_only: bool = False):
+        """The device's part of a cached forward, given its plan's metadata: tokens [N] -> float32
+        logits [N, V] ([b, V] if last_only). It reads no host values (a CUDA graph can hold it)."""
         cos, sin = rope_cos_sin(self.inv_freq, meta.positions, self.lm_head.weight.dtype)
         x = self.embed(tokens)  # [N, hidden]
         for l, layer in enumerate(self.model.layers):
@@ -625,7 +702,6 @@ class Transformer(nn.Module):
         if last_only:
             x = x[meta.last]
         return self.head(x)
-
 
     def prefill(self, cache: PagedKVCache, seq_ids: list[int], prompts: list[list[int]],
                 chunk: int = PREFILL_CHUNK):
@@ -652,6 +728,88 @@ class Transformer(nn.Module):
                     del pieces[i]
                     last[i] = row_logits
         return torch.stack(last)
+
+
+# --------------------------------------------------------------------------------------------------
+# Static shapes and CUDA graphs
+#
+# A decode step (T = 1 new token per sequence) or a verification (T = K + 1) does little work per
+# kernel, so on a GPU its time goes to launching some 50 kernels per layer from Python. A CUDA graph
+# records the launches once and replays them in one call, but it replays fixed shapes at fixed
+# addresses. So a forward is split into the host's plan (PagedKVCache.plan: slots, positions, block
+# tables) and the device's run (Transformer.run), and a step whose rows all add the same T tokens is
+# padded to a *bucket*: the rows to a power of two (padding rows are masked and write into the
+# cache's pad block) and the block table to a power of two of columns (masked as well). Each bucket
+# owns its input buffers; a step copies its plan into them (one host-to-device copy, as the dynamic
+# path) and runs, or on CUDA replays the run captured the first time the bucket came up. On the CPU
+# the same padded path runs without capture, so tests check it against the dynamic path.
+
+def bucket(n: int) -> int:
+    """The next power of two >= n."""
+    return 1 << (n - 1).bit_length()
+
+
+@dataclass
+class Bucket:
+    cache: PagedKVCache     # held: a graph reads its pool's address
+    shape: tuple            # (rows, T, blocks), as PagedKVCache.meta takes them
+    ints: torch.Tensor      # the plan's int64 layout, on the device (PagedKVCache.plan)
+    tokens: torch.Tensor    # [rows * T] input tokens; padding rows keep token 0
+    logits: torch.Tensor | None = None  # the captured run's output [rows * T, V]
+    graph: object = None    # torch.cuda.CUDAGraph once captured
+
+
+class StaticSteps:
+    MAX_T = 16     # longer uniform steps (prefill pieces) stay on the dynamic path
+    MAX_ROWS = 512
+
+    def __init__(self, capture: bool):
+        self.capture = capture
+        self.buckets: dict[tuple, Bucket] = {}
+        self.pool = None    # one memory pool for all of a model's graphs (they never run at once)
+        self.captures = self.replays = 0
+
+    def fits(self, counts: list[int]) -> bool:
+        return counts[0] <= self.MAX_T and len(counts) <= self.MAX_ROWS and \
+            all(c == counts[0] for c in counts)
+
+    def step(self, model: "Transformer", cache: PagedKVCache, seq_ids: list[int], tokens, T: int):
+        """One padded step -> float32 logits [b * T, V] of the real rows."""
+        b, bs = len(seq_ids), cache.block_size
+        blocks = max(-(-(cache.length(s) + T) // bs) for s in seq_ids)  # after this step
+        host, shape = cache.plan(seq_ids, [T] * b, rows=bucket(b), blocks=bucket(blocks))
+        key = (id(cache), *shape)
+        bk = self.buckets.get(key)
+        if bk is None:
+            bk = self.buckets[key] = Bucket(cache, shape, torch.empty_like(host, device=model.device),
+                                            torch.zeros(shape[0] * T, dtype=torch.long,
+                                                        device=model.device))
+        bk.ints.copy_(host, non_blocking=True)  # the one host-to-device copy of this step
+        bk.tokens[:b * T].copy_(tokens)
+
+        def run():
+            return model.run(cache, bk.tokens, cache.meta(bk.ints, *shape))
+        if not self.capture:
+            return run()[:b * T]
+        if bk.graph is None:
+            self.capture_graph(bk, run)
+        bk.graph.replay()
+        self.replays += 1
+        return bk.logits[:b * T].clone()  # the next replay overwrites bk.logits
+
+    def capture_graph(self, bk: Bucket, run):
+        # one eager run first, on a side stream (as torch.cuda.graphs asks): cuBLAS and the caching
+        # allocator set themselves up outside the capture. It writes the same K/V the replay will.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            run()
+        torch.cuda.current_stream().wait_stream(side)
+        bk.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(bk.graph, pool=self.pool):
+            bk.logits = run()
+        self.pool = bk.graph.pool()
+        self.captures += 1
 
 
 # --------------------------------------------------------------------------------------------------
@@ -751,7 +909,7 @@ def load_weights(model: Transformer, path: Path):
     else:
         raise FileNotFoundError(f"{path} has neither model.safetensors nor "
                                 f"model.safetensors.index.json")
-    params = dict(model.named_parameters())  # a tied lm_head.weight appears once, as embed_tokens
+    params = model.checkpoint_params()
     filled = set()
     for fname in files:
         if not (path / fname).exists():
@@ -1140,7 +1298,7 @@ def read_gguf_tensor(g: GGUFFile, t: GGUFTensor, name: str, param, tp: TP | None
 
 def load_gguf_weights(model: Transformer, g: GGUFFile):
     """Dequantise the tensors of a GGUF file one at a time straight into the model's parameters."""
-    params = dict(model.named_parameters())  # a tied lm_head.weight appears once, as embed_tokens
+    params = model.checkpoint_params()
     filled = set()
     for t in g.tensors.values():
         if t.name == "rope_freqs.weight":

@@ -45,7 +45,7 @@ def generate(prompts, target="tiny", draft="tiny-draft", mode="sd", max_new_toke
              saguaro_c=1.0, fallback="auto", parallel=True, target_device=None, draft_device=None,
              target_threads=None, draft_threads=None, kv_tokens=None, block_size=16, chat=False,
              stream=None, target_devices: list[str] | None = None, tp_timeout: float = TP_TIMEOUT_S,
-             dtype="auto") -> GenerateResult:
+             dtype="auto", graphs: bool | None = None) -> GenerateResult:
     """Generate up to max_new_tokens for each prompt (strings, or lists of token ids).
 
     mode: "ar" (target only), "sd" (speculative decoding, k draft tokens per round) or "ssd"
@@ -56,7 +56,10 @@ def generate(prompts, target="tiny", draft="tiny-draft", mode="sd", max_new_toke
     collective. kv_tokens: the target's KV cache in tokens (default: sized for the request); the
     draft gets the same plus room for SSD's branches. dtype: both models' weights and activations,
     "auto" (bfloat16 on CUDA, float32 on the CPU), "float32", "bfloat16" or "float16"; logits are
-    float32 in every dtype. stream(row, tokens_so_far) is called as tokens are accepted."""
+    float32 in every dtype. graphs: None replays decode steps and verifications as CUDA graphs
+    on CUDA (not with tensor parallelism) and runs them eagerly elsewhere; False turns graphs off;
+    True pads them to the graphs' static shapes on any device (on the CPU, eagerly: the tests'
+    check of that path). stream(row, tokens_so_far) is called as tokens are accepted."""
     if mode not in ("ar", "sd", "ssd"):
         raise ValueError(f"unknown mode {mode!r}: use 'ar', 'sd' or 'ssd'")
     if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
@@ -98,6 +101,7 @@ def generate(prompts, target="tiny", draft="tiny-draft", mode="sd", max_new_toke
                                 target_dtype)
         tmodel, tok = load_model(target, device=target_device, dtype=target_dtype,
                                  tp=workers.rank0 if workers else None)
+        tmodel.use_graphs(graphs)
         cfg = tmodel.config
         ids = [encode(tok, p, chat) for p in prompts]
         check_prompts(ids, cfg, max_new_tokens, K)
@@ -111,7 +115,7 @@ def generate(prompts, target="tiny", draft="tiny-draft", mode="sd", max_new_toke
         settings = (temperature, seed, kv_tokens, block_size)
         verifier = TPVerifier(tmodel, settings, workers) if workers else Verifier(tmodel, *settings)
         dcfg = DraftConfig(draft, draft_device, draft_dtype, K, temperature, seed + 1, draft_kv,
-                           block_size, ssd)
+                           block_size, ssd, graphs)
         out = Output(len(ids), max_new_tokens, [] if ignore_eos else sorted(eos), K, stream)
         stats = {}
         if mode == "ar":
@@ -160,16 +164,18 @@ def check_prompts(ids, cfg, max_new_tokens, K):
 
 def kv_sizes(ids, max_new_tokens, K, block_size, kv_tokens=None, ssd: SSDConfig | None = None):
     """KV cache sizes in tokens: (target's, draft's). A row holds its prompt, its output and, during
-    a round, K + 1 more tokens, in whole blocks; the user's kv_tokens must cover that."""
+    a round, K + 1 more tokens, in whole blocks, and the cache keeps one block for the padding rows
+    of static-shape steps (PagedKVCache.pad_block); the user's kv_tokens must cover that."""
     need = sum(-(-(len(p) + max_new_tokens + K + 1) // block_size) * block_size for p in ids)
+    need += block_size
     if kv_tokens is not None and kv_tokens < need:
         raise ValueError(f"kv_tokens={kv_tokens} cannot hold {len(ids)} prompt(s) + max_new_tokens="
                          f"{max_new_tokens}: give at least {need} (--kv-tokens {need}) or leave it "
                          f"unset to size it automatically")
     # default: per row the longest prompt + output, K + 1 in flight plus the draft's K + 1 pending
-    # and drafted tokens (2K + 4 covers both sides), and two blocks of rounding
+    # and drafted tokens (2K + 4 covers both sides), two blocks of rounding, and the pad block
     b, longest = len(ids), max(len(p) for p in ids)
-    kv_tokens = kv_tokens or b * (longest + max_new_tokens + 2 * K + 4 + 2 * block_size)
+    kv_tokens = kv_tokens or b * (longest + max_new_tokens + 2 * K + 4 + 2 * block_size) + block_size
     if ssd is None:
         return kv_tokens, kv_tokens
     # SSD's draft adds B branches per row: up to K + 2 private tokens (t, x_1..x_K, fed x_K), plus a
@@ -295,6 +301,9 @@ def main(argv=None):
                         "dtype): auto is bfloat16 on CUDA and float32 on the CPU; bfloat16 runs on "
                         "the CPU too, slowly, to check a GPU's numerics there "
                         "(default: %(default)s)")
+    g.add_argument("--no-graphs", action="store_true",
+                   help="on CUDA, run decode steps and verifications eagerly instead of replaying "
+                        "them as CUDA graphs (the CPU never uses graphs)")
     g.add_argument("--kv-tokens", type=int, default=None, metavar="TOKENS",
                    help="target KV cache size in tokens (default: sized for the prompt and "
                         "--max-new-tokens); the draft's cache gets the same plus room for ssd's "
@@ -328,6 +337,7 @@ def main(argv=None):
                        draft_device=a.draft_device or a.device, target_threads=a.target_threads,
                        draft_threads=a.draft_threads, kv_tokens=a.kv_tokens, chat=a.chat,
                        stream=stream, tp_timeout=a.tp_timeout, dtype=a.dtype,
+                       graphs=False if a.no_graphs else None,
                        target_devices=a.target_devices.split(",") if a.target_devices else None)
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)

@@ -165,6 +165,32 @@ def flop_params(cfg) -> int:
     return L * (attn + 3 * h * i) + h * V
 
 
+def grow_draft(old, new):
+    """Initialise `new` (a draft with more layers and/or a narrower MLP) from a trained draft `old`:
+    tensors of the same name and shape are copied; a narrower MLP keeps the hidden units whose
+    up/gate rows and down column carry the most weight; layers `old` lacks keep their random init.
+    Distillation then starts from the old draft's knowledge instead of from scratch."""
+    import torch
+    old_sd = old.state_dict()
+    with torch.no_grad():
+        for name, p in new.state_dict().items():
+            if name not in old_sd:
+                continue
+            o = old_sd[name]
+            if o.shape == p.shape:
+                p.copy_(o)
+            elif name.endswith("mlp.down_proj.weight"):  # [hidden, intermediate]: keep the strongest units
+                prefix = name[: -len("down_proj.weight")]
+                score = (o.norm(dim=0) * old_sd[prefix + "up_proj.weight"].norm(dim=1)
+                         * old_sd[prefix + "gate_proj.weight"].norm(dim=1))
+                keep = score.topk(p.shape[1]).indices.sort().values
+                p.copy_(o[:, keep])
+                new.state_dict()[prefix + "up_proj.weight"].copy_(old_sd[prefix + "up_proj.weight"][keep])
+                new.state_dict()[prefix + "gate_proj.weight"].copy_(old_sd[prefix + "gate_proj.weight"][keep])
+            elif not name.endswith(("up_proj.weight", "gate_proj.weight")):
+                raise ValueError(f"grow_draft: cannot map {name} {tuple(o.shape)} -> {tuple(p.shape)}")
+
+
 def lr_at(step, total, peak, warmup):
     if step < warmup:
         return peak * (step + 1) / warmup
@@ -307,6 +333,10 @@ def main():
     ap.add_argument("--eval-every", type=int, default=250, help="log the target's held-out loss (16 windows) every N steps")
     ap.add_argument("--autocast", choices=["bf16", "none"], default="none",
                     help="bf16: forward passes under bf16 autocast (fp32 master weights); none: plain fp32")
+    ap.add_argument("--draft-layers", type=int, default=DRAFT_ARCH["num_hidden_layers"])
+    ap.add_argument("--draft-intermediate", type=int, default=DRAFT_ARCH["intermediate_size"],
+                    help="the draft's SwiGLU width; with --resume-from, a draft of another shape is grown "
+                         "from the shipped one (grow_draft)")
     ap.add_argument("--resume-from", default=None, metavar="DIR",
                     help="continue from a shipped pair: DIR/tiny-target and DIR/tiny-draft (weights and tokenizer) "
                          "instead of a new tokenizer and random weights; the step counts and LR schedule start anew")
@@ -324,6 +354,7 @@ def main():
     work.mkdir(parents=True, exist_ok=True)
     t_start = time.time()
     print(f"args: {vars(args)}", flush=True)
+    draft_arch = dict(DRAFT_ARCH, num_hidden_layers=args.draft_layers, intermediate_size=args.draft_intermediate)
 
     if args.resume_from:
         from transformers import PreTrainedTokenizerFast
@@ -332,13 +363,20 @@ def main():
         # the shipped files are bf16; training continues in fp32 master weights
         target = LlamaForCausalLM.from_pretrained(src / "tiny-target", torch_dtype=torch.float32).to(args.device)
         draft = LlamaForCausalLM.from_pretrained(src / "tiny-draft", torch_dtype=torch.float32).to(args.device)
+        if (draft.config.num_hidden_layers, draft.config.intermediate_size) != (draft_arch["num_hidden_layers"],
+                                                                                 draft_arch["intermediate_size"]):
+            torch.manual_seed(SEED + 1)
+            grown = LlamaForCausalLM(make_config(draft_arch, tok, args.seq_len)).to(args.device)
+            grow_draft(draft, grown)
+            draft = grown
+            print(f"draft grown to {draft_arch['num_hidden_layers']} layers x {draft_arch['intermediate_size']}", flush=True)
         print(f"resumed weights and tokenizer from {src}", flush=True)
     else:
         tok, train_ids, heldout_ids = prepare_data(work)
         torch.manual_seed(SEED)
         target = LlamaForCausalLM(make_config(TARGET_ARCH, tok, args.seq_len)).to(args.device)
         torch.manual_seed(SEED + 1)
-        draft = LlamaForCausalLM(make_config(DRAFT_ARCH, tok, args.seq_len)).to(args.device)
+        draft = LlamaForCausalLM(make_config(draft_arch, tok, args.seq_len)).to(args.device)
     ft, fd = flop_params(target.config), flop_params(draft.config)
     print(f"target: {sum(p.numel() for p in target.parameters())/1e6:.2f}M params, draft: "
           f"{sum(p.numel() for p in draft.parameters())/1e6:.2f}M params, FLOP ratio {ft / fd:.2f}", flush=True)

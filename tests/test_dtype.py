@@ -91,8 +91,10 @@ def test_load_allocates_the_weights_once_in_their_dtype(which, dtype, random_lla
     if which == "tiny":
         assert m.lm_head.weight is m.model.embed_tokens.weight
     stored = load_file(path / "model.safetensors")  # and the weights are the checkpoint's, converted
-    for name, p in m.named_parameters():
+    for name, p in m.checkpoint_params().items():  # the packed q/k/v and gate/up parts included
         assert torch.equal(p, stored[name].to(dtype)), name
+    tied = {"lm_head.weight"} if m.config.tie_word_embeddings else set()  # a tied head is the embedding
+    assert set(m.checkpoint_params()) == set(stored) - tied
 
 
 # ----------------------------------------------------------------------------------------------------

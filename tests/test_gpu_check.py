@@ -27,6 +27,10 @@ def test_gpu_check_quick_on_cpu(tmp_path, capsys):
     assert 0.99 < checks["load"]["peak_over_weights"] < 1.15
     assert checks["step:llama-8b"]["weight_bytes"] > checks["step:llama-1b"]["weight_bytes"]
     assert checks["step:llama-1b"]["attention_ops"], checks["step:llama-1b"]  # the profiler saw SDPA
+    for shape in ("step:llama-1b", "step:llama-8b"):  # the padded static-shape step (a graph on CUDA) = eager
+        step = checks[shape]
+        assert step["graph_vs_eager_same_argmax"] and step["graph_vs_eager_max_abs"] < 1e-3, step
+        assert step["graph_decode_ms"] > 0 and step["graphs_captured"] == 0  # no capture on the CPU
     # decode rounds only (counting starts at the first streamed token): exactly tests/test_generate.py's numbers
     syncs = checks["host_syncs"]
     assert syncs["ar_per_round"] == 2 and syncs["sd_per_round"] == 4 and syncs["ssd_per_round"] <= 7

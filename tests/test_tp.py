@@ -62,7 +62,7 @@ def tp_logits(rank, world, paths) -> dict:
     for kind, path in paths.items():
         model, _ = load_model(path, tp=TP(rank, world))
         full, cached, kv_shape = logits_of(model)
-        res[kind] = (full.numpy(), cached.numpy(), tuple(kv_shape), tuple(model.model.layers[0].self_attn.q_proj.weight.shape))
+        res[kind] = (full.numpy(), cached.numpy(), tuple(kv_shape), tuple(model.checkpoint_params()["model.layers.0.self_attn.q_proj.weight"].shape))
     return res
 
 

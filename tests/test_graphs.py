@@ -1,0 +1,121 @@
+"""The static-shape path that CUDA graphs replay (model.StaticSteps), run here on the CPU without capture.
+
+A step whose rows all add T tokens is padded to a bucket (rows and block-table columns rounded up to powers of
+two; padding rows write into the cache's pad block) and run over preallocated buffers. These tests check that
+the padded step computes what the dynamic step computes (logits, the K/V it writes, the tokens generate()
+emits), that padding never touches a sequence's blocks, and that buckets are reused, so a GPU captures a
+bounded number of graphs. The capture itself needs CUDA: scripts/gpu_check.py times it there.
+"""
+import pytest
+import torch
+
+from conftest import make_checkpoint
+from model import StaticSteps, bucket, load_model
+from run import generate
+
+torch.set_num_threads(1)
+
+PROMPTS = [[1, 5, 7, 9, 11], [1, 3], [1, 8, 22, 33, 44, 55, 66, 77, 88, 90, 91, 92, 93, 94, 95, 96, 97, 98]]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def model(request, tmp_path_factory):
+    path = make_checkpoint(tmp_path_factory.mktemp(request.param), request.param, hidden_size=64,
+                           intermediate_size=128, num_hidden_layers=2, eos_token_id=None,
+                           max_position_embeddings=256)
+    return load_model(path, tokenizer=False)[0]
+
+
+def steps(model, graphs: bool):
+    """Prefill three ragged prompts, 6 greedy decode steps, then a verification of 4 tokens per row ->
+    (every step's logits, the cache, the rows' ids)."""
+    model.use_graphs(graphs)
+    cache = model.new_cache(1024, block_size=4)  # small blocks: the rows cross block boundaries
+    ids = [cache.new_seq() for _ in PROMPTS]
+    logits = [model.prefill(cache, ids, PROMPTS)]
+    tok = logits[-1].argmax(-1)
+    for _ in range(6):
+        logits.append(model.forward_cached(cache, ids, tok, [1] * 3, last_only=True))
+        tok = logits[-1].argmax(-1)
+    logits.append(model.forward_cached(cache, ids, torch.arange(12) + 3, [4] * 3))  # [12, V]
+    return logits, cache, ids
+
+
+def test_static_steps_equal_the_dynamic_path(model):
+    dynamic, cache_d, ids = steps(model, graphs=False)
+    static, cache_s, _ = steps(model, graphs=True)
+    assert model.static is not None and not model.static.capture  # the CPU runs the padded path eagerly
+    for a, b in zip(dynamic, static):
+        assert a.shape == b.shape
+        torch.testing.assert_close(b, a, atol=2e-5, rtol=1e-5)
+    for sid in ids:  # the K/V every row wrote, block by block
+        s_d, s_s = cache_d.seqs[sid], cache_s.seqs[sid]
+        assert s_d.length == s_s.length
+        for bd, bs_ in zip(s_d.blocks, s_s.blocks):
+            torch.testing.assert_close(cache_s.kv[:, :, bs_], cache_d.kv[:, :, bd], atol=1e-5, rtol=1e-5)
+    # 3 rows pad to 4: decode steps over T = 1 and the verification over T = 4, each in a bucket of 4 rows
+    shapes = {k[1:] for k in model.static.buckets}
+    assert {(rows, T) for rows, T, _ in shapes} == {(4, 1), (4, 4)}
+    assert all(blocks == bucket(blocks) for _, _, blocks in shapes)
+    model.use_graphs(False)
+
+
+def test_padding_rows_touch_no_sequence(model):
+    """The padding row of a 3-row step writes only into the pad block, which no sequence owns and which is
+    never handed out; the rows' own K/V are unchanged by it (compared with the dynamic path above)."""
+    _, cache, ids = steps(model, graphs=True)
+    pad = cache.pad_block()
+    assert all(pad not in cache.seqs[s].blocks for s in ids)
+    assert pad not in cache.free_blocks and cache.refcount[pad] == 1
+    before = cache.kv.clone()
+    tok = torch.tensor([4, 5, 6])
+    model.forward_cached(cache, ids, tok, [1] * 3)
+    changed = (cache.kv != before).flatten(2).any(-1).any(0).any(0).nonzero().flatten().tolist()  # blocks
+    last_blocks = {cache.seqs[s].blocks[(cache.seqs[s].length - 1) // cache.block_size] for s in ids}
+    assert set(changed) <= last_blocks | {pad}
+    model.use_graphs(False)
+
+
+def test_buckets_are_reused(model):
+    """Decoding 60 steps over 3 rows at block size 4 crosses 15 blocks, yet uses one bucket per power of two
+    of the block count (so a GPU captures a handful of graphs, not one per step)."""
+    model.use_graphs(True)
+    cache = model.new_cache(2048, block_size=4)
+    ids = [cache.new_seq() for _ in PROMPTS]
+    tok = model.prefill(cache, ids, PROMPTS).argmax(-1)
+    for _ in range(60):
+        tok = model.forward_cached(cache, ids, tok, [1] * 3, last_only=True).argmax(-1)
+    blocks = sorted(k[3] for k in model.static.buckets)
+    longest = -(-max(cache.length(s) for s in ids) // 4)
+    assert blocks == [8, 16, 32][:len(blocks)] and blocks[-1] == bucket(longest), blocks
+    model.use_graphs(False)
+
+
+def test_uneven_or_long_steps_stay_dynamic(model):
+    s = StaticSteps(capture=False)
+    assert s.fits([1, 1, 1]) and s.fits([5, 5]) and s.fits([StaticSteps.MAX_T])
+    assert not s.fits([2, 1]) and not s.fits([StaticSteps.MAX_T + 1])  # ragged (SSD feeding backups), prefill
+
+
+def test_graphs_need_cuda_only_when_capturing(model):
+    model.use_graphs(None)  # the default: graphs where CUDA is, the dynamic path on the CPU
+    assert model.static is None
+    model.use_graphs(True)
+    assert model.static is not None and model.static.capture is False
+    model.use_graphs(False)
+    assert model.static is None
+
+
+@pytest.mark.parametrize("mode,parallel", [("ar", True), ("sd", True), ("ssd", False), ("ssd", True)])
+def test_generate_with_static_shapes_emits_the_same_tokens(mode, parallel, tmp_path_factory):
+    """Greedy, batch 3, ragged prompts: the static-shape path (draft and target, both processes in SSD) emits
+    exactly the dynamic path's tokens."""
+    root = tmp_path_factory.mktemp("pair")
+    target = make_checkpoint(root / "t", "llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             eos_token_id=None, max_position_embeddings=256)
+    draft = make_checkpoint(root / "d", "llama", seed=1, hidden_size=32, intermediate_size=64,
+                            num_hidden_layers=1, eos_token_id=None, max_position_embeddings=256)
+    kw = dict(target=str(target), draft=str(draft), mode=mode, max_new_tokens=20, k=3, parallel=parallel)
+    dynamic = generate(PROMPTS, graphs=False, **kw)
+    static = generate(PROMPTS, graphs=True, **kw)
+    assert static.tokens == dynamic.tokens
