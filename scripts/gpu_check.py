@@ -20,7 +20,7 @@ and one line to the table printed at the end:
                   on the CPU, the decode loop's device-to-host reads (model.to_host)
   greedy          AR, SD and SSD (one process and two) emit the same greedy tokens in bf16
   ssd:<devices>   two-process SSD on one GPU (time-sliced) and on two when there are two: tok/s
-                  beside SD's, hit rate, verifier wait
+                  beside AR's and SD's (tiny pair, graphs on), hit rate, verifier wait
   long_prefill    memory of one long prompt's prefill (1B shape, in chunks as the engine does it):
                   the peak on a GPU, the largest allocation on the CPU, beside one layer's scores
 
@@ -394,10 +394,12 @@ def check_greedy(a, prompts):
 
 def check_ssd(a, prompts, draft_device):
     new = 16 if a.quick else 128
+    ar = tiny_run(a, "ar", prompts[:1], max_new_tokens=new)
     sd = tiny_run(a, "sd", prompts[:1], max_new_tokens=new)
     ssd = tiny_run(a, "ssd", prompts[:1], max_new_tokens=new, draft_device=draft_device)
     s = ssd.stats
-    return {"draft_device": draft_device, "sd_tok_s": sd.stats["decode_tok_s"],
+    return {"draft_device": draft_device, "ar_tok_s": ar.stats["decode_tok_s"],
+            "sd_tok_s": sd.stats["decode_tok_s"],
             "ssd_tok_s": s["decode_tok_s"], "ssd_over_sd": s["decode_tok_s"]
             / sd.stats["decode_tok_s"], "hit_rate": s["cache_hit_rate"],
             "verifier_wait_pct": 100 * s["verifier_wait_seconds"] / s["decode_seconds"],
