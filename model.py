@@ -762,8 +762,8 @@ class Bucket:
 
 
 class StaticSteps:
-    MAX_T = 16     # longer uniform steps (prefill pieces) stay on the dynamic path
-    MAX_ROWS = 512
+    MAX_T = 16       # longer uniform steps (prefill pieces) stay on the dynamic path
+    MAX_ROWS = 512   # so do larger batches: a bucket keeps its logits, [rows * T, V] float32
 
     def __init__(self, capture: bool):
         self.capture = capture
@@ -772,8 +772,8 @@ class StaticSteps:
         self.captures = self.replays = 0
 
     def fits(self, counts: list[int]) -> bool:
-        return counts[0] <= self.MAX_T and len(counts) <= self.MAX_ROWS and \
-            all(c == counts[0] for c in counts)
+        uniform = all(c == counts[0] for c in counts)
+        return uniform and counts[0] <= self.MAX_T and len(counts) <= self.MAX_ROWS
 
     def step(self, model: "Transformer", cache: PagedKVCache, seq_ids: list[int], tokens, T: int):
         """One padded step -> float32 logits [b * T, V] of the real rows."""
