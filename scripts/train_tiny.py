@@ -46,7 +46,7 @@ EXCLUDED_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test",
 TARGET_ARCH = dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=8,
                    num_attention_heads=6, num_key_value_heads=2)
 DRAFT_ARCH = dict(hidden_size=192, intermediate_size=768, num_hidden_layers=1,
-                  num_attention_heads=3, num_key_value_heads=1)
+                  num_attention_heads=3, num_key_value_heads=1, head_dim=64)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -149,10 +149,12 @@ def heldout_batches(ids, seq_len, max_windows):
 
 def make_config(arch, tok, seq_len):
     from transformers import LlamaConfig
+    arch = dict(arch)
+    head_dim = arch.pop("head_dim", arch["hidden_size"] // arch["num_attention_heads"])
     return LlamaConfig(vocab_size=len(tok), max_position_embeddings=2048, rms_norm_eps=1e-5,
                        hidden_act="silu", attention_bias=False, mlp_bias=False, tie_word_embeddings=True,
                        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=None,
-                       head_dim=arch["hidden_size"] // arch["num_attention_heads"], rope_theta=10000.0,
+                       head_dim=head_dim, rope_theta=10000.0,
                        **arch)
 
 
@@ -160,34 +162,40 @@ def flop_params(cfg) -> int:
     """Matmul parameters touched per token (every layer + the LM head; not the embedding lookup).
     Forward FLOPs per token ~= 2 * this (plus attention over the context, which favours the draft)."""
     h, i, L, V = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size
-    d = h // cfg.num_attention_heads
+    d = cfg.head_dim
     attn = h * cfg.num_attention_heads * d * 2 + h * cfg.num_key_value_heads * d * 2
     return L * (attn + 3 * h * i) + h * V
 
 
 def grow_draft(old, new):
-    """Initialise `new` (a draft with more layers and/or a narrower MLP) from a trained draft `old`:
-    tensors of the same name and shape are copied; a narrower MLP keeps the hidden units whose
-    up/gate rows and down column carry the most weight; layers `old` lacks keep their random init.
+    """Initialise `new` (a draft with more layers, fewer heads and/or another MLP width) from a
+    trained draft `old`: tensors of the same shape are copied; a narrower MLP keeps the hidden
+    units whose gate/up rows and down column carry the most weight; fewer query heads keep the
+    first ones (their q_proj rows and o_proj columns); layers `old` lacks keep their random init.
     Distillation then starts from the old draft's knowledge instead of from scratch."""
     import torch
-    old_sd = old.state_dict()
+    old_sd, new_sd = old.state_dict(), new.state_dict()  # new_sd's tensors share new's storage
     with torch.no_grad():
-        for name, p in new.state_dict().items():
+        for name, p in new_sd.items():
             if name not in old_sd:
-                continue
+                continue  # a new layer
             o = old_sd[name]
             if o.shape == p.shape:
                 p.copy_(o)
-            elif name.endswith("mlp.down_proj.weight"):  # [hidden, intermediate]: keep the strongest units
+            elif name.endswith(("up_proj.weight", "gate_proj.weight")):
+                continue  # a narrower MLP's input side goes with its down_proj, below
+            elif name.endswith("mlp.down_proj.weight"):  # [hidden, intermediate]
                 prefix = name[: -len("down_proj.weight")]
-                score = (o.norm(dim=0) * old_sd[prefix + "up_proj.weight"].norm(dim=1)
-                         * old_sd[prefix + "gate_proj.weight"].norm(dim=1))
-                keep = score.topk(p.shape[1]).indices.sort().values
+                up, gate = old_sd[prefix + "up_proj.weight"], old_sd[prefix + "gate_proj.weight"]
+                keep = (o.norm(dim=0) * up.norm(dim=1) * gate.norm(dim=1)).topk(p.shape[1]).indices.sort().values
                 p.copy_(o[:, keep])
-                new.state_dict()[prefix + "up_proj.weight"].copy_(old_sd[prefix + "up_proj.weight"][keep])
-                new.state_dict()[prefix + "gate_proj.weight"].copy_(old_sd[prefix + "gate_proj.weight"][keep])
-            elif not name.endswith(("up_proj.weight", "gate_proj.weight")):
+                new_sd[prefix + "up_proj.weight"].copy_(up[keep])
+                new_sd[prefix + "gate_proj.weight"].copy_(gate[keep])
+            elif name.endswith("q_proj.weight"):  # [heads * head_dim, hidden]: the first heads
+                p.copy_(o[:p.shape[0]])
+            elif name.endswith("o_proj.weight"):  # [hidden, heads * head_dim]
+                p.copy_(o[:, :p.shape[1]])
+            else:
                 raise ValueError(f"grow_draft: cannot map {name} {tuple(o.shape)} -> {tuple(p.shape)}")
 
 
@@ -334,6 +342,8 @@ def main():
     ap.add_argument("--autocast", choices=["bf16", "none"], default="none",
                     help="bf16: forward passes under bf16 autocast (fp32 master weights); none: plain fp32")
     ap.add_argument("--draft-layers", type=int, default=DRAFT_ARCH["num_hidden_layers"])
+    ap.add_argument("--draft-heads", type=int, default=DRAFT_ARCH["num_attention_heads"],
+                    help="the draft's query heads (of head_dim 64)")
     ap.add_argument("--draft-intermediate", type=int, default=DRAFT_ARCH["intermediate_size"],
                     help="the draft's SwiGLU width; with --resume-from, a draft of another shape is grown "
                          "from the shipped one (grow_draft)")
@@ -354,7 +364,8 @@ def main():
     work.mkdir(parents=True, exist_ok=True)
     t_start = time.time()
     print(f"args: {vars(args)}", flush=True)
-    draft_arch = dict(DRAFT_ARCH, num_hidden_layers=args.draft_layers, intermediate_size=args.draft_intermediate)
+    draft_arch = dict(DRAFT_ARCH, num_hidden_layers=args.draft_layers, intermediate_size=args.draft_intermediate,
+                      num_attention_heads=args.draft_heads)
 
     if args.resume_from:
         from transformers import PreTrainedTokenizerFast
@@ -363,13 +374,13 @@ def main():
         # the shipped files are bf16; training continues in fp32 master weights
         target = LlamaForCausalLM.from_pretrained(src / "tiny-target", torch_dtype=torch.float32).to(args.device)
         draft = LlamaForCausalLM.from_pretrained(src / "tiny-draft", torch_dtype=torch.float32).to(args.device)
-        if (draft.config.num_hidden_layers, draft.config.intermediate_size) != (draft_arch["num_hidden_layers"],
-                                                                                 draft_arch["intermediate_size"]):
+        shape = lambda c: (c["num_hidden_layers"], c["intermediate_size"], c["num_attention_heads"])
+        if shape(draft.config.to_dict()) != shape(draft_arch):
             torch.manual_seed(SEED + 1)
             grown = LlamaForCausalLM(make_config(draft_arch, tok, args.seq_len)).to(args.device)
             grow_draft(draft, grown)
             draft = grown
-            print(f"draft grown to {draft_arch['num_hidden_layers']} layers x {draft_arch['intermediate_size']}", flush=True)
+            print(f"draft grown to (layers, intermediate, heads) = {shape(draft_arch)}", flush=True)
         print(f"resumed weights and tokenizer from {src}", flush=True)
     else:
         tok, train_ids, heldout_ids = prepare_data(work)
