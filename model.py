@@ -530,10 +530,12 @@ class PagedKVCache:
 PREFILL_CHUNK = 2048
 
 
-def to_device(host: torch.Tensor, device) -> torch.Tensor:
+def to_device(host: torch.Tensor, device, out: torch.Tensor | None = None) -> torch.Tensor:
     """Every forward's host-built metadata crosses to the device here, in one copy (tests count
-    the calls)."""
-    return host.to(device, non_blocking=True)
+    the calls): into a new tensor, or into `out` (a static-shape step's buffer)."""
+    if out is None:
+        return host.to(device, non_blocking=True)
+    return out.copy_(host, non_blocking=True)
 
 
 def to_host(x: torch.Tensor) -> list:
@@ -786,7 +788,7 @@ class StaticSteps:
             bk = self.buckets[key] = Bucket(cache, shape, torch.empty_like(host, device=model.device),
                                             torch.zeros(shape[0] * T, dtype=torch.long,
                                                         device=model.device))
-        bk.ints.copy_(host, non_blocking=True)  # the one host-to-device copy of this step
+        to_device(host, model.device, out=bk.ints)  # the one host-to-device copy of this step
         bk.tokens[:b * T].copy_(tokens)
 
         def run():

@@ -91,6 +91,25 @@ def test_buckets_are_reused(model):
     model.use_graphs(False)
 
 
+def test_one_host_to_device_copy_per_static_step(model, monkeypatch):
+    """As the dynamic path (tests/test_model.py): a static step's plan crosses in one copy, into its bucket's
+    buffer, and no other host tensor is made."""
+    import model as model_module
+    model.use_graphs(True)
+    cache = model.new_cache(256, block_size=4)
+    ids = [cache.new_seq() for _ in PROMPTS]
+    tok = model.prefill(cache, ids, PROMPTS).argmax(-1)
+    copies, created = [], []
+    real, real_tensor = model_module.to_device, torch.tensor
+    monkeypatch.setattr(model_module, "to_device", lambda h, d, out=None: copies.append(out) or real(h, d, out))
+    monkeypatch.setattr(torch, "tensor", lambda *a, **k: created.append(1) or real_tensor(*a, **k))
+    for _ in range(3):
+        tok = model.forward_cached(cache, ids, tok, [1] * 3, last_only=True).argmax(-1)
+    assert len(copies) == 3 and all(c is copies[0] for c in copies), copies  # one per step, the same buffer
+    assert len(created) == 3
+    model.use_graphs(False)
+
+
 def test_uneven_or_long_steps_stay_dynamic(model):
     s = StaticSteps(capture=False)
     assert s.fits([1, 1, 1]) and s.fits([5, 5]) and s.fits([StaticSteps.MAX_T])
