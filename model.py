@@ -16,6 +16,7 @@ import math
 import mmap
 import os
 import struct
+import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -772,6 +773,7 @@ class StaticSteps:
         self.buckets: dict[tuple, Bucket] = {}
         self.pool = None    # one memory pool for all of a model's graphs (they never run at once)
         self.captures = self.replays = 0
+        self.capture_seconds = 0.0
 
     def fits(self, counts: list[int]) -> bool:
         uniform = all(c == counts[0] for c in counts)
@@ -804,6 +806,9 @@ class StaticSteps:
     def capture_graph(self, bk: Bucket, run):
         # one eager run first, on a side stream (as torch.cuda.graphs asks): cuBLAS and the caching
         # allocator set themselves up outside the capture. It writes the same K/V the replay will.
+        # Captures happen during decoding, the first time a shape comes up, and are timed (a sync
+        # each, rare): short runs' tokens per second include them.
+        start = time.perf_counter()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -813,7 +818,9 @@ class StaticSteps:
         with torch.cuda.graph(bk.graph, pool=self.pool):
             bk.logits = run()
         self.pool = bk.graph.pool()
+        torch.cuda.synchronize()
         self.captures += 1
+        self.capture_seconds += time.perf_counter() - start
 
 
 # --------------------------------------------------------------------------------------------------

@@ -268,6 +268,7 @@ def check_step(a, name, fields):
         out[f"{label}_verify_ms"] = time_steps(model, cache, seq, K + 1, n, a.device)
         if graphs:
             out["graphs_captured"] = model.static.captures
+            out["capture_ms_per_graph"] = 1000 * model.static.capture_seconds / max(1, model.static.captures)
     model.use_graphs(False)
     out["kernels_per_step"], out["attention_ops"] = profile_step(model, cache, seq, a.device)
     diff = (logits["graph"] - logits["eager"]).abs().max().item()
