@@ -1,8 +1,8 @@
 """The shipped tiny pair (checkpoints/tiny-target, tiny-draft): the architecture and size limits, a draft
 under 1/10 of the target's FLOPs per token (from the configs; nothing is timed here), and on a deterministic
 held-out subset (the first 8 windows of 128 positions of the held-out stream, see scripts/eval_tiny.py) a
-target loss <= 4.0 nats/token and lower than the draft's, greedy agreement >= 0.6 and expected acceptance at
-T=1 >= 0.65 (the pair measured 3.14, 0.63 and 0.70 there); run.py's default prompt continues for 128 greedy
+target loss <= 4.0 nats/token and lower than the draft's, greedy agreement >= 0.65 and expected acceptance at
+T=1 >= 0.72 (the pair of run 4 measured 3.137 / 3.157, 0.706 and 0.760 there); run.py's default prompt continues for 128 greedy
 tokens with >= 60% of its token 4-grams distinct (measured 0.632). Negative controls: a randomly initialised
 draft fails the pair checks, and a loop fails the 4-gram check."""
 import json
@@ -20,7 +20,7 @@ MISSING = [str(d / f) for d in (TARGET, DRAFT) for f in FILES if not (d / f).exi
 pytestmark = pytest.mark.skipif(bool(MISSING), reason=f"tiny checkpoints absent ({', '.join(MISSING[:2])}): "
                                                       "run scripts/train_tiny.py")
 
-TARGET_LOSS_MAX, AGREEMENT_MIN, ACCEPTANCE_MIN, DISTINCT4_MIN = 4.0, 0.6, 0.65, 0.6
+TARGET_LOSS_MAX, AGREEMENT_MIN, ACCEPTANCE_MIN, DISTINCT4_MIN = 4.0, 0.65, 0.72, 0.6
 
 
 def config(d):
@@ -31,7 +31,9 @@ def test_architecture_and_size():
     t, d = config(TARGET), config(DRAFT)
     for c in (t, d):
         assert c["model_type"] == "llama" and not c.get("attention_bias") and not c.get("rope_scaling")
-        assert c.get("head_dim", c["hidden_size"] // c["num_attention_heads"]) * c["num_attention_heads"] == c["hidden_size"]
+        # heads x head_dim need not be the hidden size (run 4's draft: 2 heads of 64 on a 192-wide stream)
+        assert c.get("head_dim", c["hidden_size"] // c["num_attention_heads"]) == 64
+        assert c["num_attention_heads"] % c["num_key_value_heads"] == 0
     assert t["num_key_value_heads"] < t["num_attention_heads"], "target must use GQA"
     assert t["num_hidden_layers"] >= 8 and d["num_hidden_layers"] in (1, 2)
     assert t["vocab_size"] == d["vocab_size"]
