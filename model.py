@@ -508,7 +508,8 @@ class PagedKVCache:
         # padded query positions [b, T]; padding queries get position 0: their rows are never empty
         qpos = [st + i if i < c else 0 for st, c in zip(starts, counts) for i in range(T)]
         flat_table = [x for row in table for x in row]
-        return torch.tensor(slots + positions + query_index + last + flat_table + qpos), (b, T, max_blocks)
+        host = torch.tensor(slots + positions + query_index + last + flat_table + qpos)
+        return host, (b, T, max_blocks)
 
     def meta(self, ints: torch.Tensor, b: int, T: int, max_blocks: int) -> AttnMeta:
         """The device's half: split the plan's int64 tensor (already on the device) and build the
@@ -624,12 +625,12 @@ class Transformer(nn.Module):
         return self.lm_head.weight.device
 
     def checkpoint_params(self) -> dict:
-        """The parameters under their Hugging Face checkpoint names: q_proj, k_proj, v_proj, gate_proj
-        and up_proj are views of the rows of the packed qkv_proj / gate_up_proj they fill; a tied
-        lm_head is left out (it is the embedding). Loaders copy into these; a checkpoint can be
-        written from them."""
+        """The parameters under their Hugging Face checkpoint names: q_proj, k_proj, v_proj,
+        gate_proj and up_proj are views of the rows of the packed qkv_proj / gate_up_proj they
+        fill; a tied lm_head is left out (it is the embedding). Loaders copy into these; a
+        checkpoint can be written from them."""
         params = {}
-        for name, p in self.named_parameters():  # a tied lm_head.weight appears once, as embed_tokens
+        for name, p in self.named_parameters():  # a tied lm_head appears once, as embed_tokens
             module = name.rpartition(".")[0]  # model.layers.3.self_attn.qkv_proj
             if module.endswith(("qkv_proj", "gate_up_proj")):
                 parent = module.rpartition(".")[0]  # model.layers.3.self_attn
@@ -787,9 +788,9 @@ class StaticSteps:
         key = (id(cache), *shape)
         bk = self.buckets.get(key)
         if bk is None:
-            bk = self.buckets[key] = Bucket(cache, shape, torch.empty_like(host, device=model.device),
-                                            torch.zeros(shape[0] * T, dtype=torch.long,
-                                                        device=model.device))
+            tokens_buf = torch.zeros(shape[0] * T, dtype=torch.long, device=model.device)
+            bk = self.buckets[key] = Bucket(cache, shape,
+                                            torch.empty_like(host, device=model.device), tokens_buf)
         to_device(host, model.device, out=bk.ints)  # the one host-to-device copy of this step
         bk.tokens[:b * T].copy_(tokens)
 

@@ -175,7 +175,8 @@ def kv_sizes(ids, max_new_tokens, K, block_size, kv_tokens=None, ssd: SSDConfig 
     # default: per row the longest prompt + output, K + 1 in flight plus the draft's K + 1 pending
     # and drafted tokens (2K + 4 covers both sides), two blocks of rounding, and the pad block
     b, longest = len(ids), max(len(p) for p in ids)
-    kv_tokens = kv_tokens or b * (longest + max_new_tokens + 2 * K + 4 + 2 * block_size) + block_size
+    per_row = longest + max_new_tokens + 2 * K + 4 + 2 * block_size
+    kv_tokens = kv_tokens or b * per_row + block_size
     if ssd is None:
         return kv_tokens, kv_tokens
     # SSD's draft adds B branches per row: up to K + 2 private tokens (t, x_1..x_K, fed x_K), plus a
