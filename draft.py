@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 import fallback
-from fallback import BACKUPS, POLICIES, critical_batch_size, default_critical_batch_size
+from fallback import BACKUPS, POLICIES, critical_batch_size
 from model import PagedKVCache, Transformer, load_model, to_host
 from saguaro_sample import exp_noise, probs_from_logits, sample, saguaro
 from spec_cache import (DEFAULT_A, DEFAULT_R, AcceptanceTracker, SpecCache, expected_tokens,
@@ -231,7 +231,7 @@ class Speculator(Drafter):
         self.pre_seconds, self.neural_seconds, self.fast_seconds = [], [], []
         self.round_seconds = []
         self.fallback_used = dict.fromkeys(BACKUPS, 0)
-        self.b_star = None
+        self.b_star, self.b_star_terms = None, {}  # b* and what it was computed from (stats)
         self.stopped = self.finished = self.budget_sum = self.pre_rounds = 0
 
     def arrived(self, step: int) -> bool:
@@ -415,9 +415,13 @@ class Speculator(Drafter):
         return fallback.choose_fallback(self.ssd.fallback, b, self.b_star, self.ssd.fast_fallback)
 
     def critical_batch_size(self):
-        """b* from what was measured so far (fallback.critical_batch_size has the formula)."""
+        """b* from what was measured so far (fallback.critical_batch_size has the formula). Until
+        the draft's acceptance and the round times are measured: None, the neural backup, whose miss
+        round costs what an SD round costs. (Starting from the paper's default b* instead sent every
+        early miss at batch 8 to the n-gram backup; its rounds never measured the draft, so the
+        default held: 338 against 418 tok/s with the neural backup at T = 1, batch 8, here.)"""
         if not self.round_seconds or not self.pre_seconds or not self.accept.ready:
-            return default_critical_batch_size(self.K, self.temperature)  # until measured
+            return None
         T_v = recent_median(self.round_seconds)  # latencies in verifications, recent rounds
         T_p = recent_median(self.pre_seconds) / T_v
         T_n = recent_median(self.neural_seconds) / T_v if self.neural_seconds else None
@@ -425,6 +429,8 @@ class Speculator(Drafter):
         E_hit = self.accept.expected_tokens(self.K)
         E_f = (expected_tokens(self.accept_fast.a(), self.K) if self.accept_fast.rounds
                else None)
+        self.b_star_terms = dict(p_hit=self.spec_cache.stats.hit_rate, E_hit=E_hit, T_p=T_p,
+                                 E_f=E_f, T_f=T_f, T_n=T_n)
         return critical_batch_size(self.spec_cache.stats.hit_rate, E_hit, T_p, E_f, T_f, T_n)
 
     def stats(self) -> dict:
@@ -433,6 +439,7 @@ class Speculator(Drafter):
                 "hits_per_depth": list(st.hits_per_depth),
                 "lookups_per_depth": list(st.lookups_per_depth),
                 "fallback_rounds": dict(self.fallback_used), "b_star": self.b_star,
+                "b_star_terms": self.b_star_terms,
                 "draft_busy_seconds": self.busy_seconds,
                 "pre_speculation_stopped": self.stopped, "branches_finished": self.finished,
                 "mean_budget": self.budget_sum / self.pre_rounds if self.pre_rounds else 0.0,
