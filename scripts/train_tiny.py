@@ -6,11 +6,12 @@ Steps, all resumable from --work-dir (a scratch dir outside the repo):
   1. a byte-level BPE tokenizer (4096 tokens, <s> = BOS, </s> = EOS) on the training files;
   2. the TARGET, a 8-layer Llama (GQA, RoPE, SwiGLU, RMSNorm, tied embeddings), ~14M params, trained
      with cross-entropy on random 256-token crops of BOS+file+EOS concatenated;
-  3. the DRAFT, a 1-layer Llama with the same tokenizer and < 1/10 of the target's FLOPs per token,
+  3. the DRAFT, a small Llama (1 layer by default; the shipped one has 2) with the same tokenizer and
+     < 1/10 of the target's FLOPs per token,
      distilled from the target's softmax (KL(p_target || q_draft), mixed with a little CE);
   4. held-out evaluation, then both models saved in bf16 as HF dirs into --out.
 
-Two runs made the shipped pair (checkpoints/README.md has the schedules, logs and numbers):
+Three runs made the shipped pair (checkpoints/README.md has the schedules, logs and numbers):
   1. from scratch, fp32, the defaults below (370 target / 400 draft steps; the first pair, whose schedule
      was changed mid-run, so a fresh run is deterministic but not bit-identical to it):
        python scripts/train_tiny.py --out checkpoints
@@ -20,6 +21,11 @@ Two runs made the shipped pair (checkpoints/README.md has the schedules, logs an
        python scripts/train_tiny.py --resume-from checkpoints --target-steps 1800 --draft-steps 1200 \
            --autocast bf16 --out checkpoints
      (the weights are read at the start and written at the end, so --out may be the --resume-from dir).
+  4. the shipped draft: run 2's target unchanged (--target-steps 0), the draft grown to 2 layers (2 query
+     heads of 64, SwiGLU 384; grow_draft) and distilled again, 45 minutes; only tiny-draft/ was shipped:
+       python scripts/train_tiny.py --resume-from checkpoints --target-steps 0 --draft-steps 2600 \
+           --draft-layers 2 --draft-heads 2 --draft-intermediate 384 --autocast bf16 --out <out>
+  (Run 3 continued the target and was not shipped; checkpoints/README.md says why.)
 A run is resumable after a kill: run the same command again with the same --work-dir.
 """
 import argparse
