@@ -431,7 +431,7 @@ class Speculator(Drafter):
                else None)
         self.b_star_terms = dict(p_hit=self.spec_cache.stats.hit_rate, E_hit=E_hit, T_p=T_p,
                                  E_f=E_f, T_f=T_f, T_n=T_n)
-        return critical_batch_size(self.spec_cache.stats.hit_rate, E_hit, T_p, E_f, T_f, T_n)
+        return critical_batch_size(**self.b_star_terms)
 
     def stats(self) -> dict:
         st = self.spec_cache.stats

@@ -371,6 +371,7 @@ class PagedKVCache:
         self.free_blocks = list(range(self.num_blocks - 1, -1, -1))  # a stack: pop() gives block 0
         self.seqs: dict[int, Seq] = {}
         self._next_id = 0
+        self._pad_block = None  # pad_block()
 
     # -- the allocator
     def _reserve(self, need: int):
@@ -474,31 +475,32 @@ class PagedKVCache:
         """A block no sequence owns, taken from the pool on first use and never released: the
         static-shape path (StaticSteps) points its padding rows here, so they write and read
         nothing that belongs to a sequence."""
-        if not hasattr(self, "_pad_block"):
+        if self._pad_block is None:
             self._pad_block = self._alloc()
         return self._pad_block
 
-    def plan(self, seq_ids: list[int], counts: list[int], rows: int | None = None,
-             blocks: int | None = None) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    def plan(self, seq_ids: list[int], counts: list[int],
+             pad: bool = False) -> tuple[torch.Tensor, tuple[int, int, int]]:
         """The host's half of a forward: append the tokens' slots and lay out the index lists in
-        one int64 tensor -> (it, (b, T, max_blocks)). rows / blocks pad the batch to `rows`
-        sequences (each with T tokens) and the block table to `blocks` columns, so that a step's
-        shapes depend only on its bucket (StaticSteps); padding rows write into pad_block()."""
+        one int64 tensor -> (it, (b, T, max_blocks)). pad: round the rows (each with T tokens)
+        and the block table's columns up to powers of two (`bucket`), so that a step's shapes
+        depend only on its bucket (StaticSteps); padding rows write into pad_block()."""
         bs = self.block_size
         if min(counts) < 1:
             raise ValueError(f"every sequence in a cached forward needs >= 1 new token "
                              f"(counts {counts})")
+        n_pad = bucket(len(seq_ids)) - len(seq_ids) if pad else 0
+        block = self.pad_block() if n_pad else None  # first: a full pool fails before any append
         self._reserve(sum(self.blocks_needed(s, c) for s, c in zip(seq_ids, counts)))
         starts = [self.seqs[s].length for s in seq_ids]
         slots = [x for s, c in zip(seq_ids, counts) for x in self.append(s, c)]
         tables = [self.seqs[s].blocks for s in seq_ids]
-        T, max_blocks = max(counts), blocks or max(len(t) for t in tables)
-        if rows is not None and rows > len(seq_ids):  # padding rows: T tokens at position 0
-            pad = self.pad_block()
-            n_pad = rows - len(seq_ids)
+        T, max_blocks = max(counts), max(len(t) for t in tables)
+        max_blocks = bucket(max_blocks) if pad else max_blocks
+        if n_pad:  # padding rows: T tokens at position 0, in the pad block
             starts, counts = starts + [0] * n_pad, counts + [T] * n_pad
-            slots = slots + [pad * bs] * (n_pad * T)
-            tables = tables + [[pad]] * n_pad
+            slots = slots + [block * bs] * (n_pad * T)
+            tables = tables + [[block]] * n_pad
         b = len(counts)
         table = [t + [0] * (max_blocks - len(t)) for t in tables]  # padded with block 0, masked out
         # [slots N | positions N | query_index N | last b | table b*blocks | qpos b*T]
@@ -758,7 +760,6 @@ def bucket(n: int) -> int:
 @dataclass
 class Bucket:
     cache: PagedKVCache     # held: a graph reads its pool's address
-    shape: tuple            # (rows, T, blocks), as PagedKVCache.meta takes them
     ints: torch.Tensor      # the plan's int64 layout, on the device (PagedKVCache.plan)
     tokens: torch.Tensor    # [rows * T] input tokens; padding rows keep token 0
     logits: torch.Tensor | None = None  # the captured run's output [rows * T, V]
@@ -773,7 +774,7 @@ class StaticSteps:
         self.capture = capture
         self.buckets: dict[tuple, Bucket] = {}
         self.pool = None    # one memory pool for all of a model's graphs (they never run at once)
-        self.captures = self.replays = 0
+        self.captures = 0
         self.capture_seconds = 0.0
 
     def fits(self, counts: list[int]) -> bool:
@@ -782,15 +783,14 @@ class StaticSteps:
 
     def step(self, model: "Transformer", cache: PagedKVCache, seq_ids: list[int], tokens, T: int):
         """One padded step -> float32 logits [b * T, V] of the real rows."""
-        b, bs = len(seq_ids), cache.block_size
-        blocks = max(-(-(cache.length(s) + T) // bs) for s in seq_ids)  # after this step
-        host, shape = cache.plan(seq_ids, [T] * b, rows=bucket(b), blocks=bucket(blocks))
+        b = len(seq_ids)
+        host, shape = cache.plan(seq_ids, [T] * b, pad=True)  # shape: (rows, T, blocks)
         key = (id(cache), *shape)
         bk = self.buckets.get(key)
         if bk is None:
             tokens_buf = torch.zeros(shape[0] * T, dtype=torch.long, device=model.device)
-            bk = self.buckets[key] = Bucket(cache, shape,
-                                            torch.empty_like(host, device=model.device), tokens_buf)
+            bk = self.buckets[key] = Bucket(cache, torch.empty_like(host, device=model.device),
+                                            tokens_buf)
         to_device(host, model.device, out=bk.ints)  # the one host-to-device copy of this step
         bk.tokens[:b * T].copy_(tokens)
 
@@ -801,7 +801,6 @@ class StaticSteps:
         if bk.graph is None:
             self.capture_graph(bk, run)
         bk.graph.replay()
-        self.replays += 1
         return bk.logits[:b * T].clone()  # the next replay overwrites bk.logits
 
     def capture_graph(self, bk: Bucket, run):

@@ -215,9 +215,9 @@ class ComputeOps(TorchDispatchMode):
         self.ops = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not func.is_view and func.__name__.split(".")[0] not in ("empty", "empty_strided",
-                                                                    "lift_fresh", "detach"):
-            self.ops.append(func.__name__.split(".")[0])
+        name = func.__name__.split(".")[0]  # aten.mm.default -> mm
+        if not func.is_view and name not in ("empty", "empty_strided", "lift_fresh", "detach"):
+            self.ops.append(name)
         return func(*args, **(kwargs or {}))
 
 
@@ -268,7 +268,8 @@ def check_step(a, name, fields):
         out[f"{label}_verify_ms"] = time_steps(model, cache, seq, K + 1, n, a.device)
         if graphs:
             out["graphs_captured"] = model.static.captures
-            out["capture_ms_per_graph"] = 1000 * model.static.capture_seconds / max(1, model.static.captures)
+            out["capture_ms_per_graph"] = (1000 * model.static.capture_seconds
+                                           / max(1, model.static.captures))
     model.use_graphs(False)
     out["kernels_per_step"], out["attention_ops"] = profile_step(model, cache, seq, a.device)
     diff = (logits["graph"] - logits["eager"]).abs().max().item()
