@@ -169,13 +169,14 @@ class Config:
     budget: int = RUN["budget"]
     saguaro_c: float = RUN["saguaro_c"]
     fallback: str = RUN["fallback"]
+    pre_spec: str = RUN["pre_spec"]
     label: str = ""
 
 
 def make_configs(a, cores):
     """Every configuration the sweep asks for. Baselines run with the target's share of the cores
     and with all of them; ssd variants along every axis given (K x fan-out x C x fallback x
-    budget). A label names only the axes that vary."""
+    budget x pre-spec). A label names only the axes that vary."""
     ts, td = split_cores(cores)
     threads = sorted({ts, cores})
 
@@ -187,11 +188,13 @@ def make_configs(a, cores):
         if mode == "hf-assisted" and b > 1:
             continue  # transformers assisted generation supports batch 1 only
         if mode == "ssd":
-            for K, fan, c, fb, B in product(a.k, a.fan_out, a.saguaro_c, a.fallback, a.budget):
+            for K, fan, c, fb, B, pre in product(a.k, a.fan_out, a.saguaro_c, a.fallback,
+                                                 a.budget, a.pre_spec):
                 var = "".join([tag("k=", a.k, K), tag("", a.fan_out, fan),
                                tag("C=", a.saguaro_c, c), tag("", a.fallback, fb),
-                               tag("B=", a.budget, B)])
-                out.append(Config("ssd", T, b, K, ts, td, fan, B, c, fb, f"ssd{var}@{ts}+{td}t"))
+                               tag("B=", a.budget, B), tag("", a.pre_spec, pre)])
+                out.append(Config("ssd", T, b, K, ts, td, fan, B, c, fb, pre,
+                                  f"ssd{var}@{ts}+{td}t"))
         else:
             for K, th in product(a.k if mode in ("sd", "hf-assisted") else [0], threads):
                 label = f"{mode}{tag('k=', a.k, K) if K else ''}@{th}t"
@@ -204,12 +207,13 @@ def run_engine(cfg: Config, batches, a):
     tot = dict(new=0, first=0, decode_s=0.0, prefill_s=0.0, rounds=0, row_rounds=0, accepted=0,
                proposed=0, trials=0, hits=0, misses=0, tok_hit=0.0, tok_miss=0.0, wait_s=0.0,
                busy_s=0.0, fallback_rounds={}, b_star=None, hist=[], hits_per_depth=[],
-               lookups_per_depth=[], stopped=0, budget_rounds=0.0)
+               lookups_per_depth=[], stopped=0, skipped=0, budget_rounds=0.0)
     for i, batch in enumerate(batches):
         s = generate(batch, target=a.target, draft=a.draft, mode=cfg.engine,
                      max_new_tokens=a.max_new_tokens, temperature=cfg.temperature, k=cfg.k or 1,
                      seed=a.seed + i, ignore_eos=True, fan_out=cfg.fan_out, budget=cfg.budget,
-                     saguaro_c=cfg.saguaro_c, fallback=cfg.fallback, target_threads=cfg.threads,
+                     saguaro_c=cfg.saguaro_c, fallback=cfg.fallback, pre_spec=cfg.pre_spec,
+                     target_threads=cfg.threads,
                      draft_threads=cfg.draft_threads, dtype=a.dtype,
                      graphs=False if a.no_graphs else None).stats
         hist = s["accept_len_histogram"]
@@ -235,6 +239,7 @@ def run_engine(cfg: Config, batches, a):
                 tot["fallback_rounds"][kind] = tot["fallback_rounds"].get(kind, 0) + n
             tot["b_star"] = s["b_star"]
             tot["stopped"] += s["pre_speculation_stopped"]
+            tot["skipped"] += s["pre_speculation_skipped"]
             tot["budget_rounds"] += s["mean_budget"] * s["rounds"]
             for key in ("hits_per_depth", "lookups_per_depth"):
                 tot[key] = [x + y for x, y in zip(tot[key], s[key])] if tot[key] else list(s[key])
@@ -340,6 +345,7 @@ def summarize(cfg: Config, runs):
                    draft_busy_pct=100 * m["busy_s"] / m["decode_s"],
                    fallback_rounds=m["fallback_rounds"], b_star=m["b_star"],
                    stopped_pct=100 * m["stopped"] / m["rounds"] if m["rounds"] else 0.0,
+                   skipped_pct=100 * m["skipped"] / m["rounds"] if m["rounds"] else 0.0,
                    mean_budget=m["budget_rounds"] / m["rounds"] if m["rounds"] else 0.0,
                    hits_per_depth=m["hits_per_depth"], lookups_per_depth=m["lookups_per_depth"])
     return row
@@ -479,7 +485,8 @@ LEGEND = ("accept: accepted / proposed draft tokens; a: the paper's per-token ac
           "(capped-geometric MLE); hit: cache hit rate; wait%: verifier waiting for proposals / "
           "decode time; busy%: speculator busy / decode time (it includes the first round's "
           "pre-speculation, done during the prefill); B: mean budget (branches per sequence); "
-          "stop%: rounds whose pre-speculation the outcome cut short")
+          "stop%: rounds whose pre-speculation the outcome cut short; skip%: rounds that "
+          "pre-speculated nothing (the gate measured it slower)")
 
 
 def print_tables(rows, a, n_prompts):
@@ -506,7 +513,8 @@ def print_tables(rows, a, n_prompts):
                   f"see bench.theory):")
             print(f"{'engine':<{w}}  {'a':>5} {'p_hit':>5} {'E_hit':>5} {'E_miss':>6} {'T_p':>5} "
                   f"{'T_b':>5} {'T_SD':>5} {'c':>5} {'pred':>5} {'pred_c':>6} {'meas':>5} "
-                  f"{'SD pred':>7} {'b*':>4} {'SSD/SD max':>10} {'B':>4} {'stop%':>5}")
+                  f"{'SD pred':>7} {'b*':>4} {'SSD/SD max':>10} {'B':>4} {'stop%':>5} "
+                  f"{'skip%':>5}")
             for r in th:
                 t = r["theory"]
                 print(f"{r['label']:<{w}}  {r['acceptance_a']:>5.2f} {r['cache_hit_rate']:>5.2f} "
@@ -515,7 +523,8 @@ def print_tables(rows, a, n_prompts):
                       f"{t['ssd_pred']:>5.2f} {t['ssd_pred_c']:>6.2f} "
                       f"{fmt(r['speedup_vs_ar']):>5} {fmt(t['sd_pred']):>7} "
                       f"{fmt(t['b_star'], 'd'):>4} {fmt(t['sd_bound']):>10} "
-                      f"{r['mean_budget']:>4.1f} {r['stopped_pct']:>5.0f}")
+                      f"{r['mean_budget']:>4.1f} {r['stopped_pct']:>5.0f} "
+                      f"{r['skipped_pct']:>5.0f}")
 
 
 def print_grid(rows):
@@ -719,6 +728,10 @@ def parse_args(argv):
                     help="ssd: proposals after a cache miss: auto (neural below the critical "
                          "batch size b*, n-gram from b* on), neural, ngram or random; "
                          f"comma-separated (default: {RUN['fallback']})")
+    ap.add_argument("--pre-spec", type=csv(str), default=[RUN["pre_spec"]],
+                    metavar="KIND[,KIND...]",
+                    help="ssd: auto (pre-speculate while it measures faster) and/or always, "
+                         f"comma-separated (default: {RUN['pre_spec']})")
     ap.add_argument("--budget", type=csv(int), default=[RUN["budget"]], metavar="B[,B...]",
                     help="ssd: fan-out budget B, in branches pre-speculated per sequence per "
                          f"round, comma-separated (default: {RUN['budget']})")
@@ -750,6 +763,9 @@ def parse_args(argv):
     bad = [f for f in a.fallback if f not in ("auto", "neural", "ngram", "random")]
     if bad:
         raise ValueError(f"unknown fallback(s) {','.join(bad)}: use auto, neural, ngram or random")
+    bad = [f for f in a.pre_spec if f not in ("auto", "always")]
+    if bad:
+        raise ValueError(f"unknown pre-spec(s) {','.join(bad)}: use auto or always")
     bad = [f for f in a.fan_out if f not in ("uniform", "geometric")]
     if bad:
         raise ValueError(f"unknown fan-out(s) {','.join(bad)}: use uniform or geometric")

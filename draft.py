@@ -18,8 +18,8 @@ import fallback
 from fallback import BACKUPS, POLICIES, critical_batch_size
 from model import PagedKVCache, Transformer, load_model, to_host
 from saguaro_sample import exp_noise, probs_from_logits, sample, saguaro
-from spec_cache import (DEFAULT_A, DEFAULT_R, AcceptanceTracker, SpecCache, expected_tokens,
-                        fan_out, guess_triples, next_budget)
+from spec_cache import (DEFAULT_A, DEFAULT_R, AcceptanceTracker, PreSpecGate, SpecCache,
+                        expected_tokens, fan_out, guess_triples, next_budget)
 
 
 @dataclass
@@ -176,6 +176,7 @@ class SSDConfig:
     saguaro_c: float = 1.0              # C: Saguaro's down-weighting of the likely bonus tokens
     fallback: str = "auto"              # on a miss: "neural", "ngram", "random" or "auto" (by b*)
     fast_fallback: str = "ngram"        # the backup "auto" switches to at batch sizes >= b*
+    pre_spec: str = "auto"              # "auto": only while it pays (PreSpecGate); "always"
 
     def __post_init__(self):
         if self.budget < 1:
@@ -184,6 +185,8 @@ class SSDConfig:
             raise ValueError(f"saguaro_c={self.saguaro_c}: C must be in [0, 1]")
         if self.fallback not in POLICIES:
             raise ValueError(f"fallback={self.fallback!r}: use {', '.join(POLICIES)}")
+        if self.pre_spec not in ("auto", "always"):
+            raise ValueError(f"pre_spec={self.pre_spec!r}: use auto or always")
         if isinstance(self.fan_out, (list, tuple)):
             if len(self.fan_out) != self.K + 1 or min(self.fan_out) < 0:
                 raise ValueError(f"fan_out={list(self.fan_out)}: give K+1 = {self.K + 1} "
@@ -224,6 +227,8 @@ class Speculator(Drafter):
         # limit (spec_cache.next_budget); an explicit fan-out is fixed
         self.B = ssd.budget
         self.adaptive = not isinstance(ssd.fan_out, (list, tuple))
+        # B = 0 too: skip pre-speculation in rounds where measuring says it does not pay
+        self.gate = PreSpecGate() if ssd.pre_spec == "auto" else None
         # branch noise: a generator reseeded each round from a host-side one (no device sync)
         self.seeds = torch.Generator().manual_seed(seed)
         self.branch_gen = torch.Generator(device=model.device)
@@ -232,7 +237,7 @@ class Speculator(Drafter):
         self.round_seconds = []
         self.fallback_used = dict.fromkeys(BACKUPS, 0)
         self.b_star, self.b_star_terms = None, {}  # b* and what it was computed from (stats)
-        self.stopped = self.finished = self.budget_sum = self.pre_rounds = 0
+        self.stopped = self.finished = self.budget_sum = self.pre_rounds = self.skipped = 0
 
     def arrived(self, step: int) -> bool:
         """Has the verifier's outcome arrived? Checked before each pre-speculation step. In one
@@ -260,7 +265,11 @@ class Speculator(Drafter):
         the committed prefix + j drafted tokens, feed t and draft K tokens for all branches of all
         rows as one batch per step (K + 1 steps: x_K is fed too, so a winning branch is
         complete). Stops early when the outcome arrives: `respond` then finishes only the branch
-        that hit."""
+        that hit. If the gate says it does not pay, nothing is pre-speculated this round: the
+        verifier works alone and every row misses."""
+        if self.gate is not None and not self.gate.choose():
+            self.skipped += 1
+            return
         start = time.perf_counter()
         self.feed_pending(rows)
         groups = {}  # rows sharing a fan-out vector pick their guesses in one batched call
@@ -307,7 +316,10 @@ class Speculator(Drafter):
                                            [x for r in todo for x in self.rows[r].pending], counts)
         for r, q_new in zip(todo, draft_probs(logits, self.temperature).split(counts)):
             row = self.rows[r]
-            row.q_raw = q_new if row.q_raw is None else torch.cat([row.q_raw, q_new])  # [K+1, V]
+            q_raw = q_new if row.q_raw is None else torch.cat([row.q_raw, q_new])
+            # after t, x_1..x_K: a fast backup's pending also holds earlier committed tokens when
+            # the last round pre-speculated nothing
+            row.q_raw = q_raw[-(self.K + 1):]  # [K+1, V]
             row.pending = []
 
     def respond(self, rows, n, t, round_seconds=None) -> Proposals:
@@ -324,18 +336,23 @@ class Speculator(Drafter):
         deterministic = torch.full((b,), self.temperature == 0)
         hit = torch.zeros(b, dtype=torch.bool)
         hits, misses = [], []  # (i, branch m) / i
-        for i, (r, (n_r, t_r)) in enumerate(zip(rows, to_host(torch.stack([n, t], 1)))):
+        outcome = to_host(torch.stack([n, t], 1))
+        for i, (r, (n_r, t_r)) in enumerate(zip(rows, outcome)):
             row = self.rows[r]
-            m = self.spec_cache.get(r, n_r, t_r)  # the branch drafted for this outcome, or None
+            # the branch drafted for this outcome, or None (a round that pre-speculated nothing
+            # looks nothing up)
+            m = self.spec_cache.get(r, n_r, t_r) if br is not None else None
             (self.accept_fast if row.fast else self.accept).update(n_r, len(row.proposed))
-            if row.F[n_r] > 0:  # a depth with no guesses always misses: it says nothing about r
+            # a depth with no guesses always misses: it says nothing about r
+            if br is not None and row.F[n_r] > 0:
                 self.accept.observe_lookup(row.F[n_r], m is not None)
             row.history += row.proposed[:n_r] + [t_r]
             if m is not None:
                 hits.append((i, m))
-            else:  # miss: keep the accepted prefix; t is not in the cache yet
-                self.cache.truncate(row.seq, len(row.history) - 1)
-                row.pending = [t_r]
+            else:  # miss: keep the accepted prefix the cache holds; the rest becomes pending
+                keep = min(len(row.history) - 1, self.cache.length(row.seq))
+                self.cache.truncate(row.seq, keep)
+                row.pending = row.history[keep:]  # [t], or more if pre-speculation was skipped
                 misses.append(i)
         if hits:  # the branch holds the committed tokens + the next x_1..x_K
             hit_tokens, hit_q, hit_q_raw = self.finish_branches([m for _, m in hits])
@@ -360,7 +377,10 @@ class Speculator(Drafter):
                 deterministic[misses] = True
             elif q is not None:
                 q[misses] = backup.q
-        self.busy_seconds += time.perf_counter() - start
+        now = time.perf_counter()
+        self.busy_seconds += now - start
+        if self.gate is not None:
+            self.gate.answered(sum(n_r + 1 for n_r, _ in outcome), now)
         return Proposals(tokens, q, deterministic, hit)
 
     def finish_branches(self, ms):
@@ -442,6 +462,9 @@ class Speculator(Drafter):
                 "b_star_terms": self.b_star_terms,
                 "draft_busy_seconds": self.busy_seconds,
                 "pre_speculation_stopped": self.stopped, "branches_finished": self.finished,
+                "pre_speculation_skipped": self.skipped,
+                "gate_tok_s": (None if self.gate is None else
+                               {"on": self.gate.rate(True), "off": self.gate.rate(False)}),
                 "mean_budget": self.budget_sum / self.pre_rounds if self.pre_rounds else 0.0,
                 "fan_out": self.fan_out_for(fast=False), "acceptance_estimate": self.accept.a()}
 

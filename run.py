@@ -45,11 +45,12 @@ def generate(prompts, target="tiny", draft="tiny-draft", mode="sd", max_new_toke
              saguaro_c=1.0, fallback="auto", parallel=True, target_device=None, draft_device=None,
              target_threads=None, draft_threads=None, kv_tokens=None, block_size=16, chat=False,
              stream=None, target_devices: list[str] | None = None, tp_timeout: float = TP_TIMEOUT_S,
-             dtype="auto", graphs: bool | None = None) -> GenerateResult:
+             dtype="auto", graphs: bool | None = None, pre_spec="auto") -> GenerateResult:
     """Generate up to max_new_tokens for each prompt (strings, or lists of token ids).
 
     mode: "ar" (target only), "sd" (speculative decoding, k draft tokens per round) or "ssd"
     (speculative speculative decoding with Saguaro: fan_out, budget B, saguaro_c C, fallback policy;
+    pre_spec "auto" pre-speculates only while it measures faster than not, "always" every round;
     parallel=False runs the speculator interleaved in this process, same tokens for the same seed).
     target_devices: two or more devices (["cuda:0", ..., "cuda:3"]) run the target tensor parallel,
     one rank per device (it replaces target_device); tp_timeout: seconds a rank may wait in one
@@ -73,7 +74,8 @@ def generate(prompts, target="tiny", draft="tiny-draft", mode="sd", max_new_toke
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
     K = k if mode != "ar" else 0
-    ssd = SSDConfig(K, fan_out, budget, saguaro_c, fallback) if mode == "ssd" else None
+    ssd = (SSDConfig(K, fan_out, budget, saguaro_c, fallback, pre_spec=pre_spec) if mode == "ssd"
+           else None)
     two_processes = mode == "ssd" and parallel
 
     # where each model runs
@@ -274,6 +276,10 @@ def main(argv=None):
                         "or random speculator, or auto (the draft while the batch is below the "
                         "critical batch size b*, estimated from this run's timings, n-gram from b* "
                         "on) (default: %(default)s)")
+    g.add_argument("--pre-spec", default="auto", choices=("auto", "always"),
+                   help="ssd: auto pre-speculates only while that measures faster than letting the "
+                        "verifier work alone (on a CPU the draft's work can slow it down), always "
+                        "in every round, as the paper does (default: %(default)s)")
     g.add_argument("--no-parallel", action="store_true",
                    help="ssd: run the verifier and the speculator interleaved in one process "
                         "(same tokens, slower)")
@@ -334,6 +340,7 @@ def main(argv=None):
                        max_new_tokens=a.max_new_tokens, temperature=a.temperature, k=a.k,
                        seed=a.seed, ignore_eos=a.ignore_eos, fan_out=fan, budget=a.budget,
                        saguaro_c=a.saguaro_c, fallback=a.fallback, parallel=not a.no_parallel,
+                       pre_spec=a.pre_spec,
                        target_device=a.target_device or a.device,
                        draft_device=a.draft_device or a.device, target_threads=a.target_threads,
                        draft_threads=a.draft_threads, kv_tokens=a.kv_tokens, chat=a.chat,
@@ -362,6 +369,7 @@ def main(argv=None):
                  ("fallback", f"{s['fallback']} (b*={s['b_star']})"),
                  ("mean budget B", f"{s['mean_budget']:.1f}"),
                  ("pre-spec stopped", f"{s['pre_speculation_stopped']} rounds"),
+                 ("pre-spec skipped", f"{s['pre_speculation_skipped']} rounds"),
                  ("verifier wait",
                   f"{s['verifier_wait_seconds'] / max(s['decode_seconds'], 1e-9):.0%}")]
     for k_, v in rows:

@@ -2,7 +2,8 @@
 
 Read top to bottom:
 1. the fan-out F_0..F_K (bonus-token guesses cached at depth j = j accepted tokens): uniform, or
-   the paper's geometric fan-out (Theorem 12);
+   the paper's geometric fan-out (Theorem 12); its budget B from the measured time
+   (`next_budget`), and whether to pre-speculate at all (`PreSpecGate`);
 2. guess selection: at depth j the top-F_j tokens of the draft's own distribution, excluding the
    drafted token x_{j+1} (a rejected token has zero residual mass, so it is never the bonus);
 3. `SpecCache`: the round's branches keyed by the outcome (seq, n, t), with hit/miss counters;
@@ -136,6 +137,62 @@ def next_budget(B: int, ceiling: int, T_p: float, stopped: bool) -> int:
     if T_p < 0.75:
         return min(ceiling, B + 1)
     return B
+
+
+class PreSpecGate:
+    """Pre-speculate this round at all? Where the draft's work slows the verifier (two CPU cores
+    that share caches and memory bandwidth), pre-speculation that rarely hits costs more than it
+    saves. The gate measures both choices in this run and takes the faster; "off" is B = 0:
+
+    - on: pre-speculate (a hit is answered at once; the verifier may run slower beside the draft);
+    - off: the speculator idles while the verifier works, every row misses and the fallback
+      proposes after the outcome arrives, as SD's draft does.
+
+    A choice made for round k (during its verification) decides how long that verification takes
+    and whether the answer to its outcome is a hit, so it is charged the time from round k's
+    proposals to round k + 1's, and round k + 1's tokens. The first `warmup` rounds are on, the
+    next `probe` off; then the arm with more tokens per second over its last `window` rounds, with
+    one round of the other every `probe_every` so that a change (fewer rows, another hit rate) is
+    seen."""
+
+    def __init__(self, warmup: int = 4, probe: int = 2, probe_every: int = 10, window: int = 16):
+        self.warmup, self.probe, self.probe_every, self.window = warmup, probe, probe_every, window
+        self.tokens = {True: [], False: []}   # per arm, per charged round
+        self.seconds = {True: [], False: []}
+        self.chosen = {True: 0, False: 0}
+        self.arm = None    # the choice for the round being verified
+        self.sent = None   # when that round's proposals went out
+        self.open = None   # (arm, seconds) of the previous round, waiting for its tokens
+
+    def rate(self, arm: bool):
+        """Tokens per second over the arm's last `window` charged rounds; None before the first."""
+        seconds = sum(self.seconds[arm][-self.window:])
+        return sum(self.tokens[arm][-self.window:]) / seconds if seconds > 0 else None
+
+    def choose(self) -> bool:
+        """The choice for the round about to be verified: True pre-speculates."""
+        on, off = self.rate(True), self.rate(False)
+        if self.chosen[True] < self.warmup:
+            arm = True
+        elif self.chosen[False] < self.probe:
+            arm = False
+        elif on is None or off is None:  # the probe is not charged yet
+            arm = True
+        else:
+            best = on >= off
+            arm = best if sum(self.chosen.values()) % self.probe_every else not best
+        self.chosen[arm] += 1
+        self.arm = arm
+        return arm
+
+    def answered(self, tokens: int, now: float):
+        """Proposals go out at time `now` (seconds); the outcome they answer yielded `tokens`."""
+        if self.open is not None:
+            arm, seconds = self.open
+            self.tokens[arm].append(tokens)
+            self.seconds[arm].append(seconds)
+        self.open = None if self.sent is None or self.arm is None else (self.arm, now - self.sent)
+        self.sent = now
 
 
 # --------------------------------------------------------------------------------------------------

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from spec_cache import (AcceptanceTracker, CacheStats, SpecCache, acceptance_trials, next_budget,  # noqa: E402
-                        expected_tokens, fan_out, fit_power_law, geometric_fan_out,
+from spec_cache import (AcceptanceTracker, CacheStats, PreSpecGate, SpecCache, acceptance_trials,  # noqa: E402
+                        next_budget, expected_tokens, fan_out, fit_power_law, geometric_fan_out,
                         geometric_fan_out_real, guess_triples, select_guesses_batch,
                         uniform_fan_out)
 
@@ -396,3 +396,53 @@ def test_next_budget_settles_where_pre_speculation_fits(step_cost, expect):
     fits = max(b for b in range(1, 9) if 0.1 + step_cost * b <= 1) if step_cost < 0.9 else 1
     assert min(expect, fits) - 2 <= sorted(settled)[len(settled) // 2] <= fits
     assert sum(0.1 + step_cost * b > 1 for b in settled) <= len(settled) / 2
+
+
+# ----------------------------------------------------------------------------------------------------
+# The gate: pre-speculate at all?
+
+def run_gate(gate, rounds, seconds, tokens):
+    """Drive a gate the way the speculator does: choose() for round k, then at the answer to round k's
+    outcome answered(tokens of round k, clock). The arm chosen for round k sets round k's time (its
+    verification and the answer after it, seconds[arm]) and round k + 1's tokens (a hit or a miss,
+    tokens[arm]). Returns the choices."""
+    clock, arms, prev = 0.0, [], None
+    for k in range(rounds):
+        arm = gate.choose()                    # during round k's verification
+        arms.append(arm)
+        clock += seconds[arm]
+        gate.answered(tokens[prev] if prev is not None else 1, clock)  # round k's tokens
+        prev = arm
+    return arms
+
+
+def test_gate_schedule_warmup_then_probe():
+    gate = PreSpecGate(warmup=4, probe=2, probe_every=10)
+    assert gate.rate(True) is None and gate.rate(False) is None
+    arms = run_gate(gate, 8, {True: 1.0, False: 1.0}, {True: 2, False: 2})
+    assert arms[:6] == [True] * 4 + [False] * 2
+
+
+@pytest.mark.parametrize("faster", [True, False])
+def test_gate_charges_each_arm_and_takes_the_faster(faster):
+    """On yields more tokens per round (hits) but each of its rounds takes longer; which arm is faster in
+    tokens per second depends on the numbers. The gate's rates must be each arm's own (tokens of the round
+    after the choice over the time of the round of the choice), and it must spend most rounds on the faster
+    arm, probing the other about once every probe_every rounds."""
+    tokens = {True: 4, False: 2}
+    seconds = {True: 10.0, False: 4.0} if not faster else {True: 6.0, False: 4.0}
+    gate = PreSpecGate(warmup=4, probe=2, probe_every=10, window=16)
+    arms = run_gate(gate, 200, seconds, tokens)
+    assert gate.rate(True) == pytest.approx(tokens[True] / seconds[True])
+    assert gate.rate(False) == pytest.approx(tokens[False] / seconds[False])
+    later = arms[20:]
+    share = sum(a == faster for a in later) / len(later)
+    assert 0.85 <= share <= 0.95, share  # probes: 1 round in 10 goes to the other arm
+
+
+def test_gate_follows_a_change():
+    """Off is faster for 100 rounds, then on becomes faster (say the hit rate rose): the probes see it."""
+    gate = PreSpecGate()
+    run_gate(gate, 100, {True: 10.0, False: 4.0}, {True: 4, False: 2})
+    arms = run_gate(gate, 100, {True: 5.0, False: 4.0}, {True: 4, False: 2})
+    assert sum(arms[-50:]) >= 40, arms

@@ -117,9 +117,11 @@ def test_parallel_greedy(ckpts, K, fan_out, fallback, batch):
 def test_parallel_matches_serial_at_temperature_1(ckpts):
     """Same seed, same tokens, and the same cache hits, whether the two sides share a process or not, and
     although the two-process speculator stops pre-speculating whenever the outcome arrives first. (A fixed
-    fallback and fan-out: `auto` and the adaptive budget read measured times, so their choices may differ.)"""
+    fallback and fan-out, every round pre-speculated: `auto`, the adaptive budget and the gate read measured
+    times, so their choices may differ.)"""
     kw = dict(mode="ssd", k=7, fan_out=[1] * 8, fallback="random", saguaro_c=0.5, temperature=1.0, seed=5,
-              max_new_tokens=2 * NEW)  # an explicit fan-out: the budget does not adapt to measured times
+              max_new_tokens=2 * NEW, pre_spec="always")  # an explicit fan-out: the budget does not adapt
+    # to measured times; and every round pre-speculates (the gate reads measured times too)
     ser = gen(PROMPTS, ckpts["target"], ckpts["different"], parallel=False, **kw)
     par = gen(PROMPTS, ckpts["target"], ckpts["different"], parallel=True, **kw)
     assert par.tokens == ser.tokens
@@ -145,7 +147,7 @@ def arrive_at(monkeypatch, j):
 def test_stopped_pre_speculation_same_tokens(ckpts, monkeypatch, j):
     """Greedy and at temperature 1: wherever pre-speculation stops, the tokens are those of a run that never
     stops (a hit's branch is finished alone with the noise it would have had in the whole batch)."""
-    greedy = dict(mode="ssd", k=3, max_new_tokens=NEW, parallel=False)
+    greedy = dict(mode="ssd", k=3, max_new_tokens=NEW, parallel=False, pre_spec="always")
     sampled = dict(greedy, fan_out=[2, 2, 2, 2], fallback="neural", saguaro_c=0.5, temperature=1.0, seed=3)
     ref = gen(PROMPTS, ckpts["target"], ckpts["different"], **sampled)
     arrive_at(monkeypatch, j)
@@ -160,6 +162,53 @@ def test_stopped_pre_speculation_same_tokens(ckpts, monkeypatch, j):
     assert res_t1.stats["hits"] == ref.stats["hits"]
     if j <= 3:  # the stops shrank the adaptive budget (greedy run); the explicit fan-out stays
         assert res.stats["mean_budget"] < 8 and res_t1.stats["mean_budget"] == 8
+
+
+# ----------------------------------------------------------------------------------------------------
+# Rounds that pre-speculate nothing (the gate measured it slower): the same tokens, the same law
+
+def gate_pattern(monkeypatch, pattern):
+    """Force the gate's choices: round i of every run pre-speculates iff pattern[i % len(pattern)]."""
+    def choose(self):
+        self.arm = pattern[sum(self.chosen.values()) % len(pattern)]
+        self.chosen[self.arm] += 1
+        return self.arm
+    monkeypatch.setattr(draft_module.PreSpecGate, "choose", choose)
+
+
+def hf_greedy_2new(ckpts):
+    """The target's first 2 NEW greedy tokens after each prompt."""
+    if "ref2" not in ckpts:
+        ckpts["ref2"], gap = hf_greedy(ckpts["target"], PROMPTS, 2 * NEW)
+        assert gap > 1e-4, gap
+    return ckpts["ref2"]
+
+
+@pytest.mark.parametrize("fallback", ["neural", "ngram", "random"])
+@pytest.mark.parametrize("K", [1, 4])
+def test_greedy_with_skipped_pre_speculation(ckpts, monkeypatch, K, fallback):
+    """Every transition (on -> off, off -> off, off -> on) with every backup: a skipped round leaves the
+    draft's cache short of the tokens it did not feed (x_K, a fast backup's proposals), which the next
+    answer must feed; the tokens stay the target's."""
+    gate_pattern(monkeypatch, [True, False, False])
+    res = gen(PROMPTS, ckpts["target"], ckpts["different"], mode="ssd", k=K, fallback=fallback,
+              max_new_tokens=2 * NEW, parallel=False)
+    assert res.tokens == hf_greedy_2new(ckpts)
+    s = res.stats
+    assert s["pre_speculation_skipped"] > 0 and s["hits"] > 0, s
+    # a skipped round looks nothing up: lookups happen only after rounds that pre-speculated
+    assert s["hits"] + s["misses"] <= len(PROMPTS) * (s["rounds"] - s["pre_speculation_skipped"] + 1), s
+
+
+def test_pre_spec_always_never_skips(ckpts, monkeypatch):
+    gate_pattern(monkeypatch, [False])
+    kw = dict(mode="ssd", k=3, max_new_tokens=NEW, parallel=False)
+    always = gen(PROMPTS, ckpts["target"], ckpts["different"], pre_spec="always", **kw)
+    never = gen(PROMPTS, ckpts["target"], ckpts["different"], **kw)  # auto, forced off every round
+    assert always.tokens == never.tokens == ckpts["ref"]
+    assert always.stats["pre_speculation_skipped"] == 0 and always.stats["gate_tok_s"] is None
+    assert never.stats["pre_speculation_skipped"] == never.stats["rounds"] + 1  # + the prefill's
+    assert never.stats["hits"] == never.stats["misses"] == 0
 
 
 def test_auto_fallback_reads_its_measurements(ckpts):
@@ -242,6 +291,19 @@ def test_ssd_law_matches_target(small_vocab, T, C, fallback):
     assert d < bound, (d, bound)
 
 
+@pytest.mark.parametrize("pattern,fallback", [([False, True], "neural"), ([True, False], "ngram"),
+                                              ([True, False], "random")])
+def test_ssd_law_with_skipped_pre_speculation(small_vocab, monkeypatch, pattern, fallback):
+    """Pre-speculation skipped at the prefill (round 1 has no cache: every row misses), or after round 1
+    (round 2 answers from the fallback, with the tokens the draft did not feed still pending): the law is
+    still the target's."""
+    gate_pattern(monkeypatch, pattern)
+    res, d, bound = ssd_law_run(small_vocab, 1.0, 0.3, fallback)
+    s = res.stats
+    assert s["pre_speculation_skipped"] > 0 and s["fallback_rounds"][fallback] > 0, s
+    assert d < bound, (d, bound)
+
+
 @pytest.mark.parametrize("j,fallback", [(0, "neural"), (1, "ngram"), (2, "random")])
 def test_ssd_law_with_stopped_pre_speculation(small_vocab, monkeypatch, j, fallback):
     """The outcome arrives before pre-speculation step j of every round (K = 2, Saguaro C = 0.3): the hit
@@ -315,7 +377,8 @@ def test_killed_speculator_raises(tmp_path):
 
 @pytest.mark.parametrize("kw,match", [(dict(fan_out=[1, 1]), "fan_out"), (dict(fan_out="zigzag"), "fan_out"),
                                       (dict(budget=0), "budget"), (dict(saguaro_c=1.5), "saguaro_c"),
-                                      (dict(saguaro_c=-0.1), "saguaro_c"), (dict(fallback="magic"), "fallback")])
+                                      (dict(saguaro_c=-0.1), "saguaro_c"), (dict(fallback="magic"), "fallback"),
+                                      (dict(pre_spec="sometimes"), "pre_spec")])
 def test_bad_ssd_input(ckpts, kw, match):
     with pytest.raises(ValueError) as e:
         gen([PROMPTS[0]], ckpts["target"], ckpts["different"], mode="ssd", k=4, max_new_tokens=4, parallel=False, **kw)
