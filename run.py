@@ -125,12 +125,15 @@ def generate(prompts, target="tiny", draft="tiny-draft", mode="sd", max_new_toke
         elif mode == "sd":
             prefill_s, decode_s = decode_sd(verifier, load_draft(dcfg), ids, out)
         else:
+            spin = (spin_seconds(cores, len(target_devices or [target_device]), target_threads,
+                                 draft_threads, target_device, draft_device) if two_processes
+                    else 0.0)
             speculator = (SpeculatorProcess(dcfg, len(ids), cfg.vocab_size, draft_threads,
-                                            pin=any_cuda(target_device, draft_device))
+                                            pin=any_cuda(target_device, draft_device), spin=spin)
                           if two_processes else load_draft(dcfg))
             prefill_s, decode_s, wait = decode_ssd(verifier, speculator, ids, out)
             stats = {**speculator.stats(), "verifier_wait_seconds": wait, "fallback": fallback,
-                     "parallel": parallel}
+                     "parallel": parallel, "spin_seconds": spin}
         stats = {**out.stats(mode, prefill_s, decode_s), **stats, "k": K,
                  "temperature": temperature, "target_threads": target_threads,
                  "draft_threads": draft_threads}
@@ -203,6 +206,19 @@ def same_gpu(a, b) -> bool:
 
 def any_cuda(*devices) -> bool:
     return any(torch.device(d).type == "cuda" for d in devices)
+
+
+SPIN_S = 0.25  # ssd: seconds a side polls for the other before it sleeps (channel.wait_for)
+
+
+def spin_seconds(cores, ranks, target_threads, draft_threads, target_device, draft_device) -> float:
+    """SPIN_S when the verifier (all its ranks) and the speculator have CPU cores of their own, else
+    0: a side that polls would take the core the other one computes on. A process on a GPU needs
+    one core for its own thread."""
+    def cores_of(device, threads):
+        return threads if torch.device(device).type == "cpu" else 1
+    used = ranks * cores_of(target_device, target_threads) + cores_of(draft_device, draft_threads)
+    return SPIN_S if used <= cores else 0.0
 
 
 def split_cores(cores: int) -> tuple[int, int]:

@@ -11,7 +11,8 @@ transformers' LlamaForCausalLM in float32 loaded from the bf16 files; (4) wall-c
 forward over 8 tokens vs one draft forward over 1 token with the project's model (model.load_model) on
 one CPU thread, medians after warm-up; (5) a sample from the target at temperature 0.7 after `def `;
 (6) run.py's default prompt continued greedily for 128 tokens, and the share of its token 4-grams that are
-distinct (a degenerate loop scores low).
+distinct (a degenerate loop scores low); (7) (1)-(3) on as many windows from the start of the training
+stream, where the target has seen the text (the gap to the held-out figures is what memorising adds).
 
     python scripts/eval_tiny.py
 """
@@ -38,12 +39,13 @@ DRAFT_DIR = REPO / "checkpoints" / "tiny-draft"
 # ----------------------------------------------------------------------------------------------------
 # Data and the pure metrics (tests call these)
 
-def heldout_windows(tok, seq_len: int, n_windows: int) -> torch.Tensor:
-    """First n_windows non-overlapping windows of the held-out stream -> LongTensor [n, seq_len + 1].
-    Files are encoded in sorted order only until the stream is long enough."""
+def heldout_windows(tok, seq_len: int, n_windows: int, split: int = 1) -> torch.Tensor:
+    """First n_windows non-overlapping windows of the held-out stream (split=0: the training stream)
+    -> LongTensor [n, seq_len + 1]. Files are encoded in sorted order only until the stream is long
+    enough."""
     need = n_windows * seq_len + 1
     ids = []
-    for path in split_files()[1]:
+    for path in split_files()[split]:
         ids += [tok.bos_token_id] + tok(read_text(path), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
         if len(ids) >= need:
             break
@@ -196,7 +198,11 @@ def main():
     distinct4 = distinct_ngram_ratio(tokens)
     print(f"(6) run.py's default prompt, greedy, {len(tokens)} tokens: distinct 4-grams {distinct4:.3f}\n"
           + tok.decode(tokens))
-    print(json.dumps({**quality, **timing, "flop_ratio": flop_ratio, "distinct4_default_prompt": distinct4}))
+    seen = evaluate_pair(load_hf(tdir), load_hf(ddir), heldout_windows(tok, args.seq_len, args.windows, split=0))
+    print(f"(7) training windows: loss target {seen['target_loss']:.4f} draft {seen['draft_loss']:.4f}, "
+          f"greedy agreement {seen['greedy_agreement']:.4f}, acceptance {seen['acceptance_t1']:.4f}")
+    print(json.dumps({**quality, **timing, "flop_ratio": flop_ratio, "distinct4_default_prompt": distinct4,
+                      "train_windows": seen}))
 
 
 if __name__ == "__main__":

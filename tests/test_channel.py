@@ -94,3 +94,44 @@ def test_flush_waits_only_for_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_stream", lambda d: calls.append(d))
     channel.flush(torch.device("cpu"))
     assert calls == []
+
+
+class CountingSignal:
+    """A semaphore stand-in that is released after `ready_after` polls and records how it is acquired."""
+
+    def __init__(self, ready_after):
+        self.ready_after, self.polls, self.sleeps = ready_after, 0, 0
+
+    def acquire(self, block=True, timeout=None):
+        if block:
+            self.sleeps += 1  # a blocking call: the process would sleep here
+        else:
+            self.polls += 1
+        return self.polls + self.sleeps > self.ready_after
+
+
+def test_wait_for_polls_before_it_sleeps():
+    """With a spin budget the signal is taken by polling and the process never sleeps; without one it
+    sleeps at once (a blocking acquire with a timeout, so that a dead peer is noticed)."""
+    sig = CountingSignal(ready_after=1000)
+    channel.wait_for(sig, lambda: True, "test", spin=5.0)
+    assert sig.polls == 1001 and sig.sleeps == 0
+    sig = CountingSignal(ready_after=0)
+    channel.wait_for(sig, lambda: True, "test")
+    assert sig.polls == 0 and sig.sleeps == 1
+
+
+def test_wait_for_notices_a_dead_peer_after_spinning():
+    sig = CountingSignal(ready_after=10**12)
+    with pytest.raises(RuntimeError, match="the test process died"):
+        channel.wait_for(sig, lambda: False, "test", spin=0.01)
+    assert sig.polls > 0 and sig.sleeps == 1
+
+
+def test_spin_only_where_each_side_has_its_own_cores():
+    from run import SPIN_S, spin_seconds
+    assert spin_seconds(2, 1, 1, 1, "cpu", "cpu") == SPIN_S > 0          # 1 + 1 threads on 2 cores
+    assert spin_seconds(1, 1, 1, 1, "cpu", "cpu") == 0                   # one core: polling steals it
+    assert spin_seconds(4, 1, 3, 2, "cpu", "cpu") == 0                   # oversubscribed
+    assert spin_seconds(4, 2, 1, 1, "cpu", "cpu") == SPIN_S              # two CPU ranks + the draft
+    assert spin_seconds(2, 1, 8, 8, "cuda:0", "cuda:1") == SPIN_S        # a thread each on the host
