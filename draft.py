@@ -267,7 +267,8 @@ class Speculator(Drafter):
         complete). Stops early when the outcome arrives: `respond` then finishes only the branch
         that hit. If the gate says it does not pay, nothing is pre-speculated this round: the
         verifier works alone and every row misses."""
-        if self.gate is not None and not self.gate.choose():
+        E_off = len(rows) * self.accept.expected_tokens(self.K)  # a round of neural proposals
+        if self.gate is not None and not self.gate.choose(E_off):
             self.skipped += 1
             return
         start = time.perf_counter()
@@ -327,7 +328,7 @@ class Speculator(Drafter):
         speculation cache: a hit's branch becomes the row's sequence, its proposals are ready; a
         miss rolls back to the accepted prefix and the fallback proposes. Returns the next
         proposals."""
-        start = time.perf_counter()
+        start = time.perf_counter()  # the outcome arrived
         if round_seconds is not None:
             self.round_seconds.append(round_seconds)
         br, b, K = self.branches, len(rows), self.K
@@ -371,7 +372,7 @@ class Speculator(Drafter):
             self.cache.free(br.seqs[m])
         self.branches = None
         if misses:
-            backup = self.propose_on_miss([rows[i] for i in misses], b)
+            backup = self.propose_on_miss([rows[i] for i in misses], b, skipped=br is None)
             tokens[misses] = backup.tokens
             if backup.q is None:
                 deterministic[misses] = True
@@ -380,7 +381,7 @@ class Speculator(Drafter):
         now = time.perf_counter()
         self.busy_seconds += now - start
         if self.gate is not None:
-            self.gate.answered(sum(n_r + 1 for n_r, _ in outcome), now)
+            self.gate.answered(sum(n_r + 1 for n_r, _ in outcome), start, now)
         return Proposals(tokens, q, deterministic, hit)
 
     def finish_branches(self, ms):
@@ -399,12 +400,13 @@ class Speculator(Drafter):
             self.finished += len(ms)
         return d.stack()
 
-    def propose_on_miss(self, miss_rows, b) -> fallback.Backup:
+    def propose_on_miss(self, miss_rows, b, skipped=False) -> fallback.Backup:
         """The fallback's proposals for the rows that missed, from the backup `backup_for` picks
-        for batch size b; each row then holds what its next guesses need."""
+        for batch size b (under "auto", the neural one after a round that pre-speculated nothing:
+        the gate's "off" is SD's schedule); each row then holds what its next guesses need."""
         start = time.perf_counter()
         self.b_star = self.critical_batch_size()
-        kind = self.backup_for(b)
+        kind = "neural" if skipped and self.ssd.fallback == "auto" else self.backup_for(b)
         F = self.fan_out_for(fast=False)
 
         def neural():  # the draft, just in time: good tokens, costs SD's drafting (K steps)
@@ -464,7 +466,8 @@ class Speculator(Drafter):
                 "pre_speculation_stopped": self.stopped, "branches_finished": self.finished,
                 "pre_speculation_skipped": self.skipped,
                 "gate_tok_s": (None if self.gate is None else
-                               {"on": self.gate.rate(True), "off": self.gate.rate(False)}),
+                               {"on": self.gate.rate_on(), "off": self.gate.rate_off(
+                                   len(self.rows) * self.accept.expected_tokens(self.K))}),
                 "mean_budget": self.budget_sum / self.pre_rounds if self.pre_rounds else 0.0,
                 "fan_out": self.fan_out_for(fast=False), "acceptance_estimate": self.accept.a()}
 

@@ -14,6 +14,7 @@ Pure math and plain Python containers: an entry's KV state is the caller's (draf
 """
 import math
 import numbers
+import statistics
 from dataclasses import dataclass, field
 
 import torch
@@ -142,41 +143,52 @@ def next_budget(B: int, ceiling: int, T_p: float, stopped: bool) -> int:
 class PreSpecGate:
     """Pre-speculate this round at all? Where the draft's work slows the verifier (two CPU cores
     that share caches and memory bandwidth), pre-speculation that rarely hits costs more than it
-    saves. The gate measures both choices in this run and takes the faster; "off" is B = 0:
+    saves. "Off" is B = 0, SD's schedule across the two processes: the speculator idles while the
+    verifier works, every row misses and the neural draft proposes after the outcome arrives.
 
-    - on: pre-speculate (a hit is answered at once; the verifier may run slower beside the draft);
-    - off: the speculator idles while the verifier works, every row misses and the fallback
-      proposes after the outcome arrives, as SD's draft does.
+    The gate compares tokens per second of the two, as measured in this run. A choice made for
+    round k (during its verification) decides how long that verification takes and whether the
+    answer to its outcome is a hit, so it is charged the time from round k's proposals to round
+    k + 1's: the verification (until the outcome arrives) and the answer after it.
+    - on: round k + 1's tokens over that time, summed over the last `window` such rounds;
+    - off: a round's tokens from the neural draft, E_off (rows x expected tokens per row at the
+      measured acceptance), over the median verification plus the median answer of the off rounds.
+      Off rounds are few, so their tokens are not counted but predicted; their times vary little.
+    The first `warmup` rounds are on, the next `probe` off; then the faster, with one round of the
+    other every `probe_every` so that a change (fewer rows, another hit rate) is seen."""
 
-    A choice made for round k (during its verification) decides how long that verification takes
-    and whether the answer to its outcome is a hit, so it is charged the time from round k's
-    proposals to round k + 1's, and round k + 1's tokens. The first `warmup` rounds are on, the
-    next `probe` off; then the arm with more tokens per second over its last `window` rounds, with
-    one round of the other every `probe_every` so that a change (fewer rows, another hit rate) is
-    seen."""
-
-    def __init__(self, warmup: int = 4, probe: int = 2, probe_every: int = 10, window: int = 16):
+    def __init__(self, warmup: int = 4, probe: int = 2, probe_every: int = 20, window: int = 32):
         self.warmup, self.probe, self.probe_every, self.window = warmup, probe, probe_every, window
-        self.tokens = {True: [], False: []}   # per arm, per charged round
-        self.seconds = {True: [], False: []}
+        self.on = []       # (tokens, seconds) per charged round that pre-speculated
+        self.off = []      # (verification seconds, answer seconds) per charged round that did not
         self.chosen = {True: 0, False: 0}
         self.arm = None    # the choice for the round being verified
         self.sent = None   # when that round's proposals went out
-        self.open = None   # (arm, seconds) of the previous round, waiting for its tokens
+        self.open = None   # (arm, verification s, answer s) of the previous round, awaiting tokens
 
-    def rate(self, arm: bool):
-        """Tokens per second over the arm's last `window` charged rounds; None before the first."""
-        seconds = sum(self.seconds[arm][-self.window:])
-        return sum(self.tokens[arm][-self.window:]) / seconds if seconds > 0 else None
+    def rate_on(self):
+        """Tokens per second of the last `window` rounds that pre-speculated; None before one."""
+        recent = self.on[-self.window:]
+        seconds = sum(s for _, s in recent)
+        return sum(t for t, _ in recent) / seconds if seconds > 0 else None
 
-    def choose(self) -> bool:
-        """The choice for the round about to be verified: True pre-speculates."""
-        on, off = self.rate(True), self.rate(False)
+    def rate_off(self, E_off: float):
+        """E_off tokens per round over the median time of a round that did not; None before one."""
+        recent = self.off[-self.window:]
+        if not recent:
+            return None
+        return E_off / (statistics.median(v for v, _ in recent)
+                        + statistics.median(a for _, a in recent))
+
+    def choose(self, E_off: float) -> bool:
+        """The choice for the round about to be verified (True pre-speculates); E_off: the tokens a
+        round of it would yield from the neural draft."""
+        on, off = self.rate_on(), self.rate_off(E_off)
         if self.chosen[True] < self.warmup:
             arm = True
         elif self.chosen[False] < self.probe:
             arm = False
-        elif on is None or off is None:  # the probe is not charged yet
+        elif on is None or off is None:  # a probe is not charged yet
             arm = True
         else:
             best = on >= off
@@ -185,13 +197,17 @@ class PreSpecGate:
         self.arm = arm
         return arm
 
-    def answered(self, tokens: int, now: float):
-        """Proposals go out at time `now` (seconds); the outcome they answer yielded `tokens`."""
+    def answered(self, tokens: int, arrived: float, now: float):
+        """An outcome that yielded `tokens` arrived at time `arrived` (seconds) and its answer, the
+        next proposals, goes out at `now`."""
         if self.open is not None:
-            arm, seconds = self.open
-            self.tokens[arm].append(tokens)
-            self.seconds[arm].append(seconds)
-        self.open = None if self.sent is None or self.arm is None else (self.arm, now - self.sent)
+            arm, verify, answer = self.open
+            if arm:
+                self.on.append((tokens, verify + answer))
+            else:
+                self.off.append((verify, answer))
+        self.open = (None if self.sent is None or self.arm is None
+                     else (self.arm, arrived - self.sent, now - arrived))
         self.sent = now
 
 

@@ -401,40 +401,44 @@ def test_next_budget_settles_where_pre_speculation_fits(step_cost, expect):
 # ----------------------------------------------------------------------------------------------------
 # The gate: pre-speculate at all?
 
-def run_gate(gate, rounds, seconds, tokens):
+def run_gate(gate, rounds, verify, answer, tokens):
     """Drive a gate the way the speculator does: choose() for round k, then at the answer to round k's
-    outcome answered(tokens of round k, clock). The arm chosen for round k sets round k's time (its
-    verification and the answer after it, seconds[arm]) and round k + 1's tokens (a hit or a miss,
-    tokens[arm]). Returns the choices."""
+    outcome answered(tokens of round k, arrival, clock). The arm chosen for round k sets round k's
+    verification time verify[arm], the answer after it answer[arm], and round k + 1's tokens tokens[arm]
+    (a hit or a miss). Off rounds are predicted at E_off = tokens[False]. Returns the choices."""
     clock, arms, prev = 0.0, [], None
     for k in range(rounds):
-        arm = gate.choose()                    # during round k's verification
+        arm = gate.choose(tokens[False])     # during round k's verification
         arms.append(arm)
-        clock += seconds[arm]
-        gate.answered(tokens[prev] if prev is not None else 1, clock)  # round k's tokens
+        clock += verify[arm]
+        arrived = clock
+        clock += answer[arm]
+        gate.answered(tokens[prev] if prev is not None else 1, arrived, clock)  # round k's tokens
         prev = arm
     return arms
 
 
 def test_gate_schedule_warmup_then_probe():
-    gate = PreSpecGate(warmup=4, probe=2, probe_every=10)
-    assert gate.rate(True) is None and gate.rate(False) is None
-    arms = run_gate(gate, 8, {True: 1.0, False: 1.0}, {True: 2, False: 2})
+    gate = PreSpecGate(warmup=4, probe=2)
+    assert gate.rate_on() is None and gate.rate_off(3.0) is None
+    arms = run_gate(gate, 8, {True: 1.0, False: 1.0}, {True: 0.0, False: 0.0}, {True: 2, False: 2})
     assert arms[:6] == [True] * 4 + [False] * 2
 
 
 @pytest.mark.parametrize("faster", [True, False])
 def test_gate_charges_each_arm_and_takes_the_faster(faster):
-    """On yields more tokens per round (hits) but each of its rounds takes longer; which arm is faster in
-    tokens per second depends on the numbers. The gate's rates must be each arm's own (tokens of the round
-    after the choice over the time of the round of the choice), and it must spend most rounds on the faster
-    arm, probing the other about once every probe_every rounds."""
+    """On yields more tokens per round (hits) and answers at once, but its verification runs slower
+    beside the draft; which arm is faster in tokens per second depends on the numbers. The gate's rates
+    must be each arm's own (the tokens of the round after the choice over the verification of the round
+    of the choice plus the answer after it), and it must spend most rounds on the faster arm, probing the
+    other about once every probe_every rounds."""
     tokens = {True: 4, False: 2}
-    seconds = {True: 10.0, False: 4.0} if not faster else {True: 6.0, False: 4.0}
+    verify = {True: 9.0 if faster else 12.0, False: 3.0}
+    answer = {True: 1.0, False: 2.0}
     gate = PreSpecGate(warmup=4, probe=2, probe_every=10, window=16)
-    arms = run_gate(gate, 200, seconds, tokens)
-    assert gate.rate(True) == pytest.approx(tokens[True] / seconds[True])
-    assert gate.rate(False) == pytest.approx(tokens[False] / seconds[False])
+    arms = run_gate(gate, 200, verify, answer, tokens)
+    assert gate.rate_on() == pytest.approx(tokens[True] / (verify[True] + answer[True]))
+    assert gate.rate_off(tokens[False]) == pytest.approx(tokens[False] / (verify[False] + answer[False]))
     later = arms[20:]
     share = sum(a == faster for a in later) / len(later)
     assert 0.85 <= share <= 0.95, share  # probes: 1 round in 10 goes to the other arm
@@ -443,6 +447,7 @@ def test_gate_charges_each_arm_and_takes_the_faster(faster):
 def test_gate_follows_a_change():
     """Off is faster for 100 rounds, then on becomes faster (say the hit rate rose): the probes see it."""
     gate = PreSpecGate()
-    run_gate(gate, 100, {True: 10.0, False: 4.0}, {True: 4, False: 2})
-    arms = run_gate(gate, 100, {True: 5.0, False: 4.0}, {True: 4, False: 2})
-    assert sum(arms[-50:]) >= 40, arms
+    tokens = {True: 4, False: 2}
+    run_gate(gate, 100, {True: 12.0, False: 3.0}, {True: 1.0, False: 2.0}, tokens)
+    arms = run_gate(gate, 300, {True: 6.0, False: 3.0}, {True: 1.0, False: 2.0}, tokens)
+    assert sum(arms[-100:]) >= 90, arms

@@ -169,7 +169,7 @@ def test_stopped_pre_speculation_same_tokens(ckpts, monkeypatch, j):
 
 def gate_pattern(monkeypatch, pattern):
     """Force the gate's choices: round i of every run pre-speculates iff pattern[i % len(pattern)]."""
-    def choose(self):
+    def choose(self, E_off):
         self.arm = pattern[sum(self.chosen.values()) % len(pattern)]
         self.chosen[self.arm] += 1
         return self.arm
@@ -209,6 +209,8 @@ def test_pre_spec_always_never_skips(ckpts, monkeypatch):
     assert always.stats["pre_speculation_skipped"] == 0 and always.stats["gate_tok_s"] is None
     assert never.stats["pre_speculation_skipped"] == never.stats["rounds"] + 1  # + the prefill's
     assert never.stats["hits"] == never.stats["misses"] == 0
+    # under `auto` a round after a skipped one is SD's: the neural draft proposes
+    assert never.stats["fallback_rounds"] == {"neural": never.stats["rounds"], "ngram": 0, "random": 0}
 
 
 def test_auto_fallback_reads_its_measurements(ckpts):
