@@ -329,9 +329,10 @@ class Speculator(Drafter):
         miss rolls back to the accepted prefix and the fallback proposes. Returns the next
         proposals."""
         start = time.perf_counter()  # the outcome arrived
-        if round_seconds is not None:
-            self.round_seconds.append(round_seconds)
         br, b, K = self.branches, len(rows), self.K
+        # B and b* model rounds that pre-speculate: a skipped one's times are the gate's alone
+        if round_seconds is not None and br is not None:
+            self.round_seconds.append(round_seconds)
         tokens = torch.zeros(b, K, dtype=torch.long, device=self.model.device)
         q = torch.zeros(b, K, self.V, device=self.model.device) if self.temperature > 0 else None
         deterministic = torch.full((b,), self.temperature == 0)
@@ -381,7 +382,7 @@ class Speculator(Drafter):
         now = time.perf_counter()
         self.busy_seconds += now - start
         if self.gate is not None:
-            self.gate.answered(sum(n_r + 1 for n_r, _ in outcome), start, now)
+            self.gate.answered(sum(n_r + 1 for n_r, _ in outcome), start, now, not hits)
         return Proposals(tokens, q, deterministic, hit)
 
     def finish_branches(self, ms):
@@ -426,7 +427,8 @@ class Speculator(Drafter):
             # all of a fast backup's, x_K of the neural one's
             row.q_raw, row.pending = ((None, row.pending + proposed) if fast
                                       else (backup.q_raw[k], proposed[-1:]))
-        (self.fast_seconds if fast else self.neural_seconds).append(time.perf_counter() - start)
+        if not skipped:  # b*'s T_n, T_f: the backups' times for the rows that missed a cache
+            (self.fast_seconds if fast else self.neural_seconds).append(time.perf_counter() - start)
         return backup
 
     def backup_for(self, b) -> str:

@@ -154,23 +154,27 @@ class PreSpecGate:
     - off: a round's tokens from the neural draft, E_off (rows x expected tokens per row at the
       measured acceptance), over the median verification plus the median answer of the off rounds.
       Off rounds are few, so their tokens are not counted but predicted; their times vary little.
-    The first `warmup` rounds are on, the next `probe` off; then the faster, with one round of the
-    other every `probe_every` so that a change (fewer rows, another hit rate) is seen."""
+    The first `warmup` rounds are on (the first ones run slower: on's rate needs a few), the next
+    `probe` off; then off when its rate beats on's by `margin` (on's estimate is the noisier one, from
+    rounds that hit or not), with one round of the other every `probe_every` so that a change (fewer
+    rows, another hit rate) is seen."""
 
-    def __init__(self, warmup: int = 4, probe: int = 2, probe_every: int = 20, window: int = 32):
+    def __init__(self, warmup: int = 6, probe: int = 2, probe_every: int = 20, window: int = 32,
+                 margin: float = 1.05):
         self.warmup, self.probe, self.probe_every, self.window = warmup, probe, probe_every, window
-        self.on = []       # (tokens, seconds) per charged round that pre-speculated
-        self.off = []      # (verification seconds, answer seconds) per charged round that did not
+        self.margin = margin
+        self.on = []       # (tokens, verification s, answer s, no row hit) per charged on round
+        self.off = []      # (verification s, answer s) per charged round that did not
         self.chosen = {True: 0, False: 0}
         self.arm = None    # the choice for the round being verified
         self.sent = None   # when that round's proposals went out
-        self.open = None   # (arm, verification s, answer s) of the previous round, awaiting tokens
+        self.open = None   # the previous round's (arm, verification s, answer s, no row hit)
 
     def rate_on(self):
         """Tokens per second of the last `window` rounds that pre-speculated; None before one."""
         recent = self.on[-self.window:]
-        seconds = sum(s for _, s in recent)
-        return sum(t for t, _ in recent) / seconds if seconds > 0 else None
+        seconds = sum(v + a for _, v, a, _ in recent)
+        return sum(t for t, _, _, _ in recent) / seconds if seconds > 0 else None
 
     def rate_off(self, E_off: float):
         """E_off tokens per round over the median time of a round that did not; None before one."""
@@ -191,23 +195,23 @@ class PreSpecGate:
         elif on is None or off is None:  # a probe is not charged yet
             arm = True
         else:
-            best = on >= off
+            best = on * self.margin >= off
             arm = best if sum(self.chosen.values()) % self.probe_every else not best
         self.chosen[arm] += 1
         self.arm = arm
         return arm
 
-    def answered(self, tokens: int, arrived: float, now: float):
+    def answered(self, tokens: int, arrived: float, now: float, missed: bool):
         """An outcome that yielded `tokens` arrived at time `arrived` (seconds) and its answer, the
-        next proposals, goes out at `now`."""
+        next proposals, goes out at `now`; missed: no row was answered from the cache."""
         if self.open is not None:
-            arm, verify, answer = self.open
+            arm, verify, answer, no_hit = self.open
             if arm:
-                self.on.append((tokens, verify + answer))
+                self.on.append((tokens, verify, answer, no_hit))
             else:
                 self.off.append((verify, answer))
         self.open = (None if self.sent is None or self.arm is None
-                     else (self.arm, arrived - self.sent, now - arrived))
+                     else (self.arm, arrived - self.sent, now - arrived, missed))
         self.sent = now
 
 

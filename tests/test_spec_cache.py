@@ -403,9 +403,10 @@ def test_next_budget_settles_where_pre_speculation_fits(step_cost, expect):
 
 def run_gate(gate, rounds, verify, answer, tokens):
     """Drive a gate the way the speculator does: choose() for round k, then at the answer to round k's
-    outcome answered(tokens of round k, arrival, clock). The arm chosen for round k sets round k's
-    verification time verify[arm], the answer after it answer[arm], and round k + 1's tokens tokens[arm]
-    (a hit or a miss). Off rounds are predicted at E_off = tokens[False]. Returns the choices."""
+    outcome answered(tokens of round k, arrival, clock, no row hit). The arm chosen for round k sets round
+    k's verification time verify[arm], the answer after it answer[arm] (every answer here is a fallback's,
+    as in rounds where no row hits), and round k + 1's tokens tokens[arm]. Off rounds are predicted at
+    E_off = tokens[False]. Returns the choices."""
     clock, arms, prev = 0.0, [], None
     for k in range(rounds):
         arm = gate.choose(tokens[False])     # during round k's verification
@@ -413,35 +414,41 @@ def run_gate(gate, rounds, verify, answer, tokens):
         clock += verify[arm]
         arrived = clock
         clock += answer[arm]
-        gate.answered(tokens[prev] if prev is not None else 1, arrived, clock)  # round k's tokens
+        gate.answered(tokens[prev] if prev is not None else 1, arrived, clock, True)  # round k's tokens
         prev = arm
     return arms
 
 
 def test_gate_schedule_warmup_then_probe():
-    gate = PreSpecGate(warmup=4, probe=2)
+    gate = PreSpecGate(warmup=6, probe=2)
     assert gate.rate_on() is None and gate.rate_off(3.0) is None
-    arms = run_gate(gate, 8, {True: 1.0, False: 1.0}, {True: 0.0, False: 0.0}, {True: 2, False: 2})
-    assert arms[:6] == [True] * 4 + [False] * 2
+    arms = run_gate(gate, 10, {True: 2.0, False: 1.0}, {True: 1.0, False: 1.0}, {True: 2, False: 2})
+    assert arms[:8] == [True] * 6 + [False] * 2
 
 
-@pytest.mark.parametrize("faster", [True, False])
-def test_gate_charges_each_arm_and_takes_the_faster(faster):
-    """On yields more tokens per round (hits) and answers at once, but its verification runs slower
-    beside the draft; which arm is faster in tokens per second depends on the numbers. The gate's rates
-    must be each arm's own (the tokens of the round after the choice over the verification of the round
-    of the choice plus the answer after it), and it must spend most rounds on the faster arm, probing the
-    other about once every probe_every rounds."""
-    tokens = {True: 4, False: 2}
-    verify = {True: 9.0 if faster else 12.0, False: 3.0}
-    answer = {True: 1.0, False: 2.0}
+def test_gate_charges_each_arm_and_takes_the_faster():
+    """On yields more tokens per round but its verification runs slower beside the draft. The rates must
+    be each arm's own (the tokens of the round after the choice over the verification of the round of the
+    choice plus the answer after it), and the gate spends most rounds off, trying on once every
+    probe_every rounds."""
+    tokens, verify, answer = {True: 4, False: 2}, {True: 12.0, False: 3.0}, {True: 1.0, False: 2.0}
     gate = PreSpecGate(warmup=4, probe=2, probe_every=10, window=16)
     arms = run_gate(gate, 200, verify, answer, tokens)
-    assert gate.rate_on() == pytest.approx(tokens[True] / (verify[True] + answer[True]))
-    assert gate.rate_off(tokens[False]) == pytest.approx(tokens[False] / (verify[False] + answer[False]))
+    assert gate.rate_on() == pytest.approx(4 / 13)
+    assert gate.rate_off(tokens[False]) == pytest.approx(2 / 5)
     later = arms[20:]
-    share = sum(a == faster for a in later) / len(later)
-    assert 0.85 <= share <= 0.95, share  # probes: 1 round in 10 goes to the other arm
+    assert 0.85 <= sum(not a for a in later) / len(later) <= 0.95
+
+
+@pytest.mark.parametrize("off_seconds,off_share", [(4.6, 0.1), (4.3, 0.9)])
+def test_gate_margin(off_seconds, off_share):
+    """Margin 1.1. On at 4 tokens per 10 s; off at 2 tokens per 4.6 s is 9% faster: the gate stays on but
+    for its probes of off (1 round in 10); at 4.3 s off is 16% faster and taken but for the probes of on."""
+    gate = PreSpecGate(warmup=4, probe=2, probe_every=10, window=16, margin=1.1)
+    arms = run_gate(gate, 200, {True: 9.0, False: off_seconds - 1}, {True: 1.0, False: 1.0},
+                    {True: 4, False: 2})
+    share = sum(not a for a in arms[20:]) / 180
+    assert abs(share - off_share) <= 0.03, share
 
 
 def test_gate_follows_a_change():
