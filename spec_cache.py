@@ -154,15 +154,16 @@ class PreSpecGate:
     - off: a round's tokens from the neural draft, E_off (rows x expected tokens per row at the
       measured acceptance), over the median verification plus the median answer of the off rounds.
       Off rounds are few, so their tokens are not counted but predicted; their times vary little.
-    The first `warmup` rounds are on (the first ones run slower: on's rate needs a few), the next
-    `probe` off; then off when its rate beats on's by `margin` (on's estimate is the noisier one, from
-    rounds that hit or not), with one round of the other every `probe_every` so that a change (fewer
-    rows, another hit rate) is seen."""
+    The first `warmup` rounds are on, the next `probe` off; then off when its rate beats on's by
+    `margin` (on's estimate is the noisier one, from rounds that hit or not), with one round of the
+    other every `probe_every` so that a wrong choice or a change (fewer rows, another hit rate) is
+    seen within a short run. On's first `settle` rounds are left out: a run's first rounds are slower
+    (first-time shapes, cold caches) whatever the choice."""
 
-    def __init__(self, warmup: int = 6, probe: int = 2, probe_every: int = 20, window: int = 32,
-                 margin: float = 1.05):
+    def __init__(self, warmup: int = 6, probe: int = 2, probe_every: int = 8, window: int = 32,
+                 margin: float = 1.05, settle: int = 2):
         self.warmup, self.probe, self.probe_every, self.window = warmup, probe, probe_every, window
-        self.margin = margin
+        self.margin, self.settle = margin, settle
         self.on = []       # (tokens, verification s, answer s, no row hit) per charged on round
         self.off = []      # (verification s, answer s) per charged round that did not
         self.chosen = {True: 0, False: 0}
@@ -172,7 +173,7 @@ class PreSpecGate:
 
     def rate_on(self):
         """Tokens per second of the last `window` rounds that pre-speculated; None before one."""
-        recent = self.on[-self.window:]
+        recent = self.on[self.settle:][-self.window:]
         seconds = sum(v + a for _, v, a, _ in recent)
         return sum(t for t, _, _, _ in recent) / seconds if seconds > 0 else None
 

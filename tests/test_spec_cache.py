@@ -457,4 +457,4 @@ def test_gate_follows_a_change():
     tokens = {True: 4, False: 2}
     run_gate(gate, 100, {True: 12.0, False: 3.0}, {True: 1.0, False: 2.0}, tokens)
     arms = run_gate(gate, 300, {True: 6.0, False: 3.0}, {True: 1.0, False: 2.0}, tokens)
-    assert sum(arms[-100:]) >= 90, arms
+    assert sum(arms[-100:]) >= 85, arms  # all on but for the probes of off, 1 in 8
