@@ -176,7 +176,7 @@ class SSDConfig:
     saguaro_c: float = 1.0              # C: Saguaro's down-weighting of the likely bonus tokens
     fallback: str = "auto"              # on a miss: "neural", "ngram", "random" or "auto" (by b*)
     fast_fallback: str = "ngram"        # the backup "auto" switches to at batch sizes >= b*
-    pre_spec: str = "auto"              # "auto": only while it pays (PreSpecGate); "always"
+    pre_spec: str = "always"            # or "auto": only while it measures faster (PreSpecGate)
 
     def __post_init__(self):
         if self.budget < 1:

@@ -45,12 +45,12 @@ def generate(prompts, target="tiny", draft="tiny-draft", mode="sd", max_new_toke
              saguaro_c=1.0, fallback="auto", parallel=True, target_device=None, draft_device=None,
              target_threads=None, draft_threads=None, kv_tokens=None, block_size=16, chat=False,
              stream=None, target_devices: list[str] | None = None, tp_timeout: float = TP_TIMEOUT_S,
-             dtype="auto", graphs: bool | None = None, pre_spec="auto") -> GenerateResult:
+             dtype="auto", graphs: bool | None = None, pre_spec="always") -> GenerateResult:
     """Generate up to max_new_tokens for each prompt (strings, or lists of token ids).
 
     mode: "ar" (target only), "sd" (speculative decoding, k draft tokens per round) or "ssd"
     (speculative speculative decoding with Saguaro: fan_out, budget B, saguaro_c C, fallback policy;
-    pre_spec "auto" pre-speculates only while it measures faster than not, "always" every round;
+    pre_spec "always" pre-speculates every round, "auto" only while that measures faster than not;
     parallel=False runs the speculator interleaved in this process, same tokens for the same seed).
     target_devices: two or more devices (["cuda:0", ..., "cuda:3"]) run the target tensor parallel,
     one rank per device (it replaces target_device); tp_timeout: seconds a rank may wait in one
@@ -292,10 +292,10 @@ def main(argv=None):
                         "or random speculator, or auto (the draft while the batch is below the "
                         "critical batch size b*, estimated from this run's timings, n-gram from b* "
                         "on) (default: %(default)s)")
-    g.add_argument("--pre-spec", default="auto", choices=("auto", "always"),
-                   help="ssd: auto pre-speculates only while that measures faster than letting the "
-                        "verifier work alone (on a CPU the draft's work can slow it down), always "
-                        "in every round, as the paper does (default: %(default)s)")
+    g.add_argument("--pre-spec", default="always", choices=("always", "auto"),
+                   help="ssd: always pre-speculate, as the paper does, or auto: only while that "
+                        "measures faster than letting the verifier work alone (on a CPU the "
+                        "draft's work slows the verifier down) (default: %(default)s)")
     g.add_argument("--no-parallel", action="store_true",
                    help="ssd: run the verifier and the speculator interleaved in one process "
                         "(same tokens, slower)")

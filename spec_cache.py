@@ -157,8 +157,8 @@ class PreSpecGate:
     The first `warmup` rounds are on, the next `probe` off; then off when its rate beats on's by
     `margin` (on's estimate is the noisier one, from rounds that hit or not), with one round of the
     other every `probe_every` so that a wrong choice or a change (fewer rows, another hit rate) is
-    seen within a short run. On's first `settle` rounds are left out: a run's first rounds are slower
-    (first-time shapes, cold caches) whatever the choice."""
+    seen within a short run. On's first `settle` rounds are left out: a run's first rounds are
+    slower (first-time shapes, cold caches) whatever the choice."""
 
     def __init__(self, warmup: int = 6, probe: int = 2, probe_every: int = 8, window: int = 32,
                  margin: float = 1.05, settle: int = 2):

@@ -192,7 +192,7 @@ def test_greedy_with_skipped_pre_speculation(ckpts, monkeypatch, K, fallback):
     answer must feed; the tokens stay the target's."""
     gate_pattern(monkeypatch, [True, False, False])
     res = gen(PROMPTS, ckpts["target"], ckpts["different"], mode="ssd", k=K, fallback=fallback,
-              max_new_tokens=2 * NEW, parallel=False)
+              max_new_tokens=2 * NEW, parallel=False, pre_spec="auto")
     assert res.tokens == hf_greedy_2new(ckpts)
     s = res.stats
     assert s["pre_speculation_skipped"] > 0 and s["hits"] > 0, s
@@ -204,7 +204,7 @@ def test_pre_spec_always_never_skips(ckpts, monkeypatch):
     gate_pattern(monkeypatch, [False])
     kw = dict(mode="ssd", k=3, max_new_tokens=NEW, parallel=False)
     always = gen(PROMPTS, ckpts["target"], ckpts["different"], pre_spec="always", **kw)
-    never = gen(PROMPTS, ckpts["target"], ckpts["different"], **kw)  # auto, forced off every round
+    never = gen(PROMPTS, ckpts["target"], ckpts["different"], pre_spec="auto", **kw)  # forced off
     assert always.tokens == never.tokens == ckpts["ref"]
     assert always.stats["pre_speculation_skipped"] == 0 and always.stats["gate_tok_s"] is None
     assert never.stats["pre_speculation_skipped"] == never.stats["rounds"] + 1  # + the prefill's
@@ -275,10 +275,10 @@ def small_vocab(tmp_path_factory):
     return tgt, dft, prompt, laws
 
 
-def ssd_law_run(small_vocab, T, C, fallback, seed=11):
+def ssd_law_run(small_vocab, T, C, fallback, seed=11, pre_spec="always"):
     tgt, dft, prompt, laws = small_vocab
     res = gen([prompt] * N_LAW, tgt, dft, mode="ssd", k=2, budget=3, saguaro_c=C, fallback=fallback,
-              temperature=T, max_new_tokens=3, seed=seed, parallel=False)
+              temperature=T, max_new_tokens=3, seed=seed, parallel=False, pre_spec=pre_spec)
     return res, tv(empirical_law(res.tokens, 3), laws[T]), tv_bound(laws[T], N_LAW)
 
 
@@ -300,7 +300,7 @@ def test_ssd_law_with_skipped_pre_speculation(small_vocab, monkeypatch, pattern,
     (round 2 answers from the fallback, with the tokens the draft did not feed still pending): the law is
     still the target's."""
     gate_pattern(monkeypatch, pattern)
-    res, d, bound = ssd_law_run(small_vocab, 1.0, 0.3, fallback)
+    res, d, bound = ssd_law_run(small_vocab, 1.0, 0.3, fallback, pre_spec="auto")
     s = res.stats
     assert s["pre_speculation_skipped"] > 0 and s["fallback_rounds"][fallback] > 0, s
     assert d < bound, (d, bound)
