@@ -162,12 +162,12 @@ def wait_for(signal_, alive, what, timeout=None, spin=0.0):
     """Acquire a signal (a semaphore the other side releases) while checking that the other side is
     alive (a dead peer must not hang us).
 
-    For the first `spin` seconds poll it without sleeping. A process that sleeps through a wait of a
-    few milliseconds (a verification, a fallback's drafting) is woken late and runs its next forward
-    slower on a CPU it has lost; the two sides of SSD wait for each other twice a round. In a one-off
-    A/B on this project's 2-core CPU machine (temperature 1, batch 1, 8 paired runs): with both
-    sides sleeping, SSD that never pre-speculates (SD's schedule across two processes) ran at 0.88x
-    SD in one process; polling, 1.00x. Polling costs the waiting side's core, so run.py spins only when
+    For the first `spin` seconds poll it without sleeping. A process that sleeps through a wait of
+    a few milliseconds (a verification, a fallback's drafting) is woken late and runs its next
+    forward slower; the two sides of SSD wait for each other twice a round. In a one-off A/B on this
+    project's 2-core CPU machine (temperature 1, batch 1, 8 paired runs), SSD that never
+    pre-speculates (SD's schedule across two processes) ran at 0.88x SD in one process with both
+    sides sleeping, 1.00x polling. Polling costs the waiting side's core, so run.py spins only when
     each side has cores of its own."""
     start = time.perf_counter()
     while time.perf_counter() - start < spin:
