@@ -382,7 +382,7 @@ class Speculator(Drafter):
         now = time.perf_counter()
         self.busy_seconds += now - start
         if self.gate is not None:
-            self.gate.answered(sum(n_r + 1 for n_r, _ in outcome), start, now, not hits)
+            self.gate.answered(sum(n_r + 1 for n_r, _ in outcome), start, now)
         return Proposals(tokens, q, deterministic, hit)
 
     def finish_branches(self, ms):

@@ -164,18 +164,18 @@ class PreSpecGate:
                  margin: float = 1.05, settle: int = 2):
         self.warmup, self.probe, self.probe_every, self.window = warmup, probe, probe_every, window
         self.margin, self.settle = margin, settle
-        self.on = []       # (tokens, verification s, answer s, no row hit) per charged on round
+        self.on = []       # (tokens, seconds) per charged round that pre-speculated
         self.off = []      # (verification s, answer s) per charged round that did not
         self.chosen = {True: 0, False: 0}
         self.arm = None    # the choice for the round being verified
         self.sent = None   # when that round's proposals went out
-        self.open = None   # the previous round's (arm, verification s, answer s, no row hit)
+        self.open = None   # the previous round's (arm, verification s, answer s), awaiting tokens
 
     def rate_on(self):
         """Tokens per second of the last `window` rounds that pre-speculated; None before one."""
         recent = self.on[self.settle:][-self.window:]
-        seconds = sum(v + a for _, v, a, _ in recent)
-        return sum(t for t, _, _, _ in recent) / seconds if seconds > 0 else None
+        seconds = sum(s for _, s in recent)
+        return sum(t for t, _ in recent) / seconds if seconds > 0 else None
 
     def rate_off(self, E_off: float):
         """E_off tokens per round over the median time of a round that did not; None before one."""
@@ -202,17 +202,17 @@ class PreSpecGate:
         self.arm = arm
         return arm
 
-    def answered(self, tokens: int, arrived: float, now: float, missed: bool):
+    def answered(self, tokens: int, arrived: float, now: float):
         """An outcome that yielded `tokens` arrived at time `arrived` (seconds) and its answer, the
-        next proposals, goes out at `now`; missed: no row was answered from the cache."""
+        next proposals, goes out at `now`."""
         if self.open is not None:
-            arm, verify, answer, no_hit = self.open
+            arm, verify, answer = self.open
             if arm:
-                self.on.append((tokens, verify, answer, no_hit))
+                self.on.append((tokens, verify + answer))
             else:
                 self.off.append((verify, answer))
         self.open = (None if self.sent is None or self.arm is None
-                     else (self.arm, arrived - self.sent, now - arrived, missed))
+                     else (self.arm, arrived - self.sent, now - arrived))
         self.sent = now
 
 

@@ -403,10 +403,9 @@ def test_next_budget_settles_where_pre_speculation_fits(step_cost, expect):
 
 def run_gate(gate, rounds, verify, answer, tokens):
     """Drive a gate the way the speculator does: choose() for round k, then at the answer to round k's
-    outcome answered(tokens of round k, arrival, clock, no row hit). The arm chosen for round k sets round
-    k's verification time verify[arm], the answer after it answer[arm] (every answer here is a fallback's,
-    as in rounds where no row hits), and round k + 1's tokens tokens[arm]. Off rounds are predicted at
-    E_off = tokens[False]. Returns the choices."""
+    outcome answered(tokens of round k, arrival, clock). The arm chosen for round k sets round k's
+    verification time verify[arm], the answer after it answer[arm], and round k + 1's tokens tokens[arm].
+    Off rounds are predicted at E_off = tokens[False]. Returns the choices."""
     clock, arms, prev = 0.0, [], None
     for k in range(rounds):
         arm = gate.choose(tokens[False])     # during round k's verification
@@ -414,7 +413,7 @@ def run_gate(gate, rounds, verify, answer, tokens):
         clock += verify[arm]
         arrived = clock
         clock += answer[arm]
-        gate.answered(tokens[prev] if prev is not None else 1, arrived, clock, True)  # round k's tokens
+        gate.answered(tokens[prev] if prev is not None else 1, arrived, clock)  # round k's tokens
         prev = arm
     return arms
 
@@ -424,6 +423,13 @@ def test_gate_schedule_warmup_then_probe():
     assert gate.rate_on() is None and gate.rate_off(3.0) is None
     arms = run_gate(gate, 10, {True: 2.0, False: 1.0}, {True: 1.0, False: 1.0}, {True: 2, False: 2})
     assert arms[:8] == [True] * 6 + [False] * 2
+
+
+def test_gate_leaves_out_the_first_rounds():
+    """A run's first rounds are slow whatever the choice: on's rate starts after its first `settle`."""
+    gate = PreSpecGate(settle=2)
+    gate.on = [(1, 100.0), (1, 50.0), (4, 10.0), (2, 10.0)]
+    assert gate.rate_on() == pytest.approx(6 / 20)
 
 
 def test_gate_charges_each_arm_and_takes_the_faster():
