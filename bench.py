@@ -370,6 +370,10 @@ def add_speedups(rows):
         r["speedup_vs_ar"] = r["decode_tok_s"] / ar["decode_tok_s"] if ar else None
         r["speedup_vs_sd"] = (r["decode_tok_s"] / sd["decode_tok_s"]
                               if sd and r["engine"] != "ar" else None)
+        # repeat i of every configuration ran in the same pass, side by side: their ratio shows the
+        # run-to-run spread without the machine's drift between passes
+        r["speedup_vs_sd_runs"] = ([x / y for x, y in zip(r["runs_tok_s"], sd["runs_tok_s"])]
+                                   if sd and r["engine"] != "ar" else None)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -529,7 +533,9 @@ def print_tables(rows, a, n_prompts):
 
 def print_grid(rows):
     """SSD / SD in every (temperature, batch) cell, measured, with the theory's prediction
-    (Corollary 16 with the measured c, over SD's measured speed-up) in brackets."""
+    (Corollary 16 with the measured c, over SD's measured speed-up) in brackets and, with more than
+    one repeat, the lowest and highest SSD / SD of the passes (each against SD's run in the same
+    pass) in square ones."""
     cells = {}
     for r in rows:
         if r["engine"] == "ssd" and r["speedup_vs_sd"]:
@@ -537,17 +543,20 @@ def print_grid(rows):
             t = r.get("theory")
             pred = (t["ssd_pred_c"] / sd["speedup_vs_ar"]
                     if t and sd and sd["speedup_vs_ar"] else None)
-            cells.setdefault((r["temperature"], r["batch"]), []).append((r["speedup_vs_sd"], pred))
+            runs = r["speedup_vs_sd_runs"]
+            spread = f" [{min(runs):.2f}-{max(runs):.2f}]" if len(runs) > 1 else ""
+            cells.setdefault((r["temperature"], r["batch"]), []).append(
+                f"{r['speedup_vs_sd']:.2f} ({fmt(pred)}){spread}")
     if not cells:
         return
     Ts, bs = sorted({T for T, _ in cells}), sorted({b for _, b in cells})
-    print("\nSSD / SD, measured (theory with the measured c):")
-    print(f"{'':>6}" + "".join(f" {'batch ' + str(b):>15}" for b in bs))
+    print("\nSSD / SD, measured (theory with the measured c) [lowest-highest pass]:")
+    print(f"{'':>6}" + "".join(f" {'batch ' + str(b):>24}" for b in bs))
     for T in Ts:
         line = f"{'T=' + format(T, 'g'):>6}"
         for b in bs:
             c = cells.get((T, b), [])
-            line += " " + f"{', '.join(f'{m:.2f} ({fmt(p)})' for m, p in c) or '-':>15}"
+            line += " " + f"{', '.join(c) or '-':>24}"
         print(line)
 
 

@@ -95,3 +95,6 @@ def test_smoke_json_line(tmp_path, capsys):
     assert {"ssd_pred", "ssd_pred_c", "sd_pred", "sd_bound", "T_p", "T_b", "c",
             "b_star"} <= set(rows["ssd"]["theory"])
     assert any(line.startswith("ssd@1+1t") for line in out)  # the table's row label
+    # one repeat: the one pass's ratio is the ratio of the medians
+    assert rows["ssd"]["speedup_vs_sd_runs"] == [pytest.approx(rows["ssd"]["speedup_vs_sd"])]
+    assert rows["ar"]["speedup_vs_sd_runs"] is None
