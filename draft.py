@@ -237,7 +237,7 @@ class Speculator(Drafter):
         self.round_seconds = []
         self.fallback_used = dict.fromkeys(BACKUPS, 0)
         self.b_star, self.b_star_terms = None, {}  # b* and what it was computed from (stats)
-        self.stopped = self.finished = self.budget_sum = self.pre_rounds = self.skipped = 0
+        self.stopped = self.finished = self.budget_sum = self.pre_rounds = 0
 
     def arrived(self, step: int) -> bool:
         """Has the verifier's outcome arrived? Checked before each pre-speculation step. In one
@@ -267,9 +267,8 @@ class Speculator(Drafter):
         complete). Stops early when the outcome arrives: `respond` then finishes only the branch
         that hit. If the gate says it does not pay, nothing is pre-speculated this round: the
         verifier works alone and every row misses."""
-        E_off = len(rows) * self.accept.expected_tokens(self.K)  # a round of neural proposals
-        if self.gate is not None and not self.gate.choose(E_off):
-            self.skipped += 1
+        if self.gate is not None and not self.gate.choose(  # E_off: a round of neural proposals
+                len(rows) * self.accept.expected_tokens(self.K)):
             return
         start = time.perf_counter()
         self.feed_pending(rows)
@@ -466,10 +465,9 @@ class Speculator(Drafter):
                 "b_star_terms": self.b_star_terms,
                 "draft_busy_seconds": self.busy_seconds,
                 "pre_speculation_stopped": self.stopped, "branches_finished": self.finished,
-                "pre_speculation_skipped": self.skipped,
+                "pre_speculation_skipped": self.gate.chosen[False] if self.gate else 0,
                 "gate_tok_s": (None if self.gate is None else
-                               {"on": self.gate.rate_on(), "off": self.gate.rate_off(
-                                   len(self.rows) * self.accept.expected_tokens(self.K))}),
+                               {"on": self.gate.rate_on(), "off": self.gate.rate_off()}),
                 "mean_budget": self.budget_sum / self.pre_rounds if self.pre_rounds else 0.0,
                 "fan_out": self.fan_out_for(fast=False), "acceptance_estimate": self.accept.a()}
 

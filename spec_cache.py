@@ -166,7 +166,8 @@ class PreSpecGate:
         self.margin, self.settle = margin, settle
         self.on = []       # (tokens, seconds) per charged round that pre-speculated
         self.off = []      # (verification s, answer s) per charged round that did not
-        self.chosen = {True: 0, False: 0}
+        self.chosen = {True: 0, False: 0}  # choices so far; chosen[False]: rounds skipped
+        self.E_off = None  # the last choice's E_off
         self.arm = None    # the choice for the round being verified
         self.sent = None   # when that round's proposals went out
         self.open = None   # the previous round's (arm, verification s, answer s), awaiting tokens
@@ -177,10 +178,12 @@ class PreSpecGate:
         seconds = sum(s for _, s in recent)
         return sum(t for t, _ in recent) / seconds if seconds > 0 else None
 
-    def rate_off(self, E_off: float):
-        """E_off tokens per round over the median time of a round that did not; None before one."""
+    def rate_off(self, E_off: float | None = None):
+        """E_off (default: the last choice's) tokens per round over the median time of a round that
+        did not pre-speculate; None before one."""
         recent = self.off[-self.window:]
-        if not recent:
+        E_off = self.E_off if E_off is None else E_off
+        if not recent or E_off is None:
             return None
         return E_off / (statistics.median(v for v, _ in recent)
                         + statistics.median(a for _, a in recent))
@@ -188,7 +191,8 @@ class PreSpecGate:
     def choose(self, E_off: float) -> bool:
         """The choice for the round about to be verified (True pre-speculates); E_off: the tokens a
         round of it would yield from the neural draft."""
-        on, off = self.rate_on(), self.rate_off(E_off)
+        self.E_off = E_off
+        on, off = self.rate_on(), self.rate_off()
         if self.chosen[True] < self.warmup:
             arm = True
         elif self.chosen[False] < self.probe:

@@ -179,7 +179,8 @@ def main():
     tok = AutoTokenizer.from_pretrained(tdir)
     windows = heldout_windows(tok, args.seq_len, args.windows)
     t0 = time.time()
-    quality = evaluate_pair(load_hf(tdir), load_hf(ddir), windows)
+    target_hf, draft_hf = load_hf(tdir), load_hf(ddir)
+    quality = evaluate_pair(target_hf, draft_hf, windows)
     print(f"held-out: {len(windows)} windows x {args.seq_len} positions ({time.time() - t0:.0f}s)")
     print(f"(1) loss  target {quality['target_loss']:.4f}  draft {quality['draft_loss']:.4f}  (nats/token)")
     print(f"(2) greedy agreement   {quality['greedy_agreement']:.4f}")
@@ -198,7 +199,7 @@ def main():
     distinct4 = distinct_ngram_ratio(tokens)
     print(f"(6) run.py's default prompt, greedy, {len(tokens)} tokens: distinct 4-grams {distinct4:.3f}\n"
           + tok.decode(tokens))
-    seen = evaluate_pair(load_hf(tdir), load_hf(ddir), heldout_windows(tok, args.seq_len, args.windows, split=0))
+    seen = evaluate_pair(target_hf, draft_hf, heldout_windows(tok, args.seq_len, args.windows, split=0))
     print(f"(7) training windows: loss target {seen['target_loss']:.4f} draft {seen['draft_loss']:.4f}, "
           f"greedy agreement {seen['greedy_agreement']:.4f}, acceptance {seen['acceptance_t1']:.4f}")
     print(json.dumps({**quality, **timing, "flop_ratio": flop_ratio, "distinct4_default_prompt": distinct4,
