@@ -251,7 +251,7 @@ def train_loop(name, model, opt, total_steps, peak_lr, loss_fn, train_ids, args,
     for step in bar:
         for g in opt.param_groups:
             g["lr"] = lr_at(step, total_steps, peak_lr, args.warmup)
-        x, y = get_batch(train_ids, args.batch_size, args.seq_len, step, SEED + hash_name(name))
+        x, y = get_batch(train_ids, args.batch_size, args.seq_len, step, args.seed + hash_name(name))
         with torch.autocast(args.device.split(":")[0], dtype=torch.bfloat16, enabled=args.autocast == "bf16"):
             loss = loss_fn(x.to(args.device), y.to(args.device))
         opt.zero_grad(set_to_none=True)
@@ -341,6 +341,9 @@ def main():
     ap.add_argument("--target-lr", type=float, default=2e-3)
     ap.add_argument("--draft-lr", type=float, default=3e-3)
     ap.add_argument("--warmup", type=int, default=30)
+    ap.add_argument("--seed", type=int, default=SEED,
+                    help="seeds the training crops (weights are initialised from the fixed seed); a continued "
+                         "run with a new seed reads other crops than the run it continues")
     ap.add_argument("--ce-weight", type=float, default=0.0)
     ap.add_argument("--save-every-s", type=float, default=180)
     ap.add_argument("--eval-windows", type=int, default=128)
