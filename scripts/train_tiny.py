@@ -174,10 +174,11 @@ def flop_params(cfg) -> int:
 
 
 def grow_draft(old, new):
-    """Initialise `new` (a draft with more layers, fewer heads and/or another MLP width) from a
-    trained draft `old`: tensors of the same shape are copied; a narrower MLP keeps the hidden
-    units whose gate/up rows and down column carry the most weight; fewer query heads keep the
-    first ones (their q_proj rows and o_proj columns); layers `old` lacks keep their random init.
+    """Initialise `new` (a draft with more layers, other head counts and/or another MLP width) from
+    a trained draft `old`: tensors of the same shape are copied; a narrower MLP keeps the hidden
+    units whose gate/up rows and down column carry the most weight (a wider one keeps them all);
+    fewer query heads keep the first ones (their q_proj rows and o_proj columns), more keep all the
+    old ones; the parts and layers `old` lacks keep their random init.
     Distillation then starts from the old draft's knowledge instead of from scratch."""
     import torch
     old_sd, new_sd = old.state_dict(), new.state_dict()  # new_sd's tensors share new's storage
@@ -193,14 +194,17 @@ def grow_draft(old, new):
             elif name.endswith("mlp.down_proj.weight"):  # [hidden, intermediate]
                 prefix = name[: -len("down_proj.weight")]
                 up, gate = old_sd[prefix + "up_proj.weight"], old_sd[prefix + "gate_proj.weight"]
-                keep = (o.norm(dim=0) * up.norm(dim=1) * gate.norm(dim=1)).topk(p.shape[1]).indices.sort().values
-                p.copy_(o[:, keep])
-                new_sd[prefix + "up_proj.weight"].copy_(up[keep])
-                new_sd[prefix + "gate_proj.weight"].copy_(gate[keep])
+                n = min(p.shape[1], o.shape[1])  # a wider MLP keeps every old unit, the rest random
+                keep = (o.norm(dim=0) * up.norm(dim=1) * gate.norm(dim=1)).topk(n).indices.sort().values
+                p[:, :n].copy_(o[:, keep])
+                new_sd[prefix + "up_proj.weight"][:n].copy_(up[keep])
+                new_sd[prefix + "gate_proj.weight"][:n].copy_(gate[keep])
             elif name.endswith("q_proj.weight"):  # [heads * head_dim, hidden]: the first heads
-                p.copy_(o[:p.shape[0]])
+                n = min(p.shape[0], o.shape[0])
+                p[:n].copy_(o[:n])
             elif name.endswith("o_proj.weight"):  # [hidden, heads * head_dim]
-                p.copy_(o[:, :p.shape[1]])
+                n = min(p.shape[1], o.shape[1])
+                p[:, :n].copy_(o[:, :n])
             else:
                 raise ValueError(f"grow_draft: cannot map {name} {tuple(o.shape)} -> {tuple(p.shape)}")
 
@@ -350,10 +354,10 @@ def main():
     ap.add_argument("--eval-every", type=int, default=250, help="log the target's held-out loss (16 windows) every N steps")
     ap.add_argument("--autocast", choices=["bf16", "none"], default="none",
                     help="bf16: forward passes under bf16 autocast (fp32 master weights); none: plain fp32")
-    ap.add_argument("--draft-layers", type=int, default=DRAFT_ARCH["num_hidden_layers"])
-    ap.add_argument("--draft-heads", type=int, default=DRAFT_ARCH["num_attention_heads"],
-                    help="the draft's query heads (of head_dim 64)")
-    ap.add_argument("--draft-intermediate", type=int, default=DRAFT_ARCH["intermediate_size"],
+    # the draft's shape: by default DRAFT_ARCH's from scratch, the resumed draft's with --resume-from
+    ap.add_argument("--draft-layers", type=int, default=None)
+    ap.add_argument("--draft-heads", type=int, default=None, help="the draft's query heads (of head_dim 64)")
+    ap.add_argument("--draft-intermediate", type=int, default=None,
                     help="the draft's SwiGLU width; with --resume-from, a draft of another shape is grown "
                          "from the shipped one (grow_draft)")
     ap.add_argument("--resume-from", default=None, metavar="DIR",
@@ -373,8 +377,12 @@ def main():
     work.mkdir(parents=True, exist_ok=True)
     t_start = time.time()
     print(f"args: {vars(args)}", flush=True)
-    draft_arch = dict(DRAFT_ARCH, num_hidden_layers=args.draft_layers, intermediate_size=args.draft_intermediate,
-                      num_attention_heads=args.draft_heads)
+    base = DRAFT_ARCH
+    if args.resume_from:
+        base = json.loads((Path(args.resume_from) / "tiny-draft" / "config.json").read_text())
+    shape_args = {"num_hidden_layers": args.draft_layers, "intermediate_size": args.draft_intermediate,
+                  "num_attention_heads": args.draft_heads}
+    draft_arch = dict(DRAFT_ARCH, **{k: base[k] if v is None else v for k, v in shape_args.items()})
 
     if args.resume_from:
         from transformers import PreTrainedTokenizerFast

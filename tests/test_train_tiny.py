@@ -45,3 +45,17 @@ def test_grow_draft_keeps_the_strongest_units_and_the_first_heads():
     assert torch.equal(n.mlp.up_proj.weight, o.mlp.up_proj.weight[keep])
     assert torch.equal(n.mlp.gate_proj.weight, o.mlp.gate_proj.weight[keep])
     assert torch.equal(new.model.embed_tokens.weight, old.model.embed_tokens.weight)
+
+
+def test_grow_draft_to_more_heads_and_a_wider_mlp_keeps_all_old_parts():
+    """The other direction: every old head and MLP unit is kept in the first slots, the new ones stay random."""
+    old, new = llama(1, 2, 40, 0), llama(1, 3, 96, 1)
+    fresh = llama(1, 3, 96, 1)
+    grow_draft(old, new)
+    o, n, f = old.model.layers[0], new.model.layers[0], fresh.model.layers[0]
+    assert torch.equal(n.self_attn.q_proj.weight[:32], o.self_attn.q_proj.weight)
+    assert torch.equal(n.self_attn.q_proj.weight[32:], f.self_attn.q_proj.weight[32:])
+    assert torch.equal(n.self_attn.o_proj.weight[:, :32], o.self_attn.o_proj.weight)
+    assert torch.equal(n.mlp.down_proj.weight[:, :40], o.mlp.down_proj.weight)  # all 40 units, in order
+    assert torch.equal(n.mlp.up_proj.weight[:40], o.mlp.up_proj.weight)
+    assert torch.equal(n.mlp.gate_proj.weight[40:], f.mlp.gate_proj.weight[40:])
