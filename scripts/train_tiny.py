@@ -8,7 +8,7 @@ Steps, all resumable from --work-dir (a scratch dir outside the repo):
      with cross-entropy on random 256-token crops of BOS+file+EOS concatenated;
   3. the DRAFT, a small Llama (1 layer by default; the shipped one has 2) with the same tokenizer and
      < 1/10 of the target's FLOPs per token,
-     distilled from the target's softmax (KL(p_target || q_draft), mixed with a little CE);
+     distilled from the target's softmax (KL(p_target || q_draft); --ce-weight mixes in CE on the data);
   4. held-out evaluation, then both models saved in bf16 as HF dirs into --out.
 
 Three runs made the shipped pair (checkpoints/README.md has the schedules, logs and numbers):
@@ -298,6 +298,50 @@ def train_target(target, train_ids, args, heldout=None):
                heldout_loss if heldout is not None else None)
 
 
+def repeated_ngram_mask(seq, n: int, start: int):
+    """seq [B, L] tokens -> bool [B, L]: True at each position i >= start whose token completes an n-gram
+    that already occurred earlier in its row (a loop in the making)."""
+    import torch
+    mask = torch.zeros(seq.shape, dtype=torch.bool)
+    for r, row in enumerate(seq.tolist()):
+        seen = {tuple(row[i - n + 1:i + 1]) for i in range(n - 1, start)}
+        for i in range(max(start, n - 1), len(row)):
+            gram = tuple(row[i - n + 1:i + 1])
+            mask[r, i] = gram in seen
+            seen.add(gram)
+    return mask
+
+
+def train_unlikelihood(target, train_ids, args, heldout=None):
+    """Sequence-level unlikelihood (Welleck et al., 2020): the target continues the first args.ul_prefix
+    tokens of half the batch's crops greedily for args.ul_len tokens, and each continuation token that
+    repeats a 4-gram already in its row gets -log(1 - p(token)); cross-entropy on the crops keeps the
+    language. Greedy decoding of a small model loops; this trains the loop's tokens down."""
+    import torch
+    import torch.nn.functional as F
+    opt = make_optimizer(target, args.ul_lr)
+
+    def ce_loss(x, y):
+        return F.cross_entropy(target(input_ids=x).logits.float().flatten(0, 1), y.flatten())
+
+    def loss_fn(x, y):
+        prefix = x[: len(x) // 2, : args.ul_prefix]
+        with torch.no_grad():
+            seq = target.generate(prefix, max_new_tokens=args.ul_len, do_sample=False, eos_token_id=None,
+                                  pad_token_id=0)  # [B/2, prefix + ul_len]
+        mask = repeated_ngram_mask(seq, 4, args.ul_prefix)[:, 1:].to(seq.device)
+        logp = F.log_softmax(target(input_ids=seq[:, :-1]).logits.float(), dim=-1)  # [B/2, L-1, V]
+        p = logp.gather(-1, seq[:, 1:, None]).squeeze(-1).exp()
+        ul = -(torch.log1p(-p.clamp(max=1 - 1e-5)) * mask).sum() / mask.sum().clamp(min=1)
+        return ce_loss(x, y) + args.ul_weight * ul
+
+    @torch.no_grad()
+    def heldout_loss():
+        return ce_loss(heldout[:, :-1].to(args.device), heldout[:, 1:].to(args.device)).item()
+    train_loop("unlikelihood", target, opt, args.ul_steps, args.ul_lr, loss_fn, train_ids, args,
+               heldout_loss if heldout is not None else None)
+
+
 def train_draft(draft, target, train_ids, args):
     """Distillation: forward KL(p || q) per position to the target's softmax, plus args.ce_weight * CE."""
     import torch
@@ -349,6 +393,12 @@ def main():
                     help="seeds the training crops (weights are initialised from the fixed seed); a continued "
                          "run with a new seed reads other crops than the run it continues")
     ap.add_argument("--ce-weight", type=float, default=0.0)
+    ap.add_argument("--ul-steps", type=int, default=0,
+                    help="unlikelihood steps on the target after its CE steps (train_unlikelihood; 0: none)")
+    ap.add_argument("--ul-lr", type=float, default=3e-4)
+    ap.add_argument("--ul-weight", type=float, default=1.0)
+    ap.add_argument("--ul-prefix", type=int, default=64, help="tokens of each crop the greedy continuation starts from")
+    ap.add_argument("--ul-len", type=int, default=64, help="greedy tokens generated per crop and step")
     ap.add_argument("--save-every-s", type=float, default=180)
     ap.add_argument("--eval-windows", type=int, default=128)
     ap.add_argument("--eval-every", type=int, default=250, help="log the target's held-out loss (16 windows) every N steps")
@@ -410,8 +460,13 @@ def main():
           f"{sum(p.numel() for p in draft.parameters())/1e6:.2f}M params, FLOP ratio {ft / fd:.2f}", flush=True)
 
     t0 = time.time()
-    train_target(target, train_ids, args, torch.stack(heldout_batches(heldout_ids, args.seq_len, 16)))
+    heldout16 = torch.stack(heldout_batches(heldout_ids, args.seq_len, 16))
+    train_target(target, train_ids, args, heldout16)
     print(f"target training: {time.time() - t0:.0f}s", flush=True)
+    if args.ul_steps:
+        t0 = time.time()
+        train_unlikelihood(target, train_ids, args, heldout16)
+        print(f"target unlikelihood: {time.time() - t0:.0f}s", flush=True)
     t0 = time.time()
     train_draft(draft, target, train_ids, args)
     print(f"draft distillation: {time.time() - t0:.0f}s", flush=True)

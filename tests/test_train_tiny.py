@@ -59,3 +59,44 @@ def test_grow_draft_to_more_heads_and_a_wider_mlp_keeps_all_old_parts():
     assert torch.equal(n.mlp.down_proj.weight[:, :40], o.mlp.down_proj.weight)  # all 40 units, in order
     assert torch.equal(n.mlp.up_proj.weight[:40], o.mlp.up_proj.weight)
     assert torch.equal(n.mlp.gate_proj.weight[40:], f.mlp.gate_proj.weight[40:])
+
+
+def test_repeated_ngram_mask_marks_the_tokens_that_repeat_a_4gram():
+    from scripts.train_tiny import repeated_ngram_mask
+    row = [1, 2, 3, 4, 9, 1, 2, 3, 4, 5, 1, 2, 3, 4]
+    # positions 8 and 13 complete (1, 2, 3, 4) again; the prefix (start=4) is context and never marked
+    assert repeated_ngram_mask(torch.tensor([row]), 4, 4)[0].nonzero().flatten().tolist() == [8, 13]
+    # an n-gram seen only inside the prefix still counts as seen
+    assert repeated_ngram_mask(torch.tensor([row]), 4, 9)[0].nonzero().flatten().tolist() == [13]
+    assert not repeated_ngram_mask(torch.arange(14)[None], 4, 4).any()  # control: no repeats, no marks
+
+
+def test_unlikelihood_steps_make_greedy_text_repeat_less(tmp_path):
+    """train_unlikelihood on a small random model whose greedy continuations loop: after a few steps they
+    repeat fewer 4-grams. The model's own CE term alone (--ul-weight 0) is the control."""
+    from types import SimpleNamespace
+
+    from scripts.train_tiny import repeated_ngram_mask, train_unlikelihood
+
+    def repeats(model, prefixes):
+        with torch.no_grad():
+            seq = model.generate(prefixes, max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0)
+        return repeated_ngram_mask(seq, 4, prefixes.shape[1]).float().mean().item()
+
+    torch.manual_seed(0)
+    data = torch.randint(64, (4096,))
+    prefixes = data[:8 * 16].view(8, 16)
+    out = {}
+    for weight in (1.0, 0.0):
+        model = llama(1, 3, 96, 0)
+        before = repeats(model, prefixes)
+        work = tmp_path / str(weight)
+        work.mkdir()
+        args = SimpleNamespace(ul_lr=1e-2, ul_weight=weight, ul_prefix=16, ul_len=32, ul_steps=25, warmup=1,
+                               batch_size=8, seq_len=48, device="cpu", autocast="none", work_dir=str(work),
+                               save_every_s=1e9, eval_every=1000, seed=0)
+        train_unlikelihood(model, data, args)
+        out[weight] = (before, repeats(model, prefixes))
+    assert out[1.0][0] > 0.3, out  # the random model loops
+    assert out[1.0][1] < 0.5 * out[1.0][0], out
+    assert out[0.0][1] > out[1.0][1], out
