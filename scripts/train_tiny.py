@@ -25,7 +25,8 @@ Three runs made the shipped pair (checkpoints/README.md has the schedules, logs 
      heads of 64, SwiGLU 384; grow_draft) and distilled again, 45 minutes; only tiny-draft/ was shipped:
        python scripts/train_tiny.py --resume-from checkpoints --target-steps 0 --draft-steps 2600 \
            --draft-layers 2 --draft-heads 2 --draft-intermediate 384 --autocast bf16 --out <out>
-  (Run 3 continued the target and was not shipped; checkpoints/README.md says why.)
+  (Runs 3 and 5 continued the target's CE training, run 6 fine-tuned it against greedy loops with
+  --ul-steps; none was shipped, and checkpoints/README.md says why.)
 A run is resumable after a kill: run the same command again with the same --work-dir.
 """
 import argparse

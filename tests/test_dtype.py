@@ -51,8 +51,10 @@ DRIFT = 0.1
 MARGIN = 2 * DRIFT  # AR's top-2 logit margin below which two tokens are a tie
 
 # Code prompts: four written here and eight of bench.py's held-out ones. The shipped target's greedy paths meet a
-# near-tie (top-2 margin < MARGIN) early on most of them (it was 252 of 256 positions tie-free on the first pair),
-# so the runs below are compared on about 125 of the 768 positions, each before its row's first tie
+# near-tie (top-2 margin < MARGIN) early on most of them (it was 252 of 256 positions tie-free on the first pair), so
+# a comparison that stopped at a row's first tie saw 125 of the 768 positions (and 24 with run 6's target, whose
+# greedy choices are near-ties more often; checkpoints/README.md). The walk goes on past ties that both runs took
+# alike: 656 of the 679 positions outside ties are compared in every run below.
 COMPARED_MIN = 100
 PROMPTS = ["class Stack:\n    def __init__(self):\n        self.items = []\n",
            "import os\n\n\ndef read_lines(path):\n    \"\"\"Return the lines of a file.\"\"\"\n",
@@ -267,21 +269,29 @@ def test_small_tp_all_reduce_sums_in_float32(monkeypatch):
 
 
 def compared_until_tie(ar_tokens, ar_margins, tokens) -> int:
-    """Walk one row of AR's greedy tokens: each must equal `tokens` at the same position, up to the first position
-    where AR's top-2 margin is below MARGIN (a genuine tie: from there the sequences may part). Returns how many
-    positions were compared."""
+    """Walk one row of AR's greedy tokens: where AR's top-2 margin is at least MARGIN, `tokens` must hold the same
+    token; at a genuine tie (margin below MARGIN) either token is right, and the walk goes on while the two rows
+    took the same one (their prefixes are still equal) and stops where they parted. Returns how many positions
+    were compared (ties not counted)."""
+    compared = 0
     for i, (want, margin) in enumerate(zip(ar_tokens, ar_margins)):
         if margin < MARGIN:
-            return i
+            if tokens[i] != want:
+                return compared
+            continue
         assert tokens[i] == want, f"position {i}: {tokens[i]}, AR {want} with top-2 margin {margin:.3f} >= {MARGIN}"
-    return len(ar_tokens)
+        compared += 1
+    return compared
 
 
 def test_compared_until_tie():
-    assert compared_until_tie([1, 2, 3, 4], [1.0, 0.5, 0.01, 1.0], [1, 2, 9, 9]) == 2  # stops at the tie
+    assert compared_until_tie([1, 2, 3, 4], [1.0, 0.5, 0.01, 1.0], [1, 2, 9, 9]) == 2  # stops where a tie parts
+    assert compared_until_tie([1, 2, 3, 4], [1.0, 0.5, 0.01, 1.0], [1, 2, 3, 4]) == 3  # a tie taken alike: on
     assert compared_until_tie([1, 2, 3], [1.0, 0.5, 0.3], [1, 2, 3]) == 3
     with pytest.raises(AssertionError, match="position 1"):
         compared_until_tie([1, 2, 3, 4], [1.0, 0.5, 0.01, 1.0], [1, 7, 3, 4])
+    with pytest.raises(AssertionError, match="position 3"):  # past a tie taken alike, a real mismatch
+        compared_until_tie([1, 2, 3, 4], [1.0, 0.5, 0.01, 1.0], [1, 2, 3, 9])
 
 
 @pytest.fixture(scope="module")
@@ -305,13 +315,13 @@ def ar():
     top2 = steps.topk(2, -1).values
     res.margins = (top2[..., 0] - top2[..., 1]).tolist()
     res.untied = sum(compared_until_tie(t, m, t) for t, m in zip(res.tokens, res.margins))
-    assert res.untied >= COMPARED_MIN, res.untied  # the tests below compare enough positions to mean something
+    assert res.untied >= COMPARED_MIN, res.untied  # AR against itself: every position outside a tie
     return res
 
 
 def check_against_ar(ar, res):
     compared = sum(compared_until_tie(a, m, t) for a, m, t in zip(ar.tokens, ar.margins, res.tokens))
-    assert compared == ar.untied
+    assert compared >= COMPARED_MIN, (compared, ar.untied)  # rows that parted at a tie still leave enough
     assert [len(t) for t in res.tokens] == [NEW] * len(PROMPTS)
 
 
