@@ -179,7 +179,7 @@ def test_ctrl_c_during_tp_run(tmp_path, ckpt):
     start = time.time()
     out, err = proc.communicate(timeout=30)
     assert time.time() - start < 15
-    assert "FINISHED" not in out and proc.returncode != 0
+    assert "FINISHED" not in out and proc.returncode != 0, err  # (seen once in a full run: FINISHED)
     assert_all_gone(marker, before)
 
 
