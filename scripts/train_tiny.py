@@ -282,21 +282,27 @@ def hash_name(name: str) -> int:
     return int(hashlib.md5(name.encode()).hexdigest()[:6], 16)
 
 
+def lm_loss(model, x, y):
+    """Mean next-token cross-entropy of `model` on x [B, T] against y [B, T]."""
+    import torch.nn.functional as F
+    logits = model(input_ids=x).logits  # [B, T, V]
+    return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+
+
+def heldout_logger(model, heldout, args):
+    """heldout: [N, T+1] windows -> a function train_loop calls to log their mean loss (None: none)."""
+    import torch
+    if heldout is None:
+        return None
+    return torch.no_grad()(lambda: lm_loss(model, heldout[:, :-1].to(args.device),
+                                           heldout[:, 1:].to(args.device)).item())
+
+
 def train_target(target, train_ids, args, heldout=None):
     """Cross-entropy. heldout: [N, T+1] windows whose mean loss is logged during training (or None)."""
-    import torch
-    import torch.nn.functional as F
     opt = make_optimizer(target, args.target_lr)
-
-    def loss_fn(x, y):
-        logits = target(input_ids=x).logits  # [B, T, V]
-        return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-
-    @torch.no_grad()
-    def heldout_loss():
-        return loss_fn(heldout[:, :-1].to(args.device), heldout[:, 1:].to(args.device)).item()
-    train_loop("target", target, opt, args.target_steps, args.target_lr, loss_fn, train_ids, args,
-               heldout_loss if heldout is not None else None)
+    train_loop("target", target, opt, args.target_steps, args.target_lr,
+               lambda x, y: lm_loss(target, x, y), train_ids, args, heldout_logger(target, heldout, args))
 
 
 def repeated_ngram_mask(seq, n: int, start: int):
@@ -322,9 +328,6 @@ def train_unlikelihood(target, train_ids, args, heldout=None):
     import torch.nn.functional as F
     opt = make_optimizer(target, args.ul_lr)
 
-    def ce_loss(x, y):
-        return F.cross_entropy(target(input_ids=x).logits.float().flatten(0, 1), y.flatten())
-
     def loss_fn(x, y):
         prefix = x[: len(x) // 2, : args.ul_prefix]
         with torch.no_grad():
@@ -334,13 +337,10 @@ def train_unlikelihood(target, train_ids, args, heldout=None):
         logp = F.log_softmax(target(input_ids=seq[:, :-1]).logits.float(), dim=-1)  # [B/2, L-1, V]
         p = logp.gather(-1, seq[:, 1:, None]).squeeze(-1).exp()
         ul = -(torch.log1p(-p.clamp(max=1 - 1e-5)) * mask).sum() / mask.sum().clamp(min=1)
-        return ce_loss(x, y) + args.ul_weight * ul
+        return lm_loss(target, x, y) + args.ul_weight * ul
 
-    @torch.no_grad()
-    def heldout_loss():
-        return ce_loss(heldout[:, :-1].to(args.device), heldout[:, 1:].to(args.device)).item()
     train_loop("unlikelihood", target, opt, args.ul_steps, args.ul_lr, loss_fn, train_ids, args,
-               heldout_loss if heldout is not None else None)
+               heldout_logger(target, heldout, args))
 
 
 def train_draft(draft, target, train_ids, args):
