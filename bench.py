@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from draft import PRE_SPEC
 from fallback import critical_batch_size, predicted_sd_speedup, predicted_speedup
 from model import DTYPES, load_config, load_tokenizer, resolve
 from run import default_devices, encode, generate, split_cores
@@ -739,7 +740,8 @@ def parse_args(argv):
                          f"comma-separated (default: {RUN['fallback']})")
     ap.add_argument("--pre-spec", type=csv(str), default=[RUN["pre_spec"]],
                     metavar="KIND[,KIND...]",
-                    help="ssd: auto (pre-speculate while it measures faster) and/or always, "
+                    help="ssd: always, auto (pre-speculate while it measures faster) and/or "
+                         "never (SD's schedule across the two processes, the control), "
                          f"comma-separated (default: {RUN['pre_spec']})")
     ap.add_argument("--budget", type=csv(int), default=[RUN["budget"]], metavar="B[,B...]",
                     help="ssd: fan-out budget B, in branches pre-speculated per sequence per "
@@ -772,9 +774,9 @@ def parse_args(argv):
     bad = [f for f in a.fallback if f not in ("auto", "neural", "ngram", "random")]
     if bad:
         raise ValueError(f"unknown fallback(s) {','.join(bad)}: use auto, neural, ngram or random")
-    bad = [f for f in a.pre_spec if f not in ("auto", "always")]
+    bad = [f for f in a.pre_spec if f not in PRE_SPEC]
     if bad:
-        raise ValueError(f"unknown pre-spec(s) {','.join(bad)}: use auto or always")
+        raise ValueError(f"unknown pre-spec(s) {','.join(bad)}: use {', '.join(PRE_SPEC)}")
     bad = [f for f in a.fan_out if f not in ("uniform", "geometric")]
     if bad:
         raise ValueError(f"unknown fan-out(s) {','.join(bad)}: use uniform or geometric")

@@ -167,6 +167,9 @@ class Drafter:
 # --------------------------------------------------------------------------------------------------
 # SSD: the speculator
 
+PRE_SPEC = ("always", "auto", "never")  # never: the control that prices the process split alone
+
+
 @dataclass
 class SSDConfig:
     """SSD's knobs, checked once here (the names are generate()'s parameters)."""
@@ -176,7 +179,8 @@ class SSDConfig:
     saguaro_c: float = 1.0              # C: Saguaro's down-weighting of the likely bonus tokens
     fallback: str = "auto"              # on a miss: "neural", "ngram", "random" or "auto" (by b*)
     fast_fallback: str = "ngram"        # the backup "auto" switches to at batch sizes >= b*
-    pre_spec: str = "always"            # or "auto": only while it measures faster (PreSpecGate)
+    pre_spec: str = "always"            # "auto": only while it measures faster (PreSpecGate);
+                                        # "never": SD's schedule across the two processes
 
     def __post_init__(self):
         if self.budget < 1:
@@ -185,8 +189,8 @@ class SSDConfig:
             raise ValueError(f"saguaro_c={self.saguaro_c}: C must be in [0, 1]")
         if self.fallback not in POLICIES:
             raise ValueError(f"fallback={self.fallback!r}: use {', '.join(POLICIES)}")
-        if self.pre_spec not in ("auto", "always"):
-            raise ValueError(f"pre_spec={self.pre_spec!r}: use auto or always")
+        if self.pre_spec not in PRE_SPEC:
+            raise ValueError(f"pre_spec={self.pre_spec!r}: use {', '.join(PRE_SPEC)}")
         if isinstance(self.fan_out, (list, tuple)):
             if len(self.fan_out) != self.K + 1 or min(self.fan_out) < 0:
                 raise ValueError(f"fan_out={list(self.fan_out)}: give K+1 = {self.K + 1} "
@@ -237,7 +241,7 @@ class Speculator(Drafter):
         self.round_seconds = []
         self.fallback_used = dict.fromkeys(BACKUPS, 0)
         self.b_star, self.b_star_terms = None, {}  # b* and what it was computed from (stats)
-        self.stopped = self.finished = self.budget_sum = self.pre_rounds = 0
+        self.stopped = self.finished = self.skipped = self.budget_sum = self.pre_rounds = 0
 
     def arrived(self, step: int) -> bool:
         """Has the verifier's outcome arrived? Checked before each pre-speculation step. In one
@@ -267,8 +271,9 @@ class Speculator(Drafter):
         complete). Stops early when the outcome arrives: `respond` then finishes only the branch
         that hit. If the gate says it does not pay, nothing is pre-speculated this round: the
         verifier works alone and every row misses."""
-        if self.gate is not None and not self.gate.choose(  # E_off: a round of neural proposals
-                len(rows) * self.accept.expected_tokens(self.K)):
+        if self.ssd.pre_spec == "never" or (self.gate is not None and not self.gate.choose(
+                len(rows) * self.accept.expected_tokens(self.K))):  # E_off: neural proposals
+            self.skipped += 1
             return
         start = time.perf_counter()
         self.feed_pending(rows)
@@ -465,7 +470,7 @@ class Speculator(Drafter):
                 "b_star_terms": self.b_star_terms,
                 "draft_busy_seconds": self.busy_seconds,
                 "pre_speculation_stopped": self.stopped, "branches_finished": self.finished,
-                "pre_speculation_skipped": self.gate.chosen[False] if self.gate else 0,
+                "pre_speculation_skipped": self.skipped,
                 "gate_tok_s": (None if self.gate is None else
                                {"on": self.gate.rate_on(), "off": self.gate.rate_off()}),
                 "mean_budget": self.budget_sum / self.pre_rounds if self.pre_rounds else 0.0,

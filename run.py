@@ -20,7 +20,7 @@ import torch
 
 from channel import SpeculatorProcess
 from decode import NoDraft, Output, decode_sd, decode_ssd
-from draft import DraftConfig, SSDConfig, load_draft
+from draft import PRE_SPEC, DraftConfig, SSDConfig, load_draft
 from fallback import POLICIES
 from model import DTYPES, load_config, load_model, load_tokenizer, resolve_dtype
 from tp import TP_TIMEOUT_S, TPVerifier, TPWorkers
@@ -50,7 +50,8 @@ def generate(prompts, target="tiny", draft="tiny-draft", mode="sd", max_new_toke
 
     mode: "ar" (target only), "sd" (speculative decoding, k draft tokens per round) or "ssd"
     (speculative speculative decoding with Saguaro: fan_out, budget B, saguaro_c C, fallback policy;
-    pre_spec "always" pre-speculates every round, "auto" only while that measures faster than not;
+    pre_spec "always" pre-speculates every round, "auto" only while that measures faster than not,
+    "never" not at all (SD's schedule across the two processes: what the split alone costs);
     parallel=False runs the speculator interleaved in this process, same tokens for the same seed).
     target_devices: two or more devices (["cuda:0", ..., "cuda:3"]) run the target tensor parallel,
     one rank per device (it replaces target_device); tp_timeout: seconds a rank may wait in one
@@ -292,10 +293,11 @@ def main(argv=None):
                         "or random speculator, or auto (the draft while the batch is below the "
                         "critical batch size b*, estimated from this run's timings, n-gram from b* "
                         "on) (default: %(default)s)")
-    g.add_argument("--pre-spec", default="always", choices=("always", "auto"),
-                   help="ssd: always pre-speculate, as the paper does, or auto: only while that "
+    g.add_argument("--pre-spec", default="always", choices=PRE_SPEC,
+                   help="ssd: always pre-speculate, as the paper does, auto: only while that "
                         "measures faster than letting the verifier work alone (on a CPU the "
-                        "draft's work slows the verifier down) (default: %(default)s)")
+                        "draft's work slows the verifier down), or never: SD's schedule with the "
+                        "draft in its own process, the control (default: %(default)s)")
     g.add_argument("--no-parallel", action="store_true",
                    help="ssd: run the verifier and the speculator interleaved in one process "
                         "(same tokens, slower)")

@@ -305,6 +305,15 @@ def train_target(target, train_ids, args, heldout=None):
                lambda x, y: lm_loss(target, x, y), train_ids, args, heldout_logger(target, heldout, args))
 
 
+def greedy_continuations(target, prefix, n_new: int):
+    """prefix [R, P] -> [R, P + n_new]: each row continued greedily by the target, the text a draft
+    has to predict when the engine decodes at temperature 0 (on-policy data)."""
+    import torch
+    with torch.no_grad():
+        return target.generate(prefix, max_new_tokens=n_new, do_sample=False, eos_token_id=None,
+                               pad_token_id=0)
+
+
 def repeated_ngram_mask(seq, n: int, start: int):
     """seq [B, L] tokens -> bool [B, L]: True at each position i >= start whose token completes an n-gram
     that already occurred earlier in its row (a loop in the making)."""
@@ -329,10 +338,7 @@ def train_unlikelihood(target, train_ids, args, heldout=None):
     opt = make_optimizer(target, args.ul_lr)
 
     def loss_fn(x, y):
-        prefix = x[: len(x) // 2, : args.ul_prefix]
-        with torch.no_grad():
-            seq = target.generate(prefix, max_new_tokens=args.ul_len, do_sample=False, eos_token_id=None,
-                                  pad_token_id=0)  # [B/2, prefix + ul_len]
+        seq = greedy_continuations(target, x[: len(x) // 2, : args.ul_prefix], args.ul_len)  # [B/2, P + L]
         mask = repeated_ngram_mask(seq, 4, args.ul_prefix)[:, 1:].to(seq.device)
         logp = F.log_softmax(target(input_ids=seq[:, :-1]).logits.float(), dim=-1)  # [B/2, L-1, V]
         p = logp.gather(-1, seq[:, 1:, None]).squeeze(-1).exp()
@@ -343,9 +349,23 @@ def train_unlikelihood(target, train_ids, args, heldout=None):
                heldout_logger(target, heldout, args))
 
 
-def train_draft(draft, target, train_ids, args):
-    """Distillation: forward KL(p || q) per position to the target's softmax, plus args.ce_weight * CE."""
+def distill_kl(draft, target, x, start: int = 0):
+    """Mean forward KL(p_target || q_draft) over the positions t >= start of x [B, T] (the position
+    t predicts token t + 1), and the draft's log-probabilities [B, T, V] for a CE term."""
     import torch
+    import torch.nn.functional as F
+    with torch.no_grad():
+        logp = F.log_softmax(target(input_ids=x).logits.float(), dim=-1)  # [B, T, V]
+    logq = F.log_softmax(draft(input_ids=x).logits.float(), dim=-1)
+    kl = (logp.exp() * (logp - logq)).sum(-1)  # [B, T]
+    return kl[:, start:].mean(), logq
+
+
+def train_draft(draft, target, train_ids, args):
+    """Distillation: forward KL(p || q) per position to the target's softmax, plus args.ce_weight * CE.
+    With args.on_policy > 0 that share of the batch's rows is replaced by the target's own greedy
+    continuations of the rows' first args.ul_prefix tokens (args.ul_len new tokens each), and the
+    loss mixes the KL on those continuations in with the same weight."""
     import torch.nn.functional as F
     opt = make_optimizer(draft, args.draft_lr)
     target.eval()
@@ -353,12 +373,15 @@ def train_draft(draft, target, train_ids, args):
         p.requires_grad_(False)
 
     def loss_fn(x, y):
-        with torch.no_grad():
-            logp = F.log_softmax(target(input_ids=x).logits.float(), dim=-1)  # [B, T, V]
-        logq = F.log_softmax(draft(input_ids=x).logits.float(), dim=-1)
-        kl = (logp.exp() * (logp - logq)).sum(-1).mean()
-        ce = F.nll_loss(logq.flatten(0, 1), y.flatten())
-        return (1 - args.ce_weight) * kl + args.ce_weight * ce
+        r = round(len(x) * args.on_policy)
+        kl, logq = distill_kl(draft, target, x[r:])
+        ce = F.nll_loss(logq.flatten(0, 1), y[r:].flatten())
+        loss = (1 - args.ce_weight) * kl + args.ce_weight * ce
+        if r == 0:
+            return loss
+        seq = greedy_continuations(target, x[:r, :args.ul_prefix], args.ul_len)  # [r, P + L]
+        kl_on, _ = distill_kl(draft, target, seq[:, :-1], start=args.ul_prefix - 1)
+        return (1 - args.on_policy) * loss + args.on_policy * kl_on
     train_loop("draft", draft, opt, args.draft_steps, args.draft_lr, loss_fn, train_ids, args)
 
 
@@ -400,6 +423,9 @@ def main():
     ap.add_argument("--ul-weight", type=float, default=1.0)
     ap.add_argument("--ul-prefix", type=int, default=64, help="tokens of each crop the greedy continuation starts from")
     ap.add_argument("--ul-len", type=int, default=64, help="greedy tokens generated per crop and step")
+    ap.add_argument("--on-policy", type=float, default=0.0,
+                    help="share of each distillation batch replaced by the target's greedy continuations "
+                         "(--ul-prefix tokens of a crop continued for --ul-len tokens; train_draft)")
     ap.add_argument("--save-every-s", type=float, default=180)
     ap.add_argument("--eval-windows", type=int, default=128)
     ap.add_argument("--eval-every", type=int, default=250, help="log the target's held-out loss (16 windows) every N steps")

@@ -211,6 +211,11 @@ def test_pre_spec_always_never_skips(ckpts, monkeypatch):
     assert never.stats["hits"] == never.stats["misses"] == 0
     # under `auto` a round after a skipped one is SD's: the neural draft proposes
     assert never.stats["fallback_rounds"] == {"neural": never.stats["rounds"], "ngram": 0, "random": 0}
+    # pre_spec="never" is that forced-off gate without a gate: the same rounds, no gate's rates
+    control = gen(PROMPTS, ckpts["target"], ckpts["different"], pre_spec="never", **kw)
+    assert control.tokens == ckpts["ref"] and control.stats["gate_tok_s"] is None
+    keys = ("pre_speculation_skipped", "rounds", "hits", "misses", "fallback_rounds")
+    assert {k: control.stats[k] for k in keys} == {k: never.stats[k] for k in keys}
 
 
 def test_auto_fallback_reads_its_measurements(ckpts):

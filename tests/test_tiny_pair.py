@@ -2,9 +2,10 @@
 under 1/10 of the target's FLOPs per token (from the configs; nothing is timed here), and on a deterministic
 held-out subset (the first 8 windows of 128 positions of the held-out stream, see scripts/eval_tiny.py) a
 target loss <= 4.0 nats/token and lower than the draft's, greedy agreement >= 0.65 and expected acceptance at
-T=1 >= 0.72 (the pair of run 4 measured 3.137 / 3.157, 0.706 and 0.760 there); run.py's default prompt continues for 128 greedy
-tokens with >= 60% of its token 4-grams distinct (measured 0.632). Negative controls: a randomly initialised
-draft fails the pair checks, and a loop fails the 4-gram check."""
+T=1 >= 0.72 (the pair of run 7 measured 3.268 / 3.337, 0.686 and 0.756 there); run.py's default prompt
+continues for 128 greedy tokens with >= 80% of its token 4-grams distinct (measured 0.808; the pair before
+run 7 looped, 0.632). Negative controls: a randomly initialised draft fails the pair checks, and a loop fails
+the 4-gram check."""
 import json
 import sys
 from pathlib import Path
@@ -20,7 +21,7 @@ MISSING = [str(d / f) for d in (TARGET, DRAFT) for f in FILES if not (d / f).exi
 pytestmark = pytest.mark.skipif(bool(MISSING), reason=f"tiny checkpoints absent ({', '.join(MISSING[:2])}): "
                                                       "run scripts/train_tiny.py")
 
-TARGET_LOSS_MAX, AGREEMENT_MIN, ACCEPTANCE_MIN, DISTINCT4_MIN = 4.0, 0.65, 0.72, 0.6
+TARGET_LOSS_MAX, AGREEMENT_MIN, ACCEPTANCE_MIN, DISTINCT4_MIN = 4.0, 0.65, 0.72, 0.8
 
 
 def config(d):

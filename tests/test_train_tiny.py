@@ -100,3 +100,41 @@ def test_unlikelihood_steps_make_greedy_text_repeat_less(tmp_path):
     assert out[1.0][0] > 0.3, out  # the random model loops
     assert out[1.0][1] < 0.5 * out[1.0][0], out
     assert out[0.0][1] > out[1.0][1], out
+
+
+def test_greedy_continuations_are_the_targets_argmax_after_the_prefix():
+    from scripts.train_tiny import greedy_continuations
+    target = llama(2, 3, 96, 0)
+    prefix = torch.randint(64, (3, 10), generator=torch.Generator().manual_seed(1))
+    seq = greedy_continuations(target, prefix, 12)
+    assert seq.shape == (3, 22) and torch.equal(seq[:, :10], prefix)
+    with torch.no_grad():
+        logits = target(input_ids=seq).logits  # [3, 22, V]
+    assert torch.equal(logits[:, 9:-1].argmax(-1), seq[:, 10:])
+
+
+def test_on_policy_distillation_scores_the_continuation_and_lowers_its_kl(tmp_path):
+    """distill_kl is 0 for a draft that is the target and counts only the positions from `start` on;
+    train_draft with --on-policy 0.5 lowers the draft's KL on the target's greedy continuations."""
+    from types import SimpleNamespace
+
+    from scripts.train_tiny import distill_kl, greedy_continuations, train_draft
+    target, draft = llama(2, 3, 96, 0), llama(1, 3, 96, 1)
+    prefix = torch.randint(64, (8, 16), generator=torch.Generator().manual_seed(2))
+    seq = greedy_continuations(target, prefix, 32)
+    with torch.no_grad():
+        assert distill_kl(target, target, seq)[0].item() < 1e-6
+        full = distill_kl(draft, target, seq)[0].item()
+        tail = distill_kl(draft, target, seq, start=40)[0].item()
+        # causal models: position t's KL needs only x[:, :t + 1], so the tail is the mean of these
+        alone = [distill_kl(draft, target, seq[:, :t + 1], start=t)[0].item() for t in range(40, 48)]
+    assert abs(tail - sum(alone) / len(alone)) < 1e-4 and abs(tail - full) > 2e-4, (tail, full, alone)
+    with torch.no_grad():
+        before = distill_kl(draft, target, seq[:, :-1], start=15)[0].item()
+    args = SimpleNamespace(draft_lr=1e-2, draft_steps=30, warmup=1, ce_weight=0.0, on_policy=0.5, ul_prefix=16,
+                           ul_len=32, batch_size=8, seq_len=48, device="cpu", autocast="none",
+                           work_dir=str(tmp_path), save_every_s=1e9, eval_every=1000, seed=0)
+    train_draft(draft, target, torch.randint(64, (4096,), generator=torch.Generator().manual_seed(3)), args)
+    with torch.no_grad():
+        after = distill_kl(draft, target, seq[:, :-1], start=15)[0].item()
+    assert after < 0.7 * before, (before, after)
