@@ -106,6 +106,7 @@ def test_greedy_continuations_are_the_targets_argmax_after_the_prefix():
     from scripts.train_tiny import greedy_continuations
     target = llama(2, 3, 96, 0)
     prefix = torch.randint(64, (3, 10), generator=torch.Generator().manual_seed(1))
+    prefix[0, -1] = prefix[1, 3] = 0  # BOS (= the pad id it passes) inside a crop: still attended to
     seq = greedy_continuations(target, prefix, 12)
     assert seq.shape == (3, 22) and torch.equal(seq[:, :10], prefix)
     with torch.no_grad():
