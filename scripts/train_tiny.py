@@ -11,7 +11,7 @@ Steps, all resumable from --work-dir (a scratch dir outside the repo):
      distilled from the target's softmax (KL(p_target || q_draft); --ce-weight mixes in CE on the data);
   4. held-out evaluation, then both models saved in bf16 as HF dirs into --out.
 
-Three runs made the shipped pair (checkpoints/README.md has the schedules, logs and numbers):
+Four runs made the shipped pair (checkpoints/README.md has the schedules, logs and numbers):
   1. from scratch, fp32, the defaults below (370 target / 400 draft steps; the first pair, whose schedule
      was changed mid-run, so a fresh run is deterministic but not bit-identical to it):
        python scripts/train_tiny.py --out checkpoints
@@ -21,12 +21,19 @@ Three runs made the shipped pair (checkpoints/README.md has the schedules, logs 
        python scripts/train_tiny.py --resume-from checkpoints --target-steps 1800 --draft-steps 1200 \
            --autocast bf16 --out checkpoints
      (the weights are read at the start and written at the end, so --out may be the --resume-from dir).
-  4. the shipped draft: run 2's target unchanged (--target-steps 0), the draft grown to 2 layers (2 query
-     heads of 64, SwiGLU 384; grow_draft) and distilled again, 45 minutes; only tiny-draft/ was shipped:
+  4. the draft run 7 started from: run 2's target unchanged (--target-steps 0), the draft grown to
+     2 layers (2 query heads of 64, SwiGLU 384; grow_draft) and distilled again, 45 minutes:
        python scripts/train_tiny.py --resume-from checkpoints --target-steps 0 --draft-steps 2600 \
            --draft-layers 2 --draft-heads 2 --draft-intermediate 384 --autocast bf16 --out <out>
-  (Runs 3 and 5 continued the target's CE training, run 6 fine-tuned it against greedy loops with
-  --ul-steps; none was shipped, and checkpoints/README.md says why.)
+  7. the shipped pair: run 2's target fine-tuned against greedy loops (sequence-level unlikelihood,
+     train_unlikelihood), then run 4's draft distilled from it with half of each batch the target's own
+     greedy continuations (--on-policy), 28 minutes:
+       python scripts/train_tiny.py --resume-from checkpoints --target-steps 0 --ul-steps 150 \
+           --draft-steps 0 --seed 6 --autocast bf16 --out <ul out>
+       python scripts/train_tiny.py --resume-from <ul out> --target-steps 0 --draft-steps 600 \
+           --draft-lr 1e-3 --on-policy 0.5 --seed 7 --autocast bf16 --out <out>
+  (Runs 3 and 5 continued the target's CE training, run 6 was run 7's first stage with the draft
+  distilled on training text only; none was shipped, and checkpoints/README.md says why.)
 A run is resumable after a kill: run the same command again with the same --work-dir.
 """
 import argparse
