@@ -492,7 +492,7 @@ LEGEND = ("accept: accepted / proposed draft tokens; a: the paper's per-token ac
           "decode time; busy%: speculator busy / decode time (it includes the first round's "
           "pre-speculation, done during the prefill); B: mean budget (branches per sequence); "
           "stop%: rounds whose pre-speculation the outcome cut short; skip%: rounds that "
-          "pre-speculated nothing (the gate measured it slower)")
+          "pre-speculated nothing (the gate measured it slower, or --pre-spec never)")
 
 
 def print_tables(rows, a, n_prompts):

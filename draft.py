@@ -269,8 +269,8 @@ class Speculator(Drafter):
         the committed prefix + j drafted tokens, feed t and draft K tokens for all branches of all
         rows as one batch per step (K + 1 steps: x_K is fed too, so a winning branch is
         complete). Stops early when the outcome arrives: `respond` then finishes only the branch
-        that hit. If the gate says it does not pay, nothing is pre-speculated this round: the
-        verifier works alone and every row misses."""
+        that hit. If the gate says it does not pay (or pre_spec is "never"), nothing is
+        pre-speculated this round: the verifier works alone and every row misses."""
         if self.ssd.pre_spec == "never" or (self.gate is not None and not self.gate.choose(
                 len(rows) * self.accept.expected_tokens(self.K))):  # E_off: neural proposals
             self.skipped += 1
