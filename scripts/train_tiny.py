@@ -448,6 +448,8 @@ def main():
                     help="continue from a shipped pair: DIR/tiny-target and DIR/tiny-draft (weights and tokenizer) "
                          "instead of a new tokenizer and random weights; the step counts and LR schedule start anew")
     args = ap.parse_args()
+    if not 0 <= args.on_policy < 1:  # 1 would leave no data rows, whose KL the loss also averages
+        ap.error(f"--on-policy {args.on_policy}: give a share in [0, 1)")
 
     import torch
     from transformers import LlamaForCausalLM

@@ -76,11 +76,10 @@ def test_unlikelihood_steps_make_greedy_text_repeat_less(tmp_path):
     repeat fewer 4-grams. The model's own CE term alone (--ul-weight 0) is the control."""
     from types import SimpleNamespace
 
-    from scripts.train_tiny import repeated_ngram_mask, train_unlikelihood
+    from scripts.train_tiny import greedy_continuations, repeated_ngram_mask, train_unlikelihood
 
     def repeats(model, prefixes):
-        with torch.no_grad():
-            seq = model.generate(prefixes, max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0)
+        seq = greedy_continuations(model, prefixes, 32)
         return repeated_ngram_mask(seq, 4, prefixes.shape[1]).float().mean().item()
 
     torch.manual_seed(0)
