@@ -209,7 +209,7 @@ def run_engine(cfg: Config, batches, a):
     tot = dict(new=0, first=0, decode_s=0.0, prefill_s=0.0, rounds=0, row_rounds=0, accepted=0,
                proposed=0, trials=0, hits=0, misses=0, tok_hit=0.0, tok_miss=0.0, wait_s=0.0,
                busy_s=0.0, fallback_rounds={}, b_star=None, hist=[], hits_per_depth=[],
-               lookups_per_depth=[], stopped=0, skipped=0, budget_rounds=0.0)
+               lookups_per_depth=[], stopped=0, skipped=0, budget_rounds=0.0, verify_s=0.0)
     for i, batch in enumerate(batches):
         s = generate(batch, target=a.target, draft=a.draft, mode=cfg.engine,
                      max_new_tokens=a.max_new_tokens, temperature=cfg.temperature, k=cfg.k or 1,
@@ -223,6 +223,7 @@ def run_engine(cfg: Config, batches, a):
         tot["first"] += s["batch"]  # the first token of each row comes from the prefill
         tot["decode_s"] += s["decode_seconds"]
         tot["prefill_s"] += s["prefill_seconds"]
+        tot["verify_s"] += s["verify_seconds"]
         tot["rounds"] += s["rounds"]
         tot["row_rounds"] += sum(hist)
         tot["accepted"] += sum(j * h for j, h in enumerate(hist))
@@ -333,6 +334,7 @@ def summarize(cfg: Config, runs):
     if "rounds" in m:  # this engine's counters
         rr = m["row_rounds"]
         row.update(rounds=m["rounds"], row_rounds=rr, accept_len_histogram=m["hist"],
+                   verify_seconds=m["verify_s"],
                    tokens_per_round=(m["new"] - m["first"]) / rr if rr else 0.0,
                    acceptance_rate=m["accepted"] / m["proposed"] if m["proposed"] else None,
                    acceptance_a=m["accepted"] / m["trials"] if m["trials"] else None)
@@ -387,7 +389,9 @@ class Measured:
 
     T_ar          AR's decode time per round at this batch, with ssd's target threads: the unit
                   of time ("plain decoding" costs 1 per token).
-    sd_round      SD's decode time per round (same threads, same K); E_sd its tokens per round.
+    sd_round      SD's decode time per round (same threads, same K); E_sd its tokens per round;
+                  sd_verify the verification's share of it (None: assume one AR step).
+    verify_s      ssd's verifications (the target's forward and accept/reject), in all.
     rounds        ssd's rounds (of the whole batch); decode_s, wait_s, busy_s its decode time, the
                   verifier's wait for proposals, the speculator's busy time (pre-speculation +
                   answering + fallback).
@@ -408,22 +412,29 @@ class Measured:
     fast_rounds: int = 0
     sd_round: float | None = None
     E_sd: float | None = None
+    sd_verify: float | None = None
+    verify_s: float | None = None
     E_f: float | None = None
 
 
 def theory(m: Measured) -> dict:
     """The terms of Theorem 7 / Corollary 16 from measurements, and the speed-ups they predict
     over AR. Times in units of T_ar (why each is measured so: docs/design.md section 10):
-      T_SD = sd_round / T_ar - 1                      SD's drafting per round
+      c_SD = sd_verify / T_ar                         SD's verification, in AR steps (1 if unknown)
+      T_SD = sd_round / T_ar - c_SD                   SD's drafting (and its bookkeeping) per round
       T_b  = T_SD on neural fallback rounds (without an SD row: the verifier's wait per fallback
              round), 0 on n-gram / random ones; averaged over the fallback rounds
       T_p  = (busy_s - neural_rounds T_SD T_ar) / rounds / T_ar   building the next round's cache
-      c    = (decode_s - wait_s) / rounds / T_ar      one ssd verification, in AR steps
+      c    = (decode_s - wait_s) / rounds / T_ar      the ssd verifier's own time per round
+      c_v  = verify_s / rounds / T_ar                 of which its verification: against c_SD, what
+                                                      running beside the speculator costs it
     Returns those and ssd_pred (the paper's formula, c = 1), ssd_pred_c (with the measured c),
-    sd_pred = E_SD / (1 + T_SD), sd_bound = (1 + T_SD) / c (the most SSD can gain over SD) and
+    sd_pred = E_SD / (1 + T_SD) (the paper's, c_SD = 1), sd_bound = (c_SD + T_SD) / c, SD's round
+    over the ssd verifier's (the most SSD can gain over SD) and
     b_star (fallback.critical_batch_size from the same p_hit, E_hit, T_p, with T_f ~ 0 and the
     neural backup's time T_SD)."""
-    T_sd = m.sd_round / m.T_ar - 1 if m.sd_round else None
+    c_sd = m.sd_verify / m.T_ar if m.sd_verify else 1.0
+    T_sd = m.sd_round / m.T_ar - c_sd if m.sd_round else None
     fb_rounds = m.neural_rounds + m.fast_rounds
     if T_sd is not None:
         backup_s = T_sd * m.T_ar
@@ -435,7 +446,9 @@ def theory(m: Measured) -> dict:
     pred = predicted_speedup(m.p_hit, m.E_hit, m.E_miss, T_p, T_b, m.b)
     pred_c = predicted_speedup(m.p_hit, m.E_hit, m.E_miss, T_p / c, T_b / c, m.b) / c
     return {"T_p": T_p, "T_b": T_b, "T_SD": T_sd, "c": c, "ssd_pred": pred, "ssd_pred_c": pred_c,
-            "sd_bound": (1 + T_sd) / c if T_sd is not None and c > 0 else None,
+            "c_SD": c_sd if m.sd_round and m.sd_verify else None,
+            "c_v": m.verify_s / m.rounds / m.T_ar if m.verify_s else None,
+            "sd_bound": (c_sd + T_sd) / c if T_sd is not None and c > 0 else None,
             "sd_pred": (predicted_sd_speedup(m.E_sd, T_sd)
                         if T_sd is not None and m.E_sd else None),
             "b_star": critical_batch_size(m.p_hit, m.E_hit, T_p, m.E_f, None, T_sd)}
@@ -462,6 +475,8 @@ def add_theory(rows):
             E_miss=r["tokens_per_round_miss"], b=r["batch"],
             neural_rounds=fr.get("neural", 0), fast_rounds=fr.get("ngram", 0) + fr.get("random", 0),
             sd_round=sd["decode_seconds"] / sd["rounds"] if sd else None,
+            sd_verify=sd["verify_seconds"] / sd["rounds"] if sd else None,
+            verify_s=r["verify_seconds"],
             E_sd=sd["tokens_per_round"] if sd else None,
             E_f=fast[0]["tokens_per_round_miss"] if fast else None))
 
@@ -518,14 +533,16 @@ def print_tables(rows, a, n_prompts):
             print(f"theory (Theorem 7{', Corollary 16' if b > 1 else ''}; times in AR steps; "
                   f"see bench.theory):")
             print(f"{'engine':<{w}}  {'a':>5} {'p_hit':>5} {'E_hit':>5} {'E_miss':>6} {'T_p':>5} "
-                  f"{'T_b':>5} {'T_SD':>5} {'c':>5} {'pred':>5} {'pred_c':>6} {'meas':>5} "
+                  f"{'T_b':>5} {'T_SD':>5} {'c_SD':>5} {'c_v':>5} {'c':>5} {'pred':>5} "
+                  f"{'pred_c':>6} {'meas':>5} "
                   f"{'SD pred':>7} {'b*':>4} {'SSD/SD max':>10} {'B':>4} {'stop%':>5} "
                   f"{'skip%':>5}")
             for r in th:
                 t = r["theory"]
                 print(f"{r['label']:<{w}}  {r['acceptance_a']:>5.2f} {r['cache_hit_rate']:>5.2f} "
                       f"{r['tokens_per_round_hit']:>5.2f} {r['tokens_per_round_miss']:>6.2f} "
-                      f"{t['T_p']:>5.2f} {t['T_b']:>5.2f} {fmt(t['T_SD']):>5} {t['c']:>5.2f} "
+                      f"{t['T_p']:>5.2f} {t['T_b']:>5.2f} {fmt(t['T_SD']):>5} "
+                      f"{fmt(t['c_SD']):>5} {fmt(t['c_v']):>5} {t['c']:>5.2f} "
                       f"{t['ssd_pred']:>5.2f} {t['ssd_pred_c']:>6.2f} "
                       f"{fmt(r['speedup_vs_ar']):>5} {fmt(t['sd_pred']):>7} "
                       f"{fmt(t['b_star'], 'd'):>4} {fmt(t['sd_bound']):>10} "

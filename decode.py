@@ -29,6 +29,7 @@ class Output:
         self.rounds, self.row_rounds, self.accepted, self.proposed = 0, 0, 0, 0
         self.hist = [0] * (K + 1)  # rounds that accepted n = 0..K tokens
         self.tok_hit = self.rounds_hit = self.tok_miss = self.rounds_miss = 0
+        self.verify_s = 0.0  # the target's verifications (the theory's c against SD's and AR's)
 
     def emit(self, row, new) -> bool:
         """Append tokens to a row; returns True when the row is done."""
@@ -77,7 +78,7 @@ class Output:
              "decode_seconds": decode_s,
              # the first token of each row comes from the prefill; decode speed counts the rest
              "decode_tok_s": (new - b) / decode_s if decode_s > 0 else 0.0,
-             "rounds": self.rounds,
+             "rounds": self.rounds, "verify_seconds": self.verify_s,
              "mean_tokens_per_round": (new - b) / self.row_rounds if self.row_rounds else 0.0,
              "acceptance_rate": self.accepted / self.proposed if self.proposed else 0.0,
              "accept_len_histogram": self.hist}
@@ -92,12 +93,15 @@ class Output:
 # Speculative decoding (and AR)
 
 def sd_round(verifier, drafter, rows):
-    """One SD round for `rows`; returns the proposals and the outcome (n, t)."""
+    """One SD round for `rows`; returns the proposals, the outcome (n, t) and the seconds the
+    verification took."""
     p = drafter.draft(rows)  # 1. the draft proposes x_1..x_K, one step at a time (the target waits)
     # 2. one target forward over [r, x_1..x_K] gives p_0..p_K; accept x_1..x_n, draw the bonus t
+    start = time.perf_counter()
     n, t = verifier.verify(rows, p.tokens, p.q, p.deterministic)
+    verify_s = time.perf_counter() - start  # verify reads n on the host: the device is done
     drafter.commit(rows, n, t)  # 3. the draft follows: its cache keeps the accepted prefix
-    return p, n, t
+    return p, n, t, verify_s
 
 
 class NoDraft:
@@ -134,7 +138,8 @@ def decode_sd(verifier, drafter, prompts, out: Output):
         rows = out.active()
         if not rows:
             return prefill_s, time.perf_counter() - start
-        p, n, t = sd_round(verifier, drafter, rows)
+        p, n, t, verify_s = sd_round(verifier, drafter, rows)
+        out.verify_s += verify_s
         finished = out.round(rows, p.tokens, n, t)
 
 
@@ -145,7 +150,7 @@ def ssd_round(verifier, speculator, rows, n, t, round_s):
     """One SSD round for `rows`, given the previous round's outcome (n, t) and the seconds the
     verifier spent on that round (verification and bookkeeping: the time pre-speculation had).
     Returns the proposals, the new outcome (n, t), the seconds the verifier waited for the
-    speculator, and the time this verification started."""
+    speculator, the time this verification started and the seconds it took."""
     start = time.perf_counter()
     # 1. the outcome arrives: a hit answers from the branch pre-drafted for it, a miss asks the
     #    fallback
@@ -155,7 +160,7 @@ def ssd_round(verifier, speculator, rows, n, t, round_s):
     speculator.pre_speculate(rows)
     wait_s, start = time.perf_counter() - start, time.perf_counter()
     n, t = verifier.verify(rows, p.tokens, p.q, p.deterministic)  # 3. as in sd_round
-    return p, n, t, wait_s, start
+    return p, n, t, wait_s, start, time.perf_counter() - start
 
 
 def decode_ssd(verifier, speculator, prompts, out: Output):
@@ -177,6 +182,7 @@ def decode_ssd(verifier, speculator, prompts, out: Output):
         if not rows:
             return prefill_s, time.perf_counter() - start, wait
         round_s = time.perf_counter() - verify_start if verify_start else None
-        p, n, t, wait_s, verify_start = ssd_round(verifier, speculator, rows, n, t, round_s)
-        wait += wait_s
+        p, n, t, wait_s, verify_start, verify_s = ssd_round(verifier, speculator, rows, n, t,
+                                                            round_s)
+        wait, out.verify_s = wait + wait_s, out.verify_s + verify_s
         finished = out.round(rows, p.tokens, n, t, p.hit)

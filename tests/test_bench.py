@@ -34,6 +34,15 @@ def test_theory_known_values():
     # 2.8 / (0.8 + 0.2 * 1.25) / 2
     t2 = bench.theory(bench.Measured(**{**vars(m), "decode_s": 0.22}))
     assert t2["c"] == pytest.approx(2.0) and t2["ssd_pred_c"] == pytest.approx(2.8 / 1.05 / 2)
+    # SD's verification timed at 12 of its 15 ms (c_SD = 1.2): its drafting is T_SD = 0.3, which the
+    # neural backup costs (T_b) and the busy time loses per backup round: T_p = (70 - 2 * 3) / 100;
+    # the ssd verification alone (verify_s) 90 of the verifier's 100 ms: c_v = 0.9
+    t4 = bench.theory(bench.Measured(**{**vars(m), "sd_verify": 0.012, "verify_s": 0.09}))
+    assert t4["c_SD"] == pytest.approx(1.2) and t4["T_SD"] == pytest.approx(0.3)
+    assert t4["T_b"] == pytest.approx(0.3) and t4["T_p"] == pytest.approx(0.64)
+    assert t4["c_v"] == pytest.approx(0.9) and t4["sd_bound"] == pytest.approx(1.5)
+    assert t4["sd_pred"] == pytest.approx(3.0 / 1.3)  # the paper's E_SD / (1 + T_SD): c_SD = 1
+    assert t["c_SD"] is None and t["c_v"] is None  # not measured: SD's verification counts as 1
     # fast backups cost nothing on the verifier's path and their rounds are not subtracted from busy
     t3 = bench.theory(bench.Measured(**{**vars(m), "neural_rounds": 0, "fast_rounds": 2}))
     assert t3["T_b"] == 0 and t3["T_p"] == pytest.approx(0.7)
@@ -90,9 +99,11 @@ def test_smoke_json_line(tmp_path, capsys):
     assert set(rows) == set(bench.MODES)
     for r in rows.values():
         assert r["decode_tok_s"] > 0 and r["new_tokens"] == 8 and r["speedup_vs_ar"] is not None
+    for e in ("ar", "sd", "ssd"):  # the verifications are part of the decode time
+        assert 0 < rows[e]["verify_seconds"] < rows[e]["decode_seconds"], rows[e]
     assert {"cache_hit_rate", "verifier_wait_pct", "draft_busy_pct", "tokens_per_round_hit",
             "b_star"} <= set(rows["ssd"])
-    assert {"ssd_pred", "ssd_pred_c", "sd_pred", "sd_bound", "T_p", "T_b", "c",
+    assert {"ssd_pred", "ssd_pred_c", "sd_pred", "sd_bound", "T_p", "T_b", "c", "c_SD", "c_v",
             "b_star"} <= set(rows["ssd"]["theory"])
     assert any(line.startswith("ssd@1+1t") for line in out)  # the table's row label
     # one repeat: the one pass's ratio is the ratio of the medians
