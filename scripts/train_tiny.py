@@ -33,7 +33,8 @@ Four runs made the shipped pair (checkpoints/README.md has the schedules, logs a
        python scripts/train_tiny.py --resume-from <ul out> --target-steps 0 --draft-steps 600 \
            --draft-lr 1e-3 --on-policy 0.5 --seed 7 --autocast bf16 --out <out>
   (Runs 3 and 5 continued the target's CE training, run 6 was run 7's first stage with the draft
-  distilled on training text only; none was shipped, and checkpoints/README.md says why.)
+  distilled on training text only; none was shipped, and checkpoints/README.md says why. Its (7) also
+  records short --distill-temp runs: a sharper target law lowered greedy agreement.)
 A run is resumable after a kill: run the same command again with the same --work-dir.
 """
 import argparse
@@ -356,15 +357,21 @@ def train_unlikelihood(target, train_ids, args, heldout=None):
                heldout_logger(target, heldout, args))
 
 
-def distill_kl(draft, target, x, start: int = 0):
+def distill_kl(draft, target, x, start: int = 0, temp: float = 1.0):
     """Mean forward KL(p_target || q_draft) over the positions t >= start of x [B, T] (the position
-    t predicts token t + 1), and the draft's log-probabilities [B, T, V] for a CE term."""
+    t predicts token t + 1), and the draft's log-probabilities [B, T, V] for a CE term. temp < 1
+    sharpens p (softmax of logits / temp) toward its argmax, the token greedy decoding checks; at 0
+    the loss is the cross-entropy of the target's argmax (hard labels)."""
     import torch
     import torch.nn.functional as F
     with torch.no_grad():
-        logp = F.log_softmax(target(input_ids=x).logits.float(), dim=-1)  # [B, T, V]
+        logits = target(input_ids=x).logits.float()  # [B, T, V]
     logq = F.log_softmax(draft(input_ids=x).logits.float(), dim=-1)
-    kl = (logp.exp() * (logp - logq)).sum(-1)  # [B, T]
+    if temp == 0:
+        kl = -logq.gather(-1, logits.argmax(-1, keepdim=True)).squeeze(-1)  # [B, T]
+    else:
+        logp = F.log_softmax(logits / temp, dim=-1)
+        kl = (logp.exp() * (logp - logq)).sum(-1)  # [B, T]
     return kl[:, start:].mean(), logq
 
 
@@ -381,13 +388,14 @@ def train_draft(draft, target, train_ids, args):
 
     def loss_fn(x, y):
         r = round(len(x) * args.on_policy)
-        kl, logq = distill_kl(draft, target, x[r:])
+        kl, logq = distill_kl(draft, target, x[r:], temp=args.distill_temp)
         ce = F.nll_loss(logq.flatten(0, 1), y[r:].flatten())
         loss = (1 - args.ce_weight) * kl + args.ce_weight * ce
         if r == 0:
             return loss
         seq = greedy_continuations(target, x[:r, :args.ul_prefix], args.ul_len)  # [r, P + L]
-        kl_on, _ = distill_kl(draft, target, seq[:, :-1], start=args.ul_prefix - 1)
+        kl_on, _ = distill_kl(draft, target, seq[:, :-1], start=args.ul_prefix - 1,
+                              temp=args.distill_temp)
         return (1 - args.on_policy) * loss + args.on_policy * kl_on
     train_loop("draft", draft, opt, args.draft_steps, args.draft_lr, loss_fn, train_ids, args)
 
@@ -424,6 +432,9 @@ def main():
                     help="seeds the training crops (weights are initialised from the fixed seed); a continued "
                          "run with a new seed reads other crops than the run it continues")
     ap.add_argument("--ce-weight", type=float, default=0.0)
+    ap.add_argument("--distill-temp", type=float, default=1.0,
+                    help="the target's softmax temperature in the distillation KL: 1 plain, < 1 sharper "
+                         "(toward greedy agreement), 0 the CE of the target's argmax")
     ap.add_argument("--ul-steps", type=int, default=0,
                     help="unlikelihood steps on the target after its CE steps (train_unlikelihood; 0: none)")
     ap.add_argument("--ul-lr", type=float, default=3e-4)
@@ -448,6 +459,8 @@ def main():
                     help="continue from a shipped pair: DIR/tiny-target and DIR/tiny-draft (weights and tokenizer) "
                          "instead of a new tokenizer and random weights; the step counts and LR schedule start anew")
     args = ap.parse_args()
+    if args.distill_temp < 0:
+        ap.error(f"--distill-temp {args.distill_temp}: give a temperature >= 0")
     if not 0 <= args.on_policy < 1:  # 1 would leave no data rows, whose KL the loss also averages
         ap.error(f"--on-policy {args.on_policy}: give a share in [0, 1)")
 

@@ -131,10 +131,32 @@ def test_on_policy_distillation_scores_the_continuation_and_lowers_its_kl(tmp_pa
     assert abs(tail - sum(alone) / len(alone)) < 1e-4 and abs(tail - full) > 2e-4, (tail, full, alone)
     with torch.no_grad():
         before = distill_kl(draft, target, seq[:, :-1], start=15)[0].item()
-    args = SimpleNamespace(draft_lr=1e-2, draft_steps=30, warmup=1, ce_weight=0.0, on_policy=0.5, ul_prefix=16,
+    args = SimpleNamespace(draft_lr=1e-2, draft_steps=30, warmup=1, ce_weight=0.0, distill_temp=1.0, on_policy=0.5,
+                           ul_prefix=16,
                            ul_len=32, batch_size=8, seq_len=48, device="cpu", autocast="none",
                            work_dir=str(tmp_path), save_every_s=1e9, eval_every=1000, seed=0)
     train_draft(draft, target, torch.randint(64, (4096,), generator=torch.Generator().manual_seed(3)), args)
     with torch.no_grad():
         after = distill_kl(draft, target, seq[:, :-1], start=15)[0].item()
     assert after < 0.7 * before, (before, after)
+
+
+def test_distill_temperature_sharpens_toward_the_targets_argmax():
+    """--distill-temp: at 0 the loss is the draft's cross-entropy on the target's argmax, a small
+    temperature approaches it, and 1 is the plain KL (as the draft was distilled before)."""
+    import torch.nn.functional as F
+
+    from scripts.train_tiny import distill_kl
+    target, draft = llama(2, 3, 96, 0), llama(1, 3, 96, 1)
+    x = torch.randint(64, (4, 24), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        lp, lq = target(input_ids=x).logits.float(), F.log_softmax(draft(input_ids=x).logits.float(), -1)
+        hard = -lq.gather(-1, lp.argmax(-1, keepdim=True)).mean().item()
+        logp = F.log_softmax(lp, -1)
+        plain = (logp.exp() * (logp - lq)).sum(-1).mean().item()
+        assert abs(distill_kl(draft, target, x, temp=0)[0].item() - hard) < 1e-5
+        assert abs(distill_kl(draft, target, x, temp=1)[0].item() - plain) < 1e-5
+        near = distill_kl(draft, target, x, temp=1e-3)[0].item()
+    # KL to a near one-hot p is the CE of its argmax minus p's (near-zero) entropy
+    assert abs(near - hard) < 1e-2 and abs(plain - hard) > 0.1, (near, hard, plain)
+
