@@ -55,12 +55,13 @@ def draw(logits, temperature, generator, f=None, c=1.0, of_batch=None):
 
 @dataclass
 class Drafted:
-    """Draft steps taken so far for a batch of sequences. Step i feeds one token per sequence (its
-    `first` tokens at i = 0, then x_i) and, for i < K, draws x_{i+1}; step K only feeds x_K.
-    SSD's pre-speculation may stop after any step and finish a branch later."""
+    """Draft steps taken so far for a batch of sequences. Step i < K feeds one token per sequence
+    (its `first` tokens at i = 0, then x_i) and draws x_{i+1}; x_K is not fed here (the caller's
+    next forward feeds it). SSD's pre-speculation may stop after any step and finish a branch
+    later."""
     tokens: list = field(default_factory=list)  # per step i < K: x_{i+1} [b]
     q: list = field(default_factory=list)       # per step i < K: the law x_{i+1} came from [b, V]
-    q_raw: list = field(default_factory=list)   # per step i: the draft's own law at depth i [b, V]
+    q_raw: list = field(default_factory=list)   # per step i < K: the draft's own law at depth i [b, V]
 
     @property
     def steps(self) -> int:
@@ -76,24 +77,19 @@ class Drafted:
 
 
 def draft_k(model: Transformer, cache: PagedKVCache, seqs, first, K, temperature, generator,
-            F=None, c=1.0, feed_last=False, stop=None, done: Drafted | None = None,
-            of_batch=None) -> Drafted:
+            F=None, c=1.0, stop=None, done: Drafted | None = None, of_batch=None) -> Drafted:
     """Feed each sequence its `first` tokens (a list per row, e.g. [t] or [x_K, t]), then draft K
     tokens one step at a time, all rows together. F (K ints) and C select Saguaro sampling at each
-    depth. feed_last also feeds x_K, caching its KV and giving q_raw at depth K.
     stop(step) -> True ends the drafting before that step (SSD: the verifier's outcome arrived);
     done continues an earlier call's steps; of_batch: see `draw`."""
     d = done if done is not None else Drafted()
-    while d.steps < K + feed_last and not (stop is not None and stop(d.steps)):
+    while d.steps < K and not (stop is not None and stop(d.steps)):
         i = d.steps
         if i == 0:
             step_in, counts = [x for f in first for x in f], [len(f) for f in first]
         else:
             step_in, counts = d.tokens[i - 1], [1] * len(seqs)
         logits = model.forward_cached(cache, seqs, step_in, counts, last_only=True)  # [b, V]
-        if i == K:  # only feeding x_K
-            d.q_raw.append(draft_probs(logits, temperature))
-            break
         x, q, q_raw = draw(logits, temperature, generator, None if F is None else F[i], c,
                            of_batch)
         d.tokens.append(x), d.q.append(q), d.q_raw.append(q_raw)
@@ -267,9 +263,10 @@ class Speculator(Drafter):
     def pre_speculate(self, rows):
         """Guess each row's outcome (j, t) of the round being verified, fork a branch per guess at
         the committed prefix + j drafted tokens, feed t and draft K tokens for all branches of all
-        rows as one batch per step (K + 1 steps: x_K is fed too, so a winning branch is
-        complete). Stops early when the outcome arrives: `respond` then finishes only the branch
-        that hit. If the gate says it does not pay (or pre_spec is "never"), nothing is
+        rows as one batch per step (K steps; x_K is not fed: the branch that hits feeds it in the
+        next round's feed_pending, with the other rows' pending tokens, rather than every branch
+        paying one more step). Stops early when the outcome arrives: `respond` then finishes only
+        the branch that hit. If the gate says it does not pay (or pre_spec is "never"), nothing is
         pre-speculated this round: the verifier works alone and every row misses."""
         if self.ssd.pre_spec == "never" or (self.gate is not None and not self.gate.choose(
                 len(rows) * self.accept.expected_tokens(self.K))):  # E_off: neural proposals
@@ -295,11 +292,11 @@ class Speculator(Drafter):
         if seqs:
             drafted = draft_k(self.model, self.cache, seqs, [[g] for g in guess], self.K,
                               self.temperature, self.branch_gen, F=F_next[:self.K],
-                              c=self.ssd.saguaro_c, feed_last=True, stop=self.arrived)
+                              c=self.ssd.saguaro_c, stop=self.arrived)
         self.branches = Branches(seqs, guess, drafted, F_next)
         for m, (r, j, g) in enumerate(zip(owner, depth, guess)):
             self.spec_cache.put(r, j, g, m)
-        seconds, stopped = time.perf_counter() - start, bool(seqs) and drafted.steps <= self.K
+        seconds, stopped = time.perf_counter() - start, bool(seqs) and drafted.steps < self.K
         self.pre_seconds.append(seconds)
         self.busy_seconds += seconds
         self.stopped += stopped
@@ -362,13 +359,12 @@ class Speculator(Drafter):
                 misses.append(i)
         if hits:  # the branch holds the committed tokens + the next x_1..x_K
             hit_tokens, hit_q, hit_q_raw = self.finish_branches([m for _, m in hits])
-            fed_x_K = hit_q_raw.shape[1] == K + 1  # else pre_speculate feeds it
             for (i, m), proposed, q_raw in zip(hits, to_host(hit_tokens), hit_q_raw):
                 row = self.rows[rows[i]]
                 self.cache.free(row.seq)
                 row.seq, row.proposed, row.q_raw, row.F, row.fast = (br.seqs[m], proposed, q_raw,
                                                                      br.F, False)
-                row.pending = [] if fed_x_K else proposed[-1:]
+                row.pending = proposed[-1:]  # x_K: the next pre_speculate feeds it
             idx = [i for i, _ in hits]
             tokens[idx], hit[idx] = hit_tokens, True
             if q is not None:
@@ -390,7 +386,7 @@ class Speculator(Drafter):
         return Proposals(tokens, q, deterministic, hit)
 
     def finish_branches(self, ms):
-        """The proposals of the branches that hit: tokens [h, K], q [h, K, V], q_raw [h, K(+1), V].
+        """The proposals of the branches that hit: tokens [h, K], q [h, K, V], q_raw [h, K, V].
         If pre-speculation stopped before x_K was drawn, these branches (and no others) draft their
         remaining steps now, with the noise they would have had in the full batch: the same tokens
         as without the stop. Feeding x_K waits for the next pre-speculation (feed_pending)."""

@@ -143,7 +143,7 @@ def arrive_at(monkeypatch, j):
     monkeypatch.setattr(draft_module.Speculator, "arrived", lambda self, step: step >= j)
 
 
-@pytest.mark.parametrize("j", range(5))  # K = 3: steps 0..3; j = 4 never stops (the reference)
+@pytest.mark.parametrize("j", range(4))  # K = 3: steps 0..2; j = 3 never stops (the reference)
 def test_stopped_pre_speculation_same_tokens(ckpts, monkeypatch, j):
     """Greedy and at temperature 1: wherever pre-speculation stops, the tokens are those of a run that never
     stops (a hit's branch is finished alone with the noise it would have had in the whole batch)."""
@@ -157,10 +157,10 @@ def test_stopped_pre_speculation_same_tokens(ckpts, monkeypatch, j):
     assert res_t1.tokens == ref.tokens
     for s in (res.stats, res_t1.stats):
         assert s["hits"] > 0 and s["misses"] > 0, s
-        assert (s["pre_speculation_stopped"] > 0) == (j <= 3), s
-        assert (s["branches_finished"] > 0) == (j <= 2), s  # stopped before x_K is drawn
+        assert (s["pre_speculation_stopped"] > 0) == (j <= 2), s
+        assert (s["branches_finished"] > 0) == (j <= 2), s  # a stop leaves the hit's draws to do
     assert res_t1.stats["hits"] == ref.stats["hits"]
-    if j <= 3:  # the stops shrank the adaptive budget (greedy run); the explicit fan-out stays
+    if j <= 2:  # the stops shrank the adaptive budget (greedy run); the explicit fan-out stays
         assert res.stats["mean_budget"] < 8 and res_t1.stats["mean_budget"] == 8
 
 
@@ -311,16 +311,16 @@ def test_ssd_law_with_skipped_pre_speculation(small_vocab, monkeypatch, pattern,
     assert d < bound, (d, bound)
 
 
-@pytest.mark.parametrize("j,fallback", [(0, "neural"), (1, "ngram"), (2, "random")])
+@pytest.mark.parametrize("j,fallback", [(0, "neural"), (1, "ngram"), (1, "random")])
 def test_ssd_law_with_stopped_pre_speculation(small_vocab, monkeypatch, j, fallback):
     """The outcome arrives before pre-speculation step j of every round (K = 2, Saguaro C = 0.3): the hit
-    branches are finished alone (j < K; at j = K only x_K's feeding is left, done in the next round), the law
-    is still the target's."""
+    branches are finished alone (their x_K is fed in the next round, as every hit's), the law is still the
+    target's."""
     arrive_at(monkeypatch, j)
     res, d, bound = ssd_law_run(small_vocab, 1.0, 0.3, fallback)
     s = res.stats
     assert s["hits"] > 0 and s["pre_speculation_stopped"] > 0, s
-    assert (s["branches_finished"] > 0) == (j < 2), s
+    assert s["branches_finished"] > 0, s
     assert d < bound, (d, bound)
 
 
