@@ -61,7 +61,7 @@ class Drafted:
     later."""
     tokens: list = field(default_factory=list)  # per step i < K: x_{i+1} [b]
     q: list = field(default_factory=list)       # per step i < K: the law x_{i+1} came from [b, V]
-    q_raw: list = field(default_factory=list)   # per step i < K: the draft's own law at depth i [b, V]
+    q_raw: list = field(default_factory=list)   # per step i < K: the draft's law at depth i [b, V]
 
     @property
     def steps(self) -> int:
