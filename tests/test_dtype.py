@@ -125,8 +125,8 @@ def fake_generate(calls):
     def gen(prompts, **kw):
         calls.append(kw)
         stats = dict(mode=kw["mode"], batch=len(prompts), new_tokens=len(prompts), prefill_seconds=0.1,
-                     decode_seconds=0.1, decode_tok_s=0.0, rounds=1, mean_tokens_per_round=1.0, acceptance_rate=0.0,
-                     accept_len_histogram=[1])
+                     decode_seconds=0.1, decode_tok_s=0.0, rounds=1, verify_seconds=0.05, mean_tokens_per_round=1.0,
+                     acceptance_rate=0.0, accept_len_histogram=[1])
         return GenerateResult([[5] for _ in prompts], None, stats)
     return gen
 
