@@ -507,7 +507,8 @@ LEGEND = ("accept: accepted / proposed draft tokens; a: the paper's per-token ac
           "decode time; busy%: speculator busy / decode time (it includes the first round's "
           "pre-speculation, done during the prefill); B: mean budget (branches per sequence); "
           "stop%: rounds whose pre-speculation the outcome cut short; skip%: rounds that "
-          "pre-speculated nothing (the gate measured it slower, or --pre-spec never)")
+          "pre-speculated nothing (the gate measured it slower, or --pre-spec never); c_SD: SD's "
+          "verification per round, c_v: ssd's, c: ssd's verifier per round, all in AR steps")
 
 
 def print_tables(rows, a, n_prompts):
