@@ -200,6 +200,24 @@ def test_greedy_with_skipped_pre_speculation(ckpts, monkeypatch, K, fallback):
     assert s["hits"] + s["misses"] <= len(PROMPTS) * (s["rounds"] - s["pre_speculation_skipped"] + 1), s
 
 
+def test_branches_hold_k_tokens_and_leave_x_K_to_the_next_round(ckpts, monkeypatch):
+    """Pre-speculation drafts K steps per branch: a branch for guess (j, t) holds the committed tokens,
+    x_1..x_j, then t, x'_1..x'_{K-1} (K tokens); x'_K is fed only if the branch hits, in the next round."""
+    orig, extra = draft_module.Speculator.pre_speculate, []
+
+    def checked(self, rows):
+        orig(self, rows)
+        owner = {m: key for key, m in self.spec_cache.entries.items()}  # branch m -> (row, j, t)
+        for m, seq in enumerate(self.branches.seqs):
+            r, j, _ = owner[m]
+            extra.append(self.cache.length(seq) - (len(self.rows[r].history) + j))
+
+    monkeypatch.setattr(draft_module.Speculator, "pre_speculate", checked)
+    res = gen(PROMPTS, ckpts["target"], ckpts["copy"], mode="ssd", k=3, max_new_tokens=NEW, parallel=False)
+    assert res.tokens == ckpts["ref"] and res.stats["hits"] > 0
+    assert extra and set(extra) == {3}, extra
+
+
 def test_pre_spec_always_never_skips(ckpts, monkeypatch):
     gate_pattern(monkeypatch, [False])
     kw = dict(mode="ssd", k=3, max_new_tokens=NEW, parallel=False)
