@@ -42,7 +42,7 @@ import torch
 from tqdm import tqdm
 
 from draft import PRE_SPEC
-from fallback import critical_batch_size, predicted_sd_speedup, predicted_speedup
+from fallback import POLICIES, critical_batch_size, predicted_sd_speedup, predicted_speedup
 from model import DTYPES, load_config, load_tokenizer, resolve
 from run import default_devices, encode, generate, split_cores
 from spec_cache import acceptance_trials
@@ -795,9 +795,9 @@ def parse_args(argv):
     bad = [m for m in a.modes if m not in MODES]
     if bad:
         raise ValueError(f"unknown mode(s) {','.join(bad)}: use a subset of {','.join(MODES)}")
-    bad = [f for f in a.fallback if f not in ("auto", "neural", "ngram", "random")]
+    bad = [f for f in a.fallback if f not in POLICIES]
     if bad:
-        raise ValueError(f"unknown fallback(s) {','.join(bad)}: use auto, neural, ngram or random")
+        raise ValueError(f"unknown fallback(s) {','.join(bad)}: use {', '.join(POLICIES)}")
     bad = [f for f in a.pre_spec if f not in PRE_SPEC]
     if bad:
         raise ValueError(f"unknown pre-spec(s) {','.join(bad)}: use {', '.join(PRE_SPEC)}")

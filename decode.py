@@ -150,7 +150,7 @@ def ssd_round(verifier, speculator, rows, n, t, round_s):
     """One SSD round for `rows`, given the previous round's outcome (n, t) and the seconds the
     verifier spent on that round (verification and bookkeeping: the time pre-speculation had).
     Returns the proposals, the new outcome (n, t), the seconds the verifier waited for the
-    speculator, the time this verification started and the seconds it took."""
+    speculator, and the time this verification started."""
     start = time.perf_counter()
     # 1. the outcome arrives: a hit answers from the branch pre-drafted for it, a miss asks the
     #    fallback
@@ -160,7 +160,7 @@ def ssd_round(verifier, speculator, rows, n, t, round_s):
     speculator.pre_speculate(rows)
     wait_s, start = time.perf_counter() - start, time.perf_counter()
     n, t = verifier.verify(rows, p.tokens, p.q, p.deterministic)  # 3. as in sd_round
-    return p, n, t, wait_s, start, time.perf_counter() - start
+    return p, n, t, wait_s, start
 
 
 def decode_ssd(verifier, speculator, prompts, out: Output):
@@ -182,7 +182,6 @@ def decode_ssd(verifier, speculator, prompts, out: Output):
         if not rows:
             return prefill_s, time.perf_counter() - start, wait
         round_s = time.perf_counter() - verify_start if verify_start else None
-        p, n, t, wait_s, verify_start, verify_s = ssd_round(verifier, speculator, rows, n, t,
-                                                            round_s)
-        wait, out.verify_s = wait + wait_s, out.verify_s + verify_s
+        p, n, t, wait_s, verify_start = ssd_round(verifier, speculator, rows, n, t, round_s)
+        wait, out.verify_s = wait + wait_s, out.verify_s + time.perf_counter() - verify_start
         finished = out.round(rows, p.tokens, n, t, p.hit)

@@ -132,8 +132,7 @@ def test_on_policy_distillation_scores_the_continuation_and_lowers_its_kl(tmp_pa
     with torch.no_grad():
         before = distill_kl(draft, target, seq[:, :-1], start=15)[0].item()
     args = SimpleNamespace(draft_lr=1e-2, draft_steps=30, warmup=1, ce_weight=0.0, distill_temp=1.0, on_policy=0.5,
-                           ul_prefix=16,
-                           ul_len=32, batch_size=8, seq_len=48, device="cpu", autocast="none",
+                           ul_prefix=16, ul_len=32, batch_size=8, seq_len=48, device="cpu", autocast="none",
                            work_dir=str(tmp_path), save_every_s=1e9, eval_every=1000, seed=0)
     train_draft(draft, target, torch.randint(64, (4096,), generator=torch.Generator().manual_seed(3)), args)
     with torch.no_grad():
