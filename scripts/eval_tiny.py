@@ -12,7 +12,9 @@ forward over 8 tokens vs one draft forward over 1 token with the project's model
 one CPU thread, medians after warm-up; (5) a sample from the target at temperature 0.7 after `def `;
 (6) run.py's default prompt continued greedily for 128 tokens, and the share of its token 4-grams that are
 distinct (a degenerate loop scores low); (7) (1)-(3) on as many windows from the start of the training
-stream, where the target has seen the text (the gap to the held-out figures is what memorising adds).
+stream, where the target has seen the text (the gap to the held-out figures is what memorising adds);
+(8) (2) by the target's confidence, its top-1 probability, binned: agreement where the target itself
+is unsure is what caps (2).
 
     python scripts/eval_tiny.py
 """
@@ -56,24 +58,40 @@ def heldout_windows(tok, seq_len: int, n_windows: int, split: int = 1) -> torch.
     return torch.stack([ids[i * seq_len: i * seq_len + seq_len + 1] for i in range(n)])
 
 
+# (8): greedy agreement by the target's own confidence, its top-1 probability, in these bins
+CONFIDENCE_EDGES = (0.0, 0.3, 0.5, 0.7, 0.9, 1.0)
+
+
 def pair_metrics(target_logits, draft_logits, labels) -> dict:
     """target_logits, draft_logits: [..., V]; labels: [...] -> sums (not means) and the count, so that
-    batches add up: target_nll, draft_nll, agree (argmax equal), accept (sum_x min(p, q)), n."""
+    batches add up: target_nll, draft_nll, agree (argmax equal), accept (sum_x min(p, q)), n, and per
+    bin of the target's top-1 probability (CONFIDENCE_EDGES) the positions and agreements in it."""
     lp, lq = target_logits.float().flatten(0, -2), draft_logits.float().flatten(0, -2)  # [N, V]
     y = labels.flatten()
+    p = lp.softmax(-1)
+    agree = lp.argmax(-1) == lq.argmax(-1)                                              # [N]
+    inner = torch.tensor(CONFIDENCE_EDGES[1:-1])
+    bins = torch.bucketize(p.max(-1).values, inner, right=True)                         # [N]
+    nbins = len(CONFIDENCE_EDGES) - 1
     return {
         "target_nll": F.cross_entropy(lp, y, reduction="sum").item(),
         "draft_nll": F.cross_entropy(lq, y, reduction="sum").item(),
-        "agree": (lp.argmax(-1) == lq.argmax(-1)).sum().item(),
-        "accept": torch.minimum(lp.softmax(-1), lq.softmax(-1)).sum(-1).sum().item(),
+        "agree": agree.sum().item(),
+        "accept": torch.minimum(p, lq.softmax(-1)).sum(-1).sum().item(),
         "n": y.numel(),
+        "bin_n": torch.bincount(bins, minlength=nbins),
+        "bin_agree": torch.bincount(bins, weights=agree.double(), minlength=nbins),
     }
 
 
 def summarize(sums: dict) -> dict:
     n = sums["n"]
+    by_conf = [{"target_top1": [lo, hi], "share": k / n, "agreement": a / k if k else None}
+               for lo, hi, k, a in zip(CONFIDENCE_EDGES, CONFIDENCE_EDGES[1:],
+                                       sums["bin_n"].tolist(), sums["bin_agree"].tolist())]
     return {"target_loss": sums["target_nll"] / n, "draft_loss": sums["draft_nll"] / n,
-            "greedy_agreement": sums["agree"] / n, "acceptance_t1": sums["accept"] / n, "positions": n}
+            "greedy_agreement": sums["agree"] / n, "acceptance_t1": sums["accept"] / n, "positions": n,
+            "agreement_by_target_confidence": by_conf}
 
 
 def flops_per_token(cfg: dict, context: int = 0) -> int:
@@ -100,6 +118,16 @@ def evaluate_pair(target, draft, windows: torch.Tensor, batch: int = 8) -> dict:
         m = pair_metrics(target(input_ids=x).logits, draft(input_ids=x).logits, y)
         tot = m if tot is None else {k: tot[k] + m[k] for k in tot}
     return summarize(tot)
+
+
+def agreement_ceiling(metrics: dict, floor: float) -> float:
+    """(2) if the draft agreed at every position where the target's top-1 probability is >= floor
+    (a bin edge) and as measured elsewhere: what a better draft could gain where the target is sure."""
+    total = 0.0
+    for c in metrics["agreement_by_target_confidence"]:
+        if c["share"]:
+            total += c["share"] * (1.0 if c["target_top1"][0] >= floor else c["agreement"])
+    return total
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -185,7 +213,6 @@ def main():
     print(f"(1) loss  target {quality['target_loss']:.4f}  draft {quality['draft_loss']:.4f}  (nats/token)")
     print(f"(2) greedy agreement   {quality['greedy_agreement']:.4f}")
     print(f"(3) acceptance at T=1  {quality['acceptance_t1']:.4f}")
-
     cfg_t = json.loads((tdir / "config.json").read_text())
     cfg_d = json.loads((ddir / "config.json").read_text())
     flop_ratio = flops_per_token(cfg_t) / flops_per_token(cfg_d)
@@ -202,6 +229,15 @@ def main():
     seen = evaluate_pair(target_hf, draft_hf, heldout_windows(tok, args.seq_len, args.windows, split=0))
     print(f"(7) training windows: loss target {seen['target_loss']:.4f} draft {seen['draft_loss']:.4f}, "
           f"greedy agreement {seen['greedy_agreement']:.4f}, acceptance {seen['acceptance_t1']:.4f}")
+    print("(8) greedy agreement by the target's top-1 probability (its confidence):")
+    for c in quality["agreement_by_target_confidence"]:
+        lo, hi = c["target_top1"]
+        agreement = "-" if c["agreement"] is None else f"{c['agreement']:.3f}"
+        print(f"    [{lo:.1f}, {hi:.1f}{']' if hi == 1 else ')'}  share of positions {c['share']:.3f}  "
+              f"agreement {agreement}")
+    for floor in (0.3, 0.5):
+        print(f"    if the draft agreed wherever the target's top-1 is >= {floor} (as now elsewhere): "
+              f"{agreement_ceiling(quality, floor):.3f}")
     print(json.dumps({**quality, **timing, "flop_ratio": flop_ratio, "distinct4_default_prompt": distinct4,
                       "train_windows": seen}))
 

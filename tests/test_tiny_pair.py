@@ -105,3 +105,33 @@ def test_default_prompt_continues_without_a_loop():
     loop = tokens[:5] + [tokens[5], tokens[6]] * 60  # "x, x, x, ...": what the first pair did ("the the the")
     assert distinct_ngram_ratio(loop) < 0.1 and distinct_ngram_ratio(list(range(128))) == 1.0
 
+
+
+def test_agreement_by_target_confidence_bins_and_ceiling():
+    """eval_tiny's (8): positions binned by the target's top-1 probability, agreement per bin, and the
+    agreement a draft would reach by matching the target wherever it is sure. Known logits, two batches
+    summed as evaluate_pair sums them."""
+    from scripts.eval_tiny import agreement_ceiling, pair_metrics, summarize
+    V = 4
+
+    def logits_with_top1(p_top, top):  # one row whose softmax gives token `top` probability p_top
+        rest = (1 - p_top) / (V - 1)
+        row = torch.full((V,), rest).log()
+        row[top] = torch.tensor(p_top).log()
+        return row
+
+    # target's top-1: 0.26 (unsure), 0.4, 0.6, 0.95 (sure); the draft agrees at the 2nd and 4th only
+    target = torch.stack([logits_with_top1(p, 0) for p in (0.26, 0.4, 0.6, 0.95)])      # [4, V]
+    draft = torch.stack([logits_with_top1(0.9, t) for t in (1, 0, 2, 0)])                # [4, V]
+    labels = torch.zeros(4, dtype=torch.long)
+    a = pair_metrics(target[:2], draft[:2], labels[:2])
+    b = pair_metrics(target[2:], draft[2:], labels[2:])
+    m = summarize({k: a[k] + b[k] for k in a})
+    assert m["greedy_agreement"] == 0.5
+    bins = {tuple(c["target_top1"]): (c["share"], c["agreement"])
+            for c in m["agreement_by_target_confidence"]}
+    assert bins == {(0.0, 0.3): (0.25, 0.0), (0.3, 0.5): (0.25, 1.0), (0.5, 0.7): (0.25, 0.0),
+                    (0.7, 0.9): (0.0, None), (0.9, 1.0): (0.25, 1.0)}
+    assert agreement_ceiling(m, 0.5) == 0.75    # positions 3 and 4 matched, 1 and 2 as measured
+    assert agreement_ceiling(m, 0.3) == 0.75    # position 2 already agrees
+    assert agreement_ceiling(m, 0.0) == 1.0
