@@ -204,8 +204,9 @@ def make_configs(a, cores):
     return out
 
 
-def run_engine(cfg: Config, batches, a):
-    """One run of this engine (ar, sd, ssd) over every batch -> summed counters."""
+def run_engine(cfg: Config, batches, a, first=0):
+    """One run of this engine (ar, sd, ssd) over `batches` -> summed counters. first: the index of
+    batches[0] in the prompt set (its seed)."""
     tot = dict(new=0, first=0, decode_s=0.0, prefill_s=0.0, rounds=0, row_rounds=0, accepted=0,
                proposed=0, trials=0, hits=0, misses=0, tok_hit=0.0, tok_miss=0.0, wait_s=0.0,
                busy_s=0.0, fallback_rounds={}, b_star=None, hist=[], hits_per_depth=[],
@@ -213,7 +214,8 @@ def run_engine(cfg: Config, batches, a):
     for i, batch in enumerate(batches):
         s = generate(batch, target=a.target, draft=a.draft, mode=cfg.engine,
                      max_new_tokens=a.max_new_tokens, temperature=cfg.temperature, k=cfg.k or 1,
-                     seed=a.seed + i, ignore_eos=True, fan_out=cfg.fan_out, budget=cfg.budget,
+                     seed=a.seed + first + i, ignore_eos=True, fan_out=cfg.fan_out,
+                     budget=cfg.budget,
                      saguaro_c=cfg.saguaro_c, fallback=cfg.fallback, pre_spec=cfg.pre_spec,
                      target_threads=cfg.threads,
                      draft_threads=cfg.draft_threads, dtype=a.dtype,
@@ -296,15 +298,16 @@ class HF:
         sync()
         return time.perf_counter() - t
 
-    def run(self, cfg: Config, batches):
-        """One run over every batch -> the same counters as run_engine (timings only)."""
+    def run(self, cfg: Config, batches, first=0):
+        """One run over `batches` -> the same counters as run_engine (timings only)."""
         old = torch.get_num_threads()
         torch.set_num_threads(cfg.threads)
         try:
             tot = dict(new=0, first=0, decode_s=0.0, prefill_s=0.0)
             for i, batch in enumerate(batches):
-                t1 = self.generate(batch, 1, cfg, self.a.seed + i)   # prefill + the first token
-                tn = self.generate(batch, self.a.max_new_tokens, cfg, self.a.seed + i)
+                seed = self.a.seed + first + i
+                t1 = self.generate(batch, 1, cfg, seed)   # prefill + the first token
+                tn = self.generate(batch, self.a.max_new_tokens, cfg, seed)
                 tot["new"] += self.a.max_new_tokens * len(batch)
                 tot["first"] += len(batch)
                 tot["prefill_s"] += t1
@@ -626,34 +629,61 @@ def plot(rows, path):
 
 def measure(configs, batches, a, hf):
     """Warm-up, then --repeats runs of each configuration -> summarised rows (a tqdm bar over the
-    runs). The repeats are interleaved (every configuration once, then again), so that a slow
-    minute of a drifting machine lands on all configurations alike, and each pass runs them in its
-    own shuffled order: a run can slow the one after it, and a fixed order charges that to the same
-    configuration in every pass (here SSD without pre-speculation measured 0.76x SD when it always
-    ran right after a 2-thread run, 0.98x in shuffled order)."""
-    bar = tqdm(total=len(configs) * (a.warmup + a.repeats), desc="bench", unit="run",
-               file=sys.stderr)
+    generate() calls). The runs are interleaved as finely as the engines allow: in each pass, for
+    each batch of prompts in turn, every configuration decodes that batch once, in a shuffled
+    order, so that a slow second of a drifting machine lands on all configurations alike. (Whole
+    runs in turn, as this did before, let one configuration's run meet a slow minute alone: a
+    cell's passes spread over +-20%.) The order is shuffled because a run can slow the one after it,
+    and a fixed order charges that to the same configuration every time (here SSD without
+    pre-speculation measured 0.76x SD when it always ran right after a 2-thread run, 0.98x in
+    shuffled order). A configuration's run is the sum of its batches in one pass."""
+    bar = tqdm(total=sum(a.warmup + a.repeats * len(batches[c.batch]) for c in configs),
+               desc="bench", unit="gen", file=sys.stderr)
 
-    def one(cfg, bs):
+    def one(cfg, j):
         bar.set_postfix_str(f"{cfg.label} T={cfg.temperature:g} b={cfg.batch}")
-        out = hf.run(cfg, bs) if cfg.engine.startswith("hf") else run_engine(cfg, bs, a)
+        bs = batches[cfg.batch][j:j + 1]
+        out = hf.run(cfg, bs, j) if cfg.engine.startswith("hf") else run_engine(cfg, bs, a, j)
         bar.update()
         return out
 
     for cfg in configs:
         for _ in range(a.warmup):
-            one(cfg, batches[cfg.batch][:1])
+            one(cfg, 0)
     runs = [[] for _ in configs]
     for rep in range(a.repeats):
-        order = list(range(len(configs)))
-        random.Random(a.seed * 1000 + rep).shuffle(order)
-        for i in order:
-            runs[i].append(one(configs[i], batches[configs[i].batch]))
+        rng = random.Random(a.seed * 1000 + rep)
+        done = [None] * len(configs)
+        for j in range(max(len(batches[c.batch]) for c in configs)):
+            order = [i for i, c in enumerate(configs) if j < len(batches[c.batch])]
+            rng.shuffle(order)
+            for i in order:
+                x = one(configs[i], j)
+                done[i] = x if done[i] is None else add_counters(done[i], x)
+        for i, x in enumerate(done):
+            runs[i].append(x)
     bar.close()
     rows = [summarize(cfg, r) for cfg, r in zip(configs, runs)]
     add_speedups(rows)
     add_theory(rows)
     return rows
+
+
+def add_counters(x: dict, y: dict) -> dict:
+    """The counters of one configuration over two sets of batches -> over both: numbers and lists
+    add (lists elementwise), dicts add per key, b* is the later one's."""
+    out = {}
+    for k, v in x.items():
+        w = y[k]
+        if k == "b_star":
+            out[k] = w
+        elif isinstance(v, dict):
+            out[k] = {n: v.get(n, 0) + w.get(n, 0) for n in v.keys() | w.keys()}
+        elif isinstance(v, list):
+            out[k] = [p + q for p, q in zip(v, w)] if v and w else list(v or w)
+        else:
+            out[k] = v + w
+    return out
 
 
 TUNE_K, TUNE_BUDGET, TUNE_FALLBACK = (2, 3, 4, 6), (4, 8, 16), ("auto", "neural")

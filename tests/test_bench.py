@@ -73,6 +73,46 @@ def test_prompts_deterministic_and_batches():
     assert bench.batches_of([[1]], 3) == [[[1], [1], [1]]]
 
 
+def test_runs_are_interleaved_per_batch_and_summed(monkeypatch):
+    """measure: in each pass, batch j of every configuration runs before batch j + 1 of any (so a
+    slow second hits them alike), in a shuffled order, with batch j's seed; a configuration's run
+    is the sum of its batches' counters."""
+    from types import SimpleNamespace
+    calls = []
+
+    def fake_run_engine(cfg, bs, a, first=0):
+        calls.append((cfg.label, first))
+        return {"new": 10 * len(bs[0]), "decode_s": 1.0 + first, "hist": [first, 1],
+                "fallback_rounds": {"neural": 1} if first else {}, "b_star": first}
+
+    monkeypatch.setattr(bench, "run_engine", fake_run_engine)
+    monkeypatch.setattr(bench, "summarize", lambda cfg, runs: {"label": cfg.label, "runs": runs})
+    monkeypatch.setattr(bench, "add_speedups", lambda rows: None)
+    monkeypatch.setattr(bench, "add_theory", lambda rows: None)
+    configs = [bench.Config(e, 0.0, b, label=f"{e}{b}") for e in ("sd", "ssd") for b in (1, 2)]
+    batches = {1: [[[1]], [[2]], [[3]]], 2: [[[1], [2]], [[3], [1]]]}  # 3 batches of 1, 2 of 2
+    a = SimpleNamespace(warmup=1, repeats=2, seed=0)
+    rows = bench.measure(configs, batches, a, hf=None)
+    timed = calls[len(configs):]  # after one warm-up call each, on batch 0
+    assert calls[:len(configs)] == [(c.label, 0) for c in configs]
+    assert len(timed) == 2 * (3 + 3 + 2 + 2)
+    for p in range(2):
+        one_pass = timed[p * 10:(p + 1) * 10]
+        assert [j for _, j in one_pass] == sorted(j for _, j in one_pass)  # batch by batch
+        assert sorted(one_pass) == sorted((c.label, j) for c in configs
+                                          for j in range(len(batches[c.batch])))
+    # shuffled: the configurations' order is not the same for every batch of every pass
+    groups = {(p, j): [lbl for lbl, jj in timed[p * 10:(p + 1) * 10] if jj == j]
+              for p in range(2) for j in range(2)}
+    assert len({tuple(g) for g in groups.values()}) > 1
+    by_label = {r["label"]: r["runs"] for r in rows}
+    assert len(by_label["sd1"]) == 2  # one run per pass
+    assert by_label["sd1"][0] == {"new": 30, "decode_s": 1.0 + 2.0 + 3.0, "hist": [3, 3],
+                                  "fallback_rounds": {"neural": 2}, "b_star": 2}
+    assert by_label["ssd2"][1] == {"new": 40, "decode_s": 3.0, "hist": [1, 2],
+                                   "fallback_rounds": {"neural": 1}, "b_star": 1}
+
+
 def test_prompt_file(tmp_path):
     f = tmp_path / "p.jsonl"
     f.write_text('{"prompt": "a b"}\n{"prompt": "c"}\n')
