@@ -632,8 +632,8 @@ def measure(configs, batches, a, hf):
     generate() calls). The runs are interleaved as finely as the engines allow: in each pass, for
     each batch of prompts in turn, every configuration decodes that batch once, in a shuffled
     order, so that a slow second of a drifting machine lands on all configurations alike. (Whole
-    runs in turn, as this did before, let one configuration's run meet a slow minute alone: a
-    cell's passes spread over +-20%.) The order is shuffled because a run can slow the one after it,
+    runs in turn let one configuration's run meet a slow minute alone: a cell's passes then spread
+    over +-20% here.) The order is shuffled because a run can slow the one after it,
     and a fixed order charges that to the same configuration every time (here SSD without
     pre-speculation measured 0.76x SD when it always ran right after a 2-thread run, 0.98x in
     shuffled order). A configuration's run is the sum of its batches in one pass."""

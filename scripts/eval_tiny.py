@@ -70,7 +70,7 @@ def pair_metrics(target_logits, draft_logits, labels) -> dict:
     y = labels.flatten()
     p = lp.softmax(-1)
     agree = lp.argmax(-1) == lq.argmax(-1)                                              # [N]
-    inner = torch.tensor(CONFIDENCE_EDGES[1:-1])
+    inner = torch.tensor(CONFIDENCE_EDGES[1:-1], device=lp.device)
     bins = torch.bucketize(p.max(-1).values, inner, right=True)                         # [N]
     nbins = len(CONFIDENCE_EDGES) - 1
     return {
@@ -213,6 +213,7 @@ def main():
     print(f"(1) loss  target {quality['target_loss']:.4f}  draft {quality['draft_loss']:.4f}  (nats/token)")
     print(f"(2) greedy agreement   {quality['greedy_agreement']:.4f}")
     print(f"(3) acceptance at T=1  {quality['acceptance_t1']:.4f}")
+
     cfg_t = json.loads((tdir / "config.json").read_text())
     cfg_d = json.loads((ddir / "config.json").read_text())
     flop_ratio = flops_per_token(cfg_t) / flops_per_token(cfg_d)
