@@ -207,10 +207,7 @@ def make_configs(a, cores):
 def run_engine(cfg: Config, batches, a, first=0):
     """One run of this engine (ar, sd, ssd) over `batches` -> summed counters. first: the index of
     batches[0] in the prompt set (its seed)."""
-    tot = dict(new=0, first=0, decode_s=0.0, prefill_s=0.0, rounds=0, row_rounds=0, accepted=0,
-               proposed=0, trials=0, hits=0, misses=0, tok_hit=0.0, tok_miss=0.0, wait_s=0.0,
-               busy_s=0.0, fallback_rounds={}, b_star=None, hist=[], hits_per_depth=[],
-               lookups_per_depth=[], stopped=0, skipped=0, budget_rounds=0.0, verify_s=0.0)
+    tot = None
     for i, batch in enumerate(batches):
         s = generate(batch, target=a.target, draft=a.draft, mode=cfg.engine,
                      max_new_tokens=a.max_new_tokens, temperature=cfg.temperature, k=cfg.k or 1,
@@ -220,35 +217,36 @@ def run_engine(cfg: Config, batches, a, first=0):
                      target_threads=cfg.threads,
                      draft_threads=cfg.draft_threads, dtype=a.dtype,
                      graphs=False if a.no_graphs else None).stats
-        hist = s["accept_len_histogram"]
-        tot["new"] += s["new_tokens"]
-        tot["first"] += s["batch"]  # the first token of each row comes from the prefill
-        tot["decode_s"] += s["decode_seconds"]
-        tot["prefill_s"] += s["prefill_seconds"]
-        tot["verify_s"] += s["verify_seconds"]
-        tot["rounds"] += s["rounds"]
-        tot["row_rounds"] += sum(hist)
-        tot["accepted"] += sum(j * h for j, h in enumerate(hist))
-        tot["proposed"] += sum(hist) * (len(hist) - 1)
-        # for the paper's per-token a (capped-geometric MLE): accepted / trials
-        tot["trials"] += sum(h * acceptance_trials(j, len(hist) - 1) for j, h in enumerate(hist))
-        tot["hist"] = [x + y for x, y in zip(tot["hist"], hist)] if tot["hist"] else list(hist)
-        if cfg.engine == "ssd":
-            tot["hits"] += s["hits"]
-            tot["misses"] += s["misses"]
-            tot["tok_hit"] += s["tokens_per_round_hit"] * s["hits"]     # one lookup per row-round
-            tot["tok_miss"] += s["tokens_per_round_miss"] * s["misses"]
-            tot["wait_s"] += s["verifier_wait_seconds"]
-            tot["busy_s"] += s["draft_busy_seconds"]
-            for kind, n in s["fallback_rounds"].items():
-                tot["fallback_rounds"][kind] = tot["fallback_rounds"].get(kind, 0) + n
-            tot["b_star"] = s["b_star"]
-            tot["stopped"] += s["pre_speculation_stopped"]
-            tot["skipped"] += s["pre_speculation_skipped"]
-            tot["budget_rounds"] += s["mean_budget"] * s["rounds"]
-            for key in ("hits_per_depth", "lookups_per_depth"):
-                tot[key] = [x + y for x, y in zip(tot[key], s[key])] if tot[key] else list(s[key])
+        c = counters(cfg, s)
+        tot = c if tot is None else add_counters(tot, c)
     return tot
+
+
+def counters(cfg: Config, s: dict) -> dict:
+    """One generate()'s stats -> the counters a run sums over its batches (add_counters)."""
+    hist = s["accept_len_histogram"]
+    K = len(hist) - 1
+    c = dict(new=s["new_tokens"],
+             first=s["batch"],  # the first token of each row comes from the prefill
+             decode_s=s["decode_seconds"], prefill_s=s["prefill_seconds"],
+             verify_s=s["verify_seconds"], rounds=s["rounds"], row_rounds=sum(hist),
+             accepted=sum(j * h for j, h in enumerate(hist)), proposed=sum(hist) * K,
+             # for the paper's per-token a (capped-geometric MLE): accepted / trials
+             trials=sum(h * acceptance_trials(j, K) for j, h in enumerate(hist)), hist=list(hist),
+             hits=0, misses=0, tok_hit=0.0, tok_miss=0.0, wait_s=0.0, busy_s=0.0,
+             fallback_rounds={}, b_star=None, hits_per_depth=[], lookups_per_depth=[], stopped=0,
+             skipped=0, budget_rounds=0.0)
+    if cfg.engine == "ssd":
+        c.update(hits=s["hits"], misses=s["misses"],
+                 tok_hit=s["tokens_per_round_hit"] * s["hits"],  # one lookup per row-round
+                 tok_miss=s["tokens_per_round_miss"] * s["misses"],
+                 wait_s=s["verifier_wait_seconds"], busy_s=s["draft_busy_seconds"],
+                 fallback_rounds=dict(s["fallback_rounds"]), b_star=s["b_star"],
+                 hits_per_depth=list(s["hits_per_depth"]),
+                 lookups_per_depth=list(s["lookups_per_depth"]),
+                 stopped=s["pre_speculation_stopped"], skipped=s["pre_speculation_skipped"],
+                 budget_rounds=s["mean_budget"] * s["rounds"])
+    return c
 
 
 class HF:

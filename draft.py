@@ -202,7 +202,7 @@ class Branches:
     guess."""
     seqs: list[int]       # [M] forked KV sequences
     guess: list[int]      # [M] the bonus token each one guessed (its first input)
-    drafted: Drafted      # their draft steps: K + 1, or fewer if the outcome arrived first
+    drafted: Drafted      # their draft steps: K, or fewer if the outcome arrived first
     F: list[int]          # the fan-out the next round's guesses will use
 
 

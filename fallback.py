@@ -116,7 +116,7 @@ def critical_batch_size(p_hit=None, E_hit=None, T_p=None, E_f=None, T_f=None, T_
     with T_p clamped to <= 1 as the paper does (the cache is built within one verification, so a hit
     round lasts 1). Symbols: p_hit, the per-sequence cache hit rate; E_hit, tokens per round of the
     neural draft; E_f, tokens per round of the fast backup's proposals; T_p, the time to build the
-    cache; T_n, the neural backup's time on a miss (default: T_p; measured, it is K + 1 draft steps
+    cache; T_n, the neural backup's time on a miss (default: T_p; measured, it is K draft steps
     for the rows that missed only); T_f, the fast backup's time (all times in verifications).
     "Beats" is strict; we
     search the integers 1..b_max (their ratio is monotone in w, so it flips at most once). Returns

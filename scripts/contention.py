@@ -42,14 +42,10 @@ import torch.multiprocessing as mp
 from channel import start_child
 from model import load_model, resolve
 from run import split_cores
+from scripts.gpu_check import sync
 
 MODES = ("idle", "poll", "draft")  # what the draft's process does during the verification
 GAPS = ("draft", "poll", "sleep")   # what this process did right before it
-
-
-def sync(device):
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def rows_with_context(model, b, context, seed):
@@ -144,7 +140,7 @@ def after(a, b, model, draft) -> dict:
     cache, seqs = rows_with_context(draft, b, a.context, seed=1)
     V = draft.config.vocab_size
 
-    def draft_k():
+    def draft_steps():
         start = time.perf_counter()
         for _ in range(a.k):
             draft.forward_cached(cache, seqs, torch.randint(V, (b,), device=a.draft_device),
@@ -161,9 +157,9 @@ def after(a, b, model, draft) -> dict:
 
     verify = verification(model, b, a)
     for _ in range(a.warmup):
-        draft_k(), verify()
-    gap = statistics.median(draft_k() for _ in range(a.per_mode))
-    gaps = {"draft": draft_k, "poll": lambda: poll(gap), "sleep": lambda: time.sleep(gap)}
+        draft_steps(), verify()
+    gap = statistics.median(draft_steps() for _ in range(a.per_mode))
+    gaps = {"draft": draft_steps, "poll": lambda: poll(gap), "sleep": lambda: time.sleep(gap)}
     times = {g: [] for g in GAPS}
     for _ in range(a.repeats):
         for g in random.sample(GAPS, len(GAPS)):
