@@ -1,0 +1,534 @@
+"""Distil a small Llama draft for any target this engine loads, so that SD and SSD have a draft that
+shares the target's tokenizer and agrees with it as often as a small model can.
+
+    python scripts/distill_draft.py --target smollm2-135m --out checkpoints/smollm2-135m-draft
+
+What a draft has to predict is the target's own text: during speculative decoding the draft
+continues what the target has emitted. So the data here is the target's answers to chat prompts,
+and the labels are the target's distributions at every position of those answers. Stages, each
+resumable from --work-dir (run the same command again after a kill; nothing done is redone):
+
+  1. prompts   chat prompts built reproducibly from material every machine has offline: templates
+               over a list of topics, and the first paragraph of docstrings from the running
+               Python's standard library. A topic or a docstring is held out by a hash of its text,
+               so the held-out prompts ask about things the training prompts never mention.
+  2. answers   the target answers every prompt with this engine (model.Transformer, paged KV
+               cache, batched): a --greedy-share of the answers greedy, the rest sampled at
+               --sample-temp. At each answer position the logits that chose the next token ARE
+               the target's distribution there, so its top --topk log-probabilities are kept as
+               the label (a full 49k-entry row per token would not fit in memory); no second
+               target pass is needed.
+  3. draft     a small Llama (--hidden, --layers: which target layers to start from), initialised
+               from the target: the embedding projected onto its top --hidden principal directions
+               (P, [D, d]) and each listed target layer mapped into that subspace (init_draft).
+               Trained on the answer positions with the KL from the target's top-k law (plus the
+               rest of its mass as one bucket) to the draft's, under bf16 autocast on a CPU.
+               Logged every --eval-every steps: held-out greedy agreement (the draft's argmax is
+               the target's, on the target's greedy answers) and the KL.
+  4. export    an HF directory (config.json, model.safetensors in bf16, the target's tokenizer
+               files, distill.json with the command, data, steps, time and final metrics) that this
+               engine and transformers both load.
+
+The default --work-dir is in ~/.cache, outside the repository, so that a long run survives a new
+checkout. On a GPU, --device cuda runs every stage there (minutes instead of hours).
+"""
+import argparse
+import hashlib
+import json
+import math
+import os
+import random
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # so `python scripts/distill_draft.py` imports the engine
+    sys.path.insert(0, str(REPO))
+
+from model import load_model, resolve  # noqa: E402  (after the path is set)
+
+# ----------------------------------------------------------------------------------------------------
+# 1. Prompts
+
+TOPICS = """
+hash tables; binary search; recursion; sorting algorithms; linked lists; the Python GIL; unit testing;
+version control with git; regular expressions; HTTP requests; JSON; databases and SQL; indexes in a
+database; caching; memory leaks; garbage collection; threads and processes; async programming;
+compilers; interpreters; the TCP/IP model; DNS; encryption; public key cryptography; passwords;
+operating systems; file systems; virtual memory; machine learning; neural networks; gradient
+descent; overfitting; probability; statistics; the mean and the median; prime numbers; fractions;
+percentages; algebra; geometry; the Pythagorean theorem; calculus; derivatives; integrals; vectors;
+matrices; photosynthesis; the water cycle; climate change; volcanoes; earthquakes; the solar system;
+black holes; gravity; electricity; magnets; light; sound waves; atoms; chemical reactions; acids
+and bases; DNA; evolution; the immune system; vaccines; the human heart; sleep; nutrition; exercise;
+meditation; stress; time management; public speaking; job interviews; writing a resume; learning a
+language; reading habits; studying for exams; teamwork; leadership; negotiation; budgeting; saving
+money; compound interest; inflation; supply and demand; the stock market; taxes; renting an
+apartment; buying a car; cooking pasta; baking bread; making coffee; growing tomatoes; keeping a
+houseplant alive; adopting a dog; training a cat; birdwatching; hiking; camping; cycling; running a
+marathon; swimming; chess; football; the Olympic Games; ancient Rome; ancient Egypt; the Renaissance;
+the Industrial Revolution; the printing press; the invention of the telephone; the Moon landing;
+democracy; human rights; recycling; renewable energy; solar panels; electric cars; trains; airplanes;
+bridges; skyscrapers; maps; weather forecasts; rainbows; oceans; rivers; deserts; rainforests;
+mountains; coral reefs; bees; whales; dinosaurs; music theory; learning the guitar; painting;
+photography; poetry; writing a short story; friendship; kindness; gratitude; habits; motivation;
+smartphones; social media; online privacy; spreadsheets; email etiquette; open source software;
+the command line; Docker containers; cloud computing; web browsers; HTML and CSS; JavaScript; APIs;
+sorting a list in Python; reading a file in Python; Python decorators; Python generators; list
+comprehensions; classes and objects; inheritance; exceptions; dictionaries; string formatting
+"""
+TEMPLATES = [
+    "Explain {} in simple terms.", "What is {}?", "Give me three tips about {}.",
+    "Write a short paragraph about {}.", "Why does {} matter?", "What are common mistakes with {}?",
+    "Describe {} to a ten-year-old.", "List the key facts about {}.",
+    "Write a haiku about {}.", "What are the pros and cons of {}?", "How would you teach {}?",
+    "Summarize {} in two sentences.", "Tell me something surprising about {}.",
+    "What questions should a beginner ask about {}?", "Compare {} with something from everyday life.",
+    "Write a short dialogue between two friends about {}.",
+]
+DOC_TEMPLATES = ["Explain this documentation in plain words:\n\n{}",
+                 "Summarize the following text:\n\n{}",
+                 "Rewrite this more simply:\n\n{}"]
+
+
+def held_out(text: str, percent: int) -> bool:
+    """A stable split by content: held out iff md5(text) % 100 < percent."""
+    return int(hashlib.md5(text.encode()).hexdigest(), 16) % 100 < percent
+
+
+def stdlib_docstrings(limit: int) -> list[str]:
+    """First paragraphs (80-400 characters) of module docstrings of the running Python's standard
+    library, in a fixed order: real, varied English on every machine, no download."""
+    import ast
+    root = Path(sysconfig.get_paths()["stdlib"])
+    out = []
+    for path in sorted(root.glob("*.py")) + sorted(root.glob("*/__init__.py")):
+        try:
+            doc = ast.get_docstring(ast.parse(path.read_text(errors="replace")))
+        except (SyntaxError, ValueError):
+            continue
+        para = " ".join((doc or "").split("\n\n")[0].split())
+        if 80 <= len(para) <= 400:
+            out.append(para)
+        if len(out) >= limit:
+            break
+    return out
+
+
+def build_prompts(n_train: int, n_heldout: int, seed: int, heldout_percent: int = 15):
+    """-> (train, heldout) lists of prompt strings; the same arguments give the same lists. About
+    one prompt in five is a docstring prompt, the rest templates over topics; held-out topics and
+    docstrings are never used in training prompts."""
+    topics = [t.strip() for t in TOPICS.replace("\n", " ").split(";") if t.strip()]
+    docs = stdlib_docstrings(400)
+    pools = {}
+    for split, keep in (("train", False), ("heldout", True)):
+        pools[split] = ([tpl.format(t) for t in topics if held_out(t, heldout_percent) == keep
+                         for tpl in TEMPLATES]
+                        + [tpl.format(d) for d in docs if held_out(d, heldout_percent) == keep
+                           for tpl in DOC_TEMPLATES])
+    rng = random.Random(seed)
+    train, heldout = pools["train"], pools["heldout"]
+    rng.shuffle(train)
+    rng.shuffle(heldout)
+    if n_train > len(train) or n_heldout > len(heldout):
+        raise ValueError(f"asked for {n_train} training / {n_heldout} held-out prompts, the "
+                         f"material makes {len(train)} / {len(heldout)}: ask for fewer")
+    return train[:n_train], heldout[:n_heldout]
+
+
+def encode_prompt(tok, prompt: str) -> list[int]:
+    """The chat template where the tokenizer has one (instruct models), else BOS + the text."""
+    if getattr(tok, "chat_template", None):
+        return list(tok.apply_chat_template([{"role": "user", "content": prompt}],
+                                            add_generation_prompt=True, tokenize=True,
+                                            return_dict=False))
+    ids = tok(prompt)["input_ids"]
+    return ids if tok.bos_token_id is None or ids[:1] == [tok.bos_token_id] else \
+        [tok.bos_token_id] + ids
+
+
+# ----------------------------------------------------------------------------------------------------
+# 2. The target's answers, with its top-k law at every answer position
+
+@torch.no_grad()
+def answer(target, prompts: list[list[int]], max_new: int, temperature: float, topk: int,
+           eos: set[int], gen: torch.Generator) -> list[dict]:
+    """Batched decoding with the engine's paged KV cache. temperature 0: greedy. Returns per
+    prompt {"prompt", "answer" (ids, EOS kept), "top_ids" [A, k] int32, "top_logp" [A, k] fp16}:
+    row i of the top-k is the target's law for answer token i (A = len(answer))."""
+    dev = target.device
+    b = len(prompts)
+    cache = target.new_cache(sum(len(p) + max_new for p in prompts) + 16 * b)
+    sids = [cache.new_seq() for _ in prompts]
+    logits = target.prefill(cache, sids, prompts)  # [b, V]
+    out = [{"prompt": p, "answer": [], "top_ids": [], "top_logp": []} for p in prompts]
+    active = list(range(b))
+    for _ in range(max_new):
+        logp = F.log_softmax(logits.float(), -1)  # [len(active), V]
+        top = logp.topk(topk, -1)
+        if temperature == 0:
+            nxt = logp.argmax(-1)
+        else:
+            probs = F.softmax(logits.float() / temperature, -1)
+            nxt = torch.multinomial(probs.cpu(), 1, generator=gen).squeeze(1)
+        ids, vals, nxt = top.indices.cpu(), top.values.cpu(), nxt.cpu().tolist()
+        still = []
+        for j, r in enumerate(active):
+            o = out[r]
+            o["answer"].append(nxt[j])
+            o["top_ids"].append(ids[j].to(torch.int32))
+            o["top_logp"].append(vals[j].half())
+            if nxt[j] not in eos:
+                still.append((r, j))
+        if not still:
+            break
+        active = [r for r, _ in still]
+        tokens = torch.tensor([nxt[j] for _, j in still], device=dev)
+        logits = target.forward_cached(cache, [sids[r] for r in active], tokens, [1] * len(active),
+                                       last_only=True)
+    for o in out:
+        o["top_ids"], o["top_logp"] = torch.stack(o["top_ids"]), torch.stack(o["top_logp"])
+    return out
+
+
+def make_answers(target, tok, prompts: list[str], split: str, args, work: Path) -> list[dict]:
+    """All answers of one split, in chunk files of --gen-batch prompts (a kill loses at most the
+    chunk in progress). Training prompts: the first --greedy-share of each chunk greedy, the rest
+    sampled; held-out prompts: all greedy (agreement is measured on the target's greedy text)."""
+    eos = set(target.config.eos_token_ids) | ({tok.eos_token_id} - {None})
+    folder = work / "answers"
+    folder.mkdir(exist_ok=True)
+    examples = []
+    for c in range(0, len(prompts), args.gen_batch):
+        path = folder / f"{split}_{c // args.gen_batch:05d}.pt"
+        if not path.exists():
+            t0 = time.time()
+            chunk = [encode_prompt(tok, p) for p in prompts[c:c + args.gen_batch]]
+            n_greedy = len(chunk) if split == "heldout" else round(len(chunk) * args.greedy_share)
+            gen = torch.Generator().manual_seed(args.seed * 100_003 + c)
+            part = answer(target, chunk[:n_greedy], args.max_new_tokens, 0.0, args.topk, eos, gen)
+            if n_greedy < len(chunk):
+                part += answer(target, chunk[n_greedy:], args.max_new_tokens, args.sample_temp,
+                               args.topk, eos, gen)
+            for i, ex in enumerate(part):
+                ex["greedy"] = i < n_greedy
+            torch.save(part, path.with_suffix(".tmp"))
+            os.replace(path.with_suffix(".tmp"), path)
+            n_tok = sum(len(ex["answer"]) for ex in part)
+            log(work, f"answers {split} {c + len(chunk)}/{len(prompts)}: {n_tok} tokens in "
+                      f"{time.time() - t0:.0f}s")
+        examples += torch.load(path)
+    return examples
+
+
+# ----------------------------------------------------------------------------------------------------
+# 3. The draft: initialised from the target, trained on its top-k law
+
+def target_state(target) -> dict:
+    """The target's parameters under HF names, in float32 on the CPU (q/k/v, gate/up unpacked)."""
+    return {k: v.detach().float().cpu() for k, v in target.checkpoint_params().items()}
+
+
+def draft_config(target, hidden: int, n_layers: int):
+    """An HF LlamaConfig for the draft: the target's heads, head size, MLP width, RoPE, vocabulary
+    and special tokens; only the residual width (hidden) and the depth are smaller."""
+    from transformers import LlamaConfig
+    c = target.config
+    rope = {"rope_type": "default", "rope_theta": c.rope_theta}
+    if c.rope_scaling and c.rope_scaling.get("rope_type") == "llama3":
+        rope = dict(c.rope_scaling, rope_theta=c.rope_theta)
+    return LlamaConfig(vocab_size=c.vocab_size, hidden_size=hidden,
+                       intermediate_size=c.intermediate_size, num_hidden_layers=n_layers,
+                       num_attention_heads=c.num_attention_heads,
+                       num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim,
+                       rms_norm_eps=c.rms_norm_eps, rope_parameters=rope,
+                       max_position_embeddings=c.max_position_embeddings,
+                       tie_word_embeddings=True, bos_token_id=c.bos_token_id,
+                       eos_token_id=c.eos_token_ids[0] if len(c.eos_token_ids) == 1
+                       else c.eos_token_ids, hidden_act="silu", attention_bias=False,
+                       mlp_bias=False)
+
+
+def init_draft(draft, tsd: dict, layers: list[int]):
+    """Map the target into the draft's narrower residual stream. P [D, d]: the top-d right singular
+    vectors of the target's embedding, so a target residual x ~ P z for a draft residual z.
+    - embedding (tied with the head): E P.
+    - a layer's input side (q, k, v, gate, up, after an RMSNorm with weight g): the target computes
+      W (g * x / rms_D(x)) and, with x = P z, x / rms_D(x) = sqrt(D / d) P (z / rms_d(z)), so the
+      draft's W' = sqrt(D / d) W diag(g) P and its norm weight starts at 1.
+    - a layer's output side (o, down) writes into the residual: W' = P^T W.
+    - the final norm: its weight folded the same way, approximately (diag of P^T diag(g) P).
+    Draft layer i starts as target layer layers[i]; training fixes what the projection loses."""
+    E = tsd["model.embed_tokens.weight"]  # [V, D]
+    D, d = E.shape[1], draft.config.hidden_size
+    P = torch.linalg.svd(E, full_matrices=False).Vh[:d].T  # [D, d], orthonormal columns
+    scale = math.sqrt(D / d)
+    new = {"model.embed_tokens.weight": E @ P,
+           "model.norm.weight": scale * (P * tsd["model.norm.weight"][:, None] * P).sum(0)}
+    for i, src in enumerate(layers):
+        t = f"model.layers.{src}."
+        s = f"model.layers.{i}."
+        for norm, projs in (("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj",
+                                                 "self_attn.v_proj")),
+                            ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"))):
+            g = tsd[t + norm + ".weight"]
+            new[s + norm + ".weight"] = torch.ones(d)
+            for proj in projs:
+                new[s + proj + ".weight"] = scale * (tsd[t + proj + ".weight"] * g) @ P
+        for proj in ("self_attn.o_proj", "mlp.down_proj"):
+            new[s + proj + ".weight"] = P.T @ tsd[t + proj + ".weight"]
+    missing = draft.load_state_dict(new, strict=False).missing_keys
+    assert set(missing) <= {"lm_head.weight"}, missing  # the head is tied to the embedding
+
+
+def batches(examples: list[dict], batch_tokens: int, rng: random.Random):
+    """Shuffled batches of examples whose padded size stays within batch_tokens."""
+    order = list(range(len(examples)))
+    rng.shuffle(order)
+    batch, longest = [], 0
+    for i in order:
+        n = len(examples[i]["prompt"]) + len(examples[i]["answer"])
+        if batch and max(longest, n) * (len(batch) + 1) > batch_tokens:
+            yield batch
+            batch, longest = [], 0
+        batch.append(examples[i])
+        longest = max(longest, n)
+    if batch:
+        yield batch
+
+
+def collate(batch: list[dict], device):
+    """-> input ids [B, T] (right-padded with 0: causal attention never lets a real position see
+    the padding), the flat indices of the answer positions in [B * T] (position t predicts token
+    t + 1: the last prompt token predicts answer token 0), and the top-k labels at them."""
+    T = max(len(ex["prompt"]) + len(ex["answer"]) - 1 for ex in batch)
+    x = torch.zeros(len(batch), T, dtype=torch.long)
+    where, ids, logp = [], [], []
+    for r, ex in enumerate(batch):
+        seq = ex["prompt"] + ex["answer"][:-1]  # the last answer token predicts nothing we keep
+        x[r, :len(seq)] = torch.tensor(seq)
+        start = len(ex["prompt"]) - 1
+        where.append(r * T + torch.arange(start, start + len(ex["answer"])))
+        ids.append(ex["top_ids"])
+        logp.append(ex["top_logp"])
+    return (x.to(device), torch.cat(where).to(device), torch.cat(ids).long().to(device),
+            torch.cat(logp).float().to(device))
+
+
+def topk_kl(draft_logits, top_ids, top_logp):
+    """KL(p || q) per position between the target's law p, known on its top-k tokens plus the rest
+    of its mass as one bucket, and the draft's law q coarsened the same way. -> [N]."""
+    logq = F.log_softmax(draft_logits.float(), -1)
+    logq_top = logq.gather(-1, top_ids)  # [N, k]
+    p_top = top_logp.exp()
+    p_rest = (1 - p_top.sum(-1)).clamp_min(1e-8)
+    q_rest = (1 - logq_top.exp().sum(-1)).clamp_min(1e-8)
+    return (p_top * (top_logp - logq_top)).sum(-1) + p_rest * (p_rest.log() - q_rest.log())
+
+
+def draft_logits(draft, x, where):
+    """The draft's logits at the answer positions only: the LM head over 49k tokens is most of the
+    work, and prompt positions carry no label."""
+    h = draft.model(input_ids=x).last_hidden_state  # [B, T, d]
+    return draft.lm_head(h.flatten(0, 1)[where])  # [N, V]
+
+
+@torch.no_grad()
+def evaluate(draft, examples: list[dict], device, batch_tokens: int) -> dict:
+    """On the held-out greedy answers: greedy agreement (the draft's argmax is the target's top-1,
+    the token greedy SD accepts), mean KL, and sum_x min(p, q) over the target's top-k (a lower
+    bound on the expected acceptance of one sampled draft token at temperature 1)."""
+    draft.eval()
+    agree = kl = overlap = n = 0.0
+    for batch in batches(examples, batch_tokens, random.Random(0)):
+        x, where, ids, logp = collate(batch, device)
+        with autocast(device):
+            logits = draft_logits(draft, x, where).float()
+        agree += (logits.argmax(-1) == ids[:, 0]).sum().item()
+        kl += topk_kl(logits, ids, logp).sum().item()
+        q_top = F.softmax(logits, -1).gather(-1, ids)
+        overlap += torch.minimum(q_top, logp.exp()).sum().item()
+        n += len(ids)
+    draft.train()
+    return {"agreement": agree / n, "kl": kl / n, "accept_t1_lower": overlap / n,
+            "positions": int(n)}
+
+
+def autocast(device):
+    """bf16 autocast: about 2x faster forwards on a CPU with AVX512-BF16, and on any GPU."""
+    return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
+
+
+def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
+    """Linear warm-up, then cosine down to a tenth of the peak."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return peak * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
+
+
+def train(draft, train_ex: list[dict], heldout_ex: list[dict], args, work: Path) -> dict:
+    """AdamW on the mean top-k KL over answer positions; resumes from work/draft.pt (weights,
+    optimizer, step, the data order's epoch and the seconds spent), saves every --save-every-s."""
+    opt = torch.optim.AdamW(draft.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    state_path = work / "draft.pt"
+    step, epoch, epoch_start, spent = 0, 0, 0, 0.0
+    if state_path.exists():
+        st = torch.load(state_path, map_location=args.device)
+        draft.load_state_dict(st["model"])
+        opt.load_state_dict(st["opt"])
+        step, epoch, epoch_start, spent = st["step"], st["epoch"], st["epoch_start"], st["seconds"]
+        log(work, f"draft: resumed at step {step} (epoch {epoch}, {spent:.0f}s spent)")
+
+    def save():
+        tmp = state_path.with_suffix(".tmp")
+        torch.save({"model": draft.state_dict(), "opt": opt.state_dict(), "step": step,
+                    "epoch": epoch, "epoch_start": epoch_start, "seconds": spent}, tmp)
+        os.replace(tmp, state_path)
+
+    metrics = {}
+    t_last = t_save = time.time()
+    while step < args.steps:
+        # an epoch's batches are a function of its number, so a resumed run skips the ones done
+        epoch_batches = list(batches(train_ex, args.batch_tokens, random.Random(args.seed + epoch)))
+        for batch in epoch_batches[step - epoch_start:]:
+            if step >= args.steps:
+                break
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
+            x, where, ids, logp = collate(batch, args.device)
+            with autocast(args.device):
+                logits = draft_logits(draft, x, where)
+            loss = topk_kl(logits, ids, logp).mean()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
+            opt.step()
+            step += 1
+            now = time.time()
+            spent, t_last = spent + now - t_last, now
+            if step % args.eval_every == 0 or step == args.steps:
+                metrics = evaluate(draft, heldout_ex, args.device, args.batch_tokens)
+                log(work, f"draft step {step}/{args.steps} epoch {epoch} loss {loss.item():.3f} "
+                          f"held-out agreement {metrics['agreement']:.3f} kl {metrics['kl']:.3f}"
+                          f" accept_t1>= {metrics['accept_t1_lower']:.3f} ({spent:.0f}s)")
+                t_last = time.time()  # evaluation is not training time
+            if now - t_save > args.save_every_s or step == args.steps:
+                save()
+                t_save = time.time()
+        if step < args.steps:  # the epoch ran out
+            epoch, epoch_start = epoch + 1, step
+            save()
+    if not metrics:  # a resumed run that had already finished its steps
+        metrics = evaluate(draft, heldout_ex, args.device, args.batch_tokens)
+    metrics["train_seconds"] = round(spent)
+    return metrics
+
+
+# ----------------------------------------------------------------------------------------------------
+# 4. Export, and the driver
+
+def export(draft, tok, out: Path, info: dict):
+    """config.json + model.safetensors (bf16) + the target's tokenizer files + distill.json."""
+    out.mkdir(parents=True, exist_ok=True)
+    draft.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+    draft.float()
+    tok.save_pretrained(out)
+    (out / "distill.json").write_text(json.dumps(info, indent=1) + "\n")
+
+
+def log(work: Path, line: str):
+    line = f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line}"
+    print(line, flush=True)
+    with open(work / "log.txt", "a") as f:
+        f.write(line + "\n")
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--target", required=True, help="any model run.py loads (alias, dir, GGUF)")
+    ap.add_argument("--out", required=True, help="the draft's HF directory")
+    ap.add_argument("--work-dir", default=None,
+                    help="resumable state (default: ~/.cache/ssd-distill/<out's name>)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    g = ap.add_argument_group("data")
+    g.add_argument("--prompts", type=int, default=1200, help="training prompts")
+    g.add_argument("--heldout", type=int, default=60, help="held-out prompts")
+    g.add_argument("--max-new-tokens", type=int, default=192)
+    g.add_argument("--greedy-share", type=float, default=0.5)
+    g.add_argument("--sample-temp", type=float, default=0.7)
+    g.add_argument("--topk", type=int, default=32)
+    g.add_argument("--gen-batch", type=int, default=32)
+    g = ap.add_argument_group("draft")
+    g.add_argument("--hidden", type=int, default=252,
+                   help="the draft's residual width d (a multiple of the target's heads)")
+    g.add_argument("--layers", default="0,1,2,29",
+                   help="target layers the draft's layers start from, in order (their count is "
+                        "the draft's depth)")
+    g.add_argument("--steps", type=int, default=3000)
+    g.add_argument("--batch-tokens", type=int, default=4096)
+    g.add_argument("--lr", type=float, default=1e-3)
+    g.add_argument("--warmup", type=int, default=50)
+    g.add_argument("--eval-every", type=int, default=200)
+    g.add_argument("--save-every-s", type=float, default=120)
+    g.add_argument("--seed", type=int, default=0)
+    return ap.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    work = Path(args.work_dir or Path.home() / ".cache" / "ssd-distill" / out.resolve().name)
+    work.mkdir(parents=True, exist_ok=True)
+    t_start = time.time()
+    log(work, "distill_draft.py " + " ".join(sys.argv[1:] if argv is None else argv))
+
+    target, tok = load_model(args.target, device=args.device, dtype="float32")
+    if tok is None:
+        raise SystemExit(f"error: {args.target} has no tokenizer: a draft needs the target's")
+    layers = [int(x) for x in args.layers.split(",")]
+    n_target, heads = target.config.num_hidden_layers, target.config.num_attention_heads
+    if args.hidden % heads:  # transformers' Llama insists, even with head_dim given
+        raise SystemExit(f"error: --hidden {args.hidden}: give a multiple of the target's "
+                         f"{heads} attention heads")
+    if not layers or any(not 0 <= x < n_target for x in layers):
+        raise SystemExit(f"error: --layers {args.layers}: give target layers in [0, {n_target})")
+
+    train_prompts, heldout_prompts = build_prompts(args.prompts, args.heldout, args.seed)
+    heldout_ex = make_answers(target, tok, heldout_prompts, "heldout", args, work)
+    train_ex = make_answers(target, tok, train_prompts, "train", args, work)
+    log(work, f"data: {len(train_ex)} answers, {sum(len(e['answer']) for e in train_ex)} tokens "
+              f"to train on; {sum(len(e['answer']) for e in heldout_ex)} held-out")
+
+    from transformers import LlamaForCausalLM
+    torch.manual_seed(args.seed)
+    draft = LlamaForCausalLM(draft_config(target, args.hidden, len(layers))).to(args.device)
+    init_draft(draft, target_state(target), layers)
+    draft.train()
+    n_params = sum(p.numel() for p in draft.parameters())
+    del target  # training needs the memory, not the target: its labels are on disk
+    log(work, f"draft: {n_params / 1e6:.1f}M parameters (hidden {args.hidden}, layers from the "
+              f"target's {layers})")
+    metrics = train(draft, train_ex, heldout_ex, args, work)
+    info = {"command": "python scripts/distill_draft.py " +
+                       " ".join(sys.argv[1:] if argv is None else argv),
+            "target": args.target, "target_file": resolve(args.target).name,
+            "train_prompts": len(train_ex), "heldout_prompts": len(heldout_ex),
+            "train_tokens": sum(len(e["answer"]) for e in train_ex),
+            "steps": args.steps, "parameters": n_params, **metrics,
+            "session_seconds": round(time.time() - t_start)}
+    export(draft, tok, out, info)
+    log(work, f"exported to {out}: {json.dumps(metrics)}")
+
+
+if __name__ == "__main__":
+    main()

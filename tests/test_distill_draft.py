@@ -1,0 +1,119 @@
+"""scripts/distill_draft.py: the draft distillation, end to end on a tiny random target, and its pure
+parts (the target-to-draft projection, the top-k KL, the prompt split)."""
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import hf_model, make_checkpoint
+from model import load_model
+from scripts import distill_draft as dd
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def tiny_target(path: Path) -> Path:
+    """A random tied Llama (llama3 RoPE scaling) with the tiny pair's tokenizer (4096 tokens)."""
+    make_checkpoint(path, "llama_tied_rope", vocab_size=4096, bos_token_id=0, eos_token_id=1)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(REPO / "checkpoints" / "tiny-target" / f, path / f)
+    return path
+
+
+ARGS = ["--prompts", "12", "--heldout", "4", "--max-new-tokens", "12", "--gen-batch", "8",
+        "--hidden", "32", "--layers", "0,1", "--steps", "6", "--eval-every", "3",
+        "--batch-tokens", "256", "--topk", "8"]
+
+
+def test_end_to_end_export_loads_in_the_engine_and_in_transformers_and_resumes(tmp_path):
+    target = tiny_target(tmp_path / "target")
+    out, work = tmp_path / "draft", tmp_path / "work"
+    dd.main(["--target", str(target), "--out", str(out), "--work-dir", str(work), *ARGS])
+    info = json.loads((out / "distill.json").read_text())
+    assert info["steps"] == 6 and info["train_prompts"] == 12 and 0 <= info["agreement"] <= 1
+    assert (out / "tokenizer.json").exists() and (out / "config.json").exists()
+
+    engine, tok = load_model(out)  # this engine ...
+    hf = hf_model(out)             # ... and transformers compute the same logits
+    x = torch.tensor([tok("def f(x): return x")["input_ids"]])
+    torch.testing.assert_close(engine(x), hf(x).logits.float(), atol=1e-4, rtol=1e-4)
+    assert tok.get_vocab() == load_model(target)[1].get_vocab()  # the target's tokenizer
+
+    # a second run of the same command redoes nothing: answers and steps come from the work dir
+    answers = sorted(p.stat().st_mtime_ns for p in (work / "answers").iterdir())
+    dd.main(["--target", str(target), "--out", str(out), "--work-dir", str(work), *ARGS])
+    assert sorted(p.stat().st_mtime_ns for p in (work / "answers").iterdir()) == answers
+    assert "draft: resumed at step 6" in (work / "log.txt").read_text()
+
+
+def test_resume_mid_run_continues_where_it_stopped(tmp_path):
+    """3 steps, then the same run asked for 6: it resumes at step 3 and ends at step 6."""
+    target = tiny_target(tmp_path / "target")
+    common = ["--target", str(target), "--out", str(tmp_path / "d"), "--work-dir",
+              str(tmp_path / "w")]
+    dd.main(common + [a if a != "6" else "3" for a in ARGS])
+    dd.main(common + ARGS)
+    log = (tmp_path / "w" / "log.txt").read_text()
+    assert "draft: resumed at step 3" in log and "draft step 6/6" in log
+    assert "draft step 4/6" not in log.split("resumed at step 3")[0]
+
+
+def test_init_draft_at_full_width_with_every_layer_is_the_target():
+    """With d = D the projection P is a rotation: the mapped draft computes the target's logits
+    exactly (the final norm's fold is exact when its weight is uniform, set so here)."""
+    import tempfile
+    from transformers import LlamaForCausalLM
+    with tempfile.TemporaryDirectory() as tmp:
+        path = make_checkpoint(tmp, "llama_tied_rope")
+        target = hf_model(path)
+        engine_target, _ = load_model(path, tokenizer=False)
+    with torch.no_grad():
+        target.model.norm.weight.fill_(1.3)
+    tsd = {k: v.float() for k, v in target.state_dict().items()}
+    D, L = target.config.hidden_size, target.config.num_hidden_layers
+    draft = LlamaForCausalLM(dd.draft_config(engine_target, D, L)).eval()
+    dd.init_draft(draft, tsd, list(range(L)))
+    x = torch.randint(100, (2, 12))
+    torch.testing.assert_close(draft(x).logits, target(x).logits, atol=1e-4, rtol=1e-4)
+    # control: a narrower draft only approximates it
+    narrow = LlamaForCausalLM(dd.draft_config(engine_target, D // 2, L)).eval()
+    dd.init_draft(narrow, tsd, list(range(L)))
+    assert (narrow(x).logits - target(x).logits).abs().max() > 1e-2
+
+
+def test_topk_kl_is_the_kl_when_k_covers_the_vocabulary_and_coarsens_otherwise():
+    torch.manual_seed(0)
+    p_logits, q_logits = torch.randn(5, 20) * 2, torch.randn(5, 20) * 2
+    logp = F.log_softmax(p_logits, -1)
+    full = (logp.exp() * (logp - F.log_softmax(q_logits, -1))).sum(-1)
+    top = logp.topk(20, -1)
+    torch.testing.assert_close(dd.topk_kl(q_logits, top.indices, top.values), full,
+                               atol=1e-4, rtol=1e-4)
+    top4 = logp.topk(4, -1)
+    coarse = dd.topk_kl(q_logits, top4.indices, top4.values)
+    assert (coarse <= full + 1e-5).all() and (coarse >= 0).all()  # coarsening loses information
+    assert dd.topk_kl(p_logits, top4.indices, top4.values).abs().max() < 1e-5  # q = p: zero
+
+
+def test_prompts_are_reproducible_and_held_out_by_content():
+    train, heldout = dd.build_prompts(200, 40, seed=0)
+    assert (train, heldout) == dd.build_prompts(200, 40, seed=0)
+    assert not set(train) & set(heldout)
+    topics = [t.strip() for t in dd.TOPICS.replace("\n", " ").split(";") if t.strip()]
+    held_topics = [t for t in topics if dd.held_out(t, 15)]
+    assert held_topics and not {tpl.format(t) for t in held_topics for tpl in dd.TEMPLATES} & set(train)
+    with pytest.raises(ValueError, match="ask for fewer"):
+        dd.build_prompts(10 ** 6, 4, seed=0)
+
+
+def test_bad_arguments_are_one_line_errors(tmp_path):
+    target = tiny_target(tmp_path / "target")
+    for bad, needle in ((["--hidden", "30"], "multiple of the target's 4 attention heads"),
+                        (["--layers", "0,5"], "give target layers in [0, 2)")):
+        with pytest.raises(SystemExit, match=re.escape(needle)):
+            dd.main(["--target", str(target), "--out", str(tmp_path / "o"), "--work-dir",
+                     str(tmp_path / "w"), *ARGS, *bad])
