@@ -157,39 +157,41 @@ def encode_prompt(tok, prompt: str) -> list[int]:
 # 2. The target's answers, with its top-k law at every answer position
 
 @torch.no_grad()
-def answer(target, prompts: list[list[int]], max_new: int, temperature: float, topk: int,
+def answer(target, prompts: list[list[int]], temps: list[float], max_new: int, topk: int,
            eos: set[int], gen: torch.Generator) -> list[dict]:
-    """Batched decoding with the engine's paged KV cache. temperature 0: greedy. Returns per
-    prompt {"prompt", "answer" (ids, EOS kept), "top_ids" [A, k] int32, "top_logp" [A, k] fp16}:
-    row i of the top-k is the target's law for answer token i (A = len(answer))."""
+    """Batched decoding with the engine's paged KV cache, row i at temperature temps[i] (0: greedy).
+    Returns per prompt {"prompt", "answer" (ids, EOS kept), "top_ids" [A, k] int32, "top_logp"
+    [A, k] fp16}: row a of the top-k is the target's law for answer token a (A = len(answer))."""
     dev = target.device
     b = len(prompts)
     cache = target.new_cache(sum(len(p) + max_new for p in prompts) + 16 * b)
     sids = [cache.new_seq() for _ in prompts]
     logits = target.prefill(cache, sids, prompts)  # [b, V]
     out = [{"prompt": p, "answer": [], "top_ids": [], "top_logp": []} for p in prompts]
+    temp = torch.tensor(temps, dtype=torch.float32)
     active = list(range(b))
     for _ in range(max_new):
-        logp = F.log_softmax(logits.float(), -1)  # [len(active), V]
-        top = logp.topk(topk, -1)
-        if temperature == 0:
-            nxt = logp.argmax(-1)
-        else:
-            probs = F.softmax(logits.float() / temperature, -1)
-            nxt = torch.multinomial(probs.cpu(), 1, generator=gen).squeeze(1)
-        ids, vals, nxt = top.indices.cpu(), top.values.cpu(), nxt.cpu().tolist()
+        logits = logits.float().cpu()  # [len(active), V]
+        top = F.log_softmax(logits, -1).topk(topk, -1)
+        t = temp[active]
+        nxt = logits.argmax(-1)
+        if (t > 0).any():  # the sampled rows draw from softmax(logits / T)
+            s = t > 0
+            probs = F.softmax(logits[s] / t[s, None], -1)
+            nxt[s] = torch.multinomial(probs, 1, generator=gen).squeeze(1)
+        nxt = nxt.tolist()
         still = []
         for j, r in enumerate(active):
             o = out[r]
             o["answer"].append(nxt[j])
-            o["top_ids"].append(ids[j].to(torch.int32))
-            o["top_logp"].append(vals[j].half())
+            o["top_ids"].append(top.indices[j].to(torch.int32))
+            o["top_logp"].append(top.values[j].half())
             if nxt[j] not in eos:
-                still.append((r, j))
+                still.append(j)
         if not still:
             break
-        active = [r for r, _ in still]
-        tokens = torch.tensor([nxt[j] for _, j in still], device=dev)
+        active = [active[j] for j in still]
+        tokens = torch.tensor([nxt[j] for j in still], device=dev)
         logits = target.forward_cached(cache, [sids[r] for r in active], tokens, [1] * len(active),
                                        last_only=True)
     for o in out:
@@ -199,25 +201,26 @@ def answer(target, prompts: list[list[int]], max_new: int, temperature: float, t
 
 def make_answers(target, tok, prompts: list[str], split: str, args, work: Path) -> list[dict]:
     """All answers of one split, in chunk files of --gen-batch prompts (a kill loses at most the
-    chunk in progress). Training prompts: the first --greedy-share of each chunk greedy, the rest
-    sampled; held-out prompts: all greedy (agreement is measured on the target's greedy text)."""
+    chunk in progress). Training prompts: a --greedy-share of each chunk's rows (spread evenly)
+    greedy, the others sampled at --sample-temp; held-out prompts: all greedy (agreement is
+    measured on the target's greedy text)."""
     eos = set(target.config.eos_token_ids) | ({tok.eos_token_id} - {None})
     folder = work / "answers"
     folder.mkdir(exist_ok=True)
     examples = []
     for c in range(0, len(prompts), args.gen_batch):
-        path = folder / f"{split}_{c // args.gen_batch:05d}.pt"
+        chunk = prompts[c:c + args.gen_batch]
+        path = folder / f"{split}_{c:05d}-{c + len(chunk):05d}.pt"  # which prompts it answers
         if not path.exists():
             t0 = time.time()
-            chunk = [encode_prompt(tok, p) for p in prompts[c:c + args.gen_batch]]
-            n_greedy = len(chunk) if split == "heldout" else round(len(chunk) * args.greedy_share)
+            share = 1.0 if split == "heldout" else args.greedy_share
+            greedy = [math.floor((i + 1) * share) > math.floor(i * share) for i in range(len(chunk))]
             gen = torch.Generator().manual_seed(args.seed * 100_003 + c)
-            part = answer(target, chunk[:n_greedy], args.max_new_tokens, 0.0, args.topk, eos, gen)
-            if n_greedy < len(chunk):
-                part += answer(target, chunk[n_greedy:], args.max_new_tokens, args.sample_temp,
-                               args.topk, eos, gen)
-            for i, ex in enumerate(part):
-                ex["greedy"] = i < n_greedy
+            part = answer(target, [encode_prompt(tok, p) for p in chunk],
+                          [0.0 if g else args.sample_temp for g in greedy], args.max_new_tokens,
+                          args.topk, eos, gen)
+            for ex, g in zip(part, greedy):
+                ex["greedy"] = g
             torch.save(part, path.with_suffix(".tmp"))
             os.replace(path.with_suffix(".tmp"), path)
             n_tok = sum(len(ex["answer"]) for ex in part)
@@ -459,13 +462,13 @@ def parse_args(argv=None):
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
     g = ap.add_argument_group("data")
-    g.add_argument("--prompts", type=int, default=1200, help="training prompts")
+    g.add_argument("--prompts", type=int, default=800, help="training prompts")
     g.add_argument("--heldout", type=int, default=60, help="held-out prompts")
     g.add_argument("--max-new-tokens", type=int, default=192)
     g.add_argument("--greedy-share", type=float, default=0.5)
     g.add_argument("--sample-temp", type=float, default=0.7)
     g.add_argument("--topk", type=int, default=32)
-    g.add_argument("--gen-batch", type=int, default=32)
+    g.add_argument("--gen-batch", type=int, default=64)
     g = ap.add_argument_group("draft")
     g.add_argument("--hidden", type=int, default=252,
                    help="the draft's residual width d (a multiple of the target's heads)")
