@@ -22,25 +22,29 @@ import torch
 import torch.multiprocessing as mp
 
 from draft import DraftConfig, Proposals, load_draft
+from model import to_device
 
 
 class Channel:
     """The shared tensors between the verifier and the speculator (b rows at most)."""
 
     def __init__(self, b, K, V, send_q: bool, pin: bool, spin: float = 0.0):
-        self.count = torch.zeros(1, dtype=torch.long)     # rows in the current message
-        self.rows = torch.zeros(b, dtype=torch.long)      # the verifier's row ids
-        self.n = torch.zeros(b, dtype=torch.long)         # outcome: accepted count
-        self.t = torch.zeros(b, dtype=torch.long)         # outcome: bonus token
-        self.round_seconds = torch.zeros(1, dtype=torch.float64)  # the verifier's last round
-        self.stop = torch.zeros(1, dtype=torch.bool)
+        def host(*shape, dtype=torch.long):  # host memory, whatever the default device
+            return torch.zeros(*shape, dtype=dtype, device="cpu")
+        self.count = host(1)                              # rows in the current message
+        self.rows = host(b)                               # the verifier's row ids
+        self.n = host(b)                                  # outcome: accepted count
+        self.t = host(b)                                  # outcome: bonus token
+        self.round_seconds = host(1, dtype=torch.float64)  # the verifier's last round
+        self.stop = host(1, dtype=torch.bool)
         # set with each outcome (and stop), cleared when the speculator reads it: pre-speculation
         # polls it between steps (a shared flag costs nothing to read)
-        self.posted = torch.zeros(1, dtype=torch.bool)
-        self.tokens = torch.zeros(b, K, dtype=torch.long)  # proposals x_1..x_K
-        self.q = torch.zeros(b, K, V) if send_q else None  # their laws (temperature 0: not needed)
-        self.deterministic = torch.zeros(b, dtype=torch.bool)
-        self.hit = torch.zeros(b, dtype=torch.bool)
+        self.posted = host(1, dtype=torch.bool)
+        self.tokens = host(b, K)                          # proposals x_1..x_K
+        # their laws (temperature 0: not needed)
+        self.q = host(b, K, V, dtype=torch.float32) if send_q else None
+        self.deterministic = host(b, dtype=torch.bool)
+        self.hit = host(b, dtype=torch.bool)
         for x in self.tensors():
             x.share_memory_()
         # signals: semaphores, each released by one side and acquired by the other. Not events: an
@@ -77,10 +81,10 @@ class Channel:
     def send_outcome(self, rows, n, t, round_seconds):
         b = len(rows)
         self.count[0] = b
-        self.rows[:b] = torch.tensor(rows)
+        self.rows[:b] = torch.tensor(rows, dtype=torch.long, device="cpu")
         put(self.n, n), put(self.t, t)
         self.round_seconds[0] = round_seconds or 0.0
-        flush(n.device)
+        flush(n.device, t.device)
         self.posted[0] = True
         self.outcome_ready.release()
 
@@ -98,16 +102,28 @@ class Channel:
 
     # -- speculator -> verifier
     def send_proposals(self, p: Proposals):
-        put(self.tokens, p.tokens), put(self.deterministic, p.deterministic), put(self.hit, p.hit)
+        pairs = [(self.tokens, p.tokens), (self.deterministic, p.deterministic), (self.hit, p.hit)]
         if self.q is not None:
-            put(self.q, p.q)
-        flush(p.tokens.device)
+            pairs.append((self.q, p.q))
+        for buf, x in pairs:
+            put(buf, x)
+        flush(*(x.device for _, x in pairs))
         self.proposals_ready.release()
 
-    def proposals(self, b) -> Proposals:
-        # tokens and flags are copied (the output keeps them); q is read during verify only
-        return Proposals(self.tokens[:b].clone(), None if self.q is None else self.q[:b],
-                         self.deterministic[:b].clone(), self.hit[:b].clone())
+    def proposals(self, b, device) -> Proposals:
+        """The proposals on `device` (the verifier's; `hit` stays on the host, which reads it).
+        On a GPU they cross without blocking from the page-locked buffers, which the speculator
+        rewrites only after the next outcome, sent once this round's verification has been read
+        on the host (so after these copies). On the CPU tokens and flags are copied out (a
+        caller may keep them past the next message); q is read during verify only."""
+        tokens, deterministic = self.tokens[:b], self.deterministic[:b]
+        q = None if self.q is None else self.q[:b]
+        if device.type == "cpu":
+            tokens, deterministic = tokens.clone(), deterministic.clone()
+        else:
+            tokens, deterministic = to_device(tokens, device), to_device(deterministic, device)
+            q = None if q is None else to_device(q, device)
+        return Proposals(tokens, q, deterministic, self.hit[:b].clone())
 
 
 def put(buf, x):
@@ -115,10 +131,13 @@ def put(buf, x):
     buf[:len(x)].copy_(x, non_blocking=True)
 
 
-def flush(device):
-    """Wait for the asynchronous copies out of `device`, before the other side is signalled."""
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
+def flush(*devices):
+    """Wait for the asynchronous copies out of every device a message came from (its tensors may
+    sit on several: round 1's n and t, proposals on the draft's GPU with flags on the host),
+    before the other side is signalled."""
+    for device in set(devices):
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
 
 
 def start_child(target, args) -> mp.Process:
@@ -212,7 +231,7 @@ class SpeculatorProcess:
     def respond(self, rows, n, t, round_seconds=None) -> Proposals:
         self.ch.send_outcome(rows, n, t, round_seconds)
         wait_for(self.ch.proposals_ready, self.proc.is_alive, "speculator", spin=self.ch.spin)
-        return self.ch.proposals(len(rows))
+        return self.ch.proposals(len(rows), n.device)  # on the verifier's device, as n is
 
     def finish(self, rows):
         pass  # the next outcome names only the rows still running; the others are freed there

@@ -16,7 +16,7 @@ import time
 import torch
 
 from draft import Proposals
-from model import to_host
+from model import device_index, to_device, to_host
 
 
 class Output:
@@ -52,7 +52,7 @@ class Output:
         self.rounds += 1
         K = tokens.shape[1]
         # one read of the round's outcome and proposals: [b, 2 + K] = n, t, x_1..x_K per row
-        host = to_host(torch.cat([n[:, None], t[:, None], tokens.to(n.device)], 1))
+        host = to_host(torch.cat([n[:, None], t[:, None], to_device(tokens, n.device)], 1))
         hit = None if hit is None else hit.tolist()  # a host tensor
         finished = []
         for i, r in enumerate(rows):
@@ -112,8 +112,9 @@ class NoDraft:
 
     def draft(self, rows) -> Proposals:
         b = len(rows)
-        return Proposals(torch.zeros(b, 0, dtype=torch.long), None, torch.ones(b, dtype=torch.bool),
-                         torch.zeros(b, dtype=torch.bool))
+        return Proposals(torch.zeros(b, 0, dtype=torch.long, device="cpu"), None,
+                         torch.ones(b, dtype=torch.bool, device="cpu"),
+                         torch.zeros(b, dtype=torch.bool, device="cpu"))
 
     def commit(self, rows, n, t):
         pass
@@ -130,7 +131,7 @@ def decode_sd(verifier, drafter, prompts, out: Output):
     t0 = verifier.prefill(prompts)  # round 0: no proposals, its outcome is (0, t0)
     prefill_s, start = time.perf_counter() - start, time.perf_counter()
     all_rows = list(range(len(prompts)))
-    drafter.commit(all_rows, torch.zeros(len(prompts), dtype=torch.long), t0)
+    drafter.commit(all_rows, torch.zeros_like(t0), t0)  # n = 0, on t0's device
     finished = out.first(t0)
     while True:
         drafter.finish(finished)
@@ -172,15 +173,17 @@ def decode_ssd(verifier, speculator, prompts, out: Output):
     speculator.pre_speculate(list(range(b)))  # round 0's outcome is (0, t0): guess t0
     t0 = verifier.prefill(prompts)
     prefill_s, start = time.perf_counter() - start, time.perf_counter()
-    rows, n, t, verify_start, wait = list(range(b)), torch.zeros(b, dtype=torch.long), t0, None, 0.0
+    rows, n, t, verify_start, wait = list(range(b)), torch.zeros_like(t0), t0, None, 0.0
     finished = out.first(t0)
     while True:
         verifier.finish(finished)
         speculator.finish(finished)
         keep = [i for i, r in enumerate(rows) if not out.done[r]]
-        rows, n, t = [rows[i] for i in keep], n[keep], t[keep]
-        if not rows:
+        if not keep:
             return prefill_s, time.perf_counter() - start, wait
+        if len(keep) < len(rows):  # the outcome of the rows still running, on its device
+            idx = device_index(keep, n.device)
+            rows, n, t = [rows[i] for i in keep], n.index_select(0, idx), t.index_select(0, idx)
         round_s = time.perf_counter() - verify_start if verify_start else None
         p, n, t, wait_s, verify_start = ssd_round(verifier, speculator, rows, n, t, round_s)
         wait, out.verify_s = wait + wait_s, out.verify_s + time.perf_counter() - verify_start

@@ -16,10 +16,11 @@ import torch
 
 import fallback
 from fallback import BACKUPS, POLICIES, critical_batch_size
-from model import PagedKVCache, Transformer, load_model, to_host
+from model import PagedKVCache, Transformer, device_index, load_model, to_device, to_host
 from saguaro_sample import exp_noise, probs_from_logits, sample, saguaro
 from spec_cache import (DEFAULT_A, DEFAULT_R, AcceptanceTracker, PreSpecGate, SpecCache,
-                        expected_tokens, fan_out, guess_triples, next_budget)
+                        expected_tokens, fan_out, guess_triples, next_budget,
+                        select_guesses_batch)
 
 
 @dataclass
@@ -139,7 +140,8 @@ class Drafter:
             self.rows[r].proposed, self.rows[r].pending = proposed, []  # fed by draft_k
         b = len(rows)
         return Proposals(tok, q if self.temperature > 0 else None,
-                         torch.full((b,), self.temperature == 0), torch.zeros(b, dtype=torch.bool))
+                         torch.full((b,), self.temperature == 0, device=tok.device),
+                         torch.zeros(b, dtype=torch.bool, device="cpu"))
 
     def commit(self, rows, n, t):
         """Follow the outcome (n accepted, bonus t): the committed sequence grows by x_1..x_n, t.
@@ -281,13 +283,15 @@ class Speculator(Drafter):
         for F, group in groups.items():
             q_raw = torch.stack([self.rows[r].q_raw for r in group])  # [g, K+1, V]
             x = torch.tensor([self.rows[r].proposed for r in group], dtype=torch.long,
-                             device=q_raw.device).view(len(group), -1)  # [g, K]
-            for i, j, g in to_host(torch.stack(guess_triples(q_raw, x, list(F)), 1)):  # [m, 3]
+                             device="cpu").view(len(group), -1)  # [g, K]
+            guesses = to_host(select_guesses_batch(q_raw, to_device(x, q_raw.device), list(F)))
+            for i, j, g in guess_triples(guesses):
                 owner.append(group[i]), depth.append(j), guess.append(g)
         seqs = [self.cache.fork(self.rows[r].seq, len(self.rows[r].history) + j)
                 for r, j in zip(owner, depth)]
         F_next = self.fan_out_for(fast=False)  # a hit answers with neural proposals
-        self.branch_gen.manual_seed(torch.randint(2**62, (1,), generator=self.seeds).item())
+        self.branch_gen.manual_seed(
+            torch.randint(2**62, (1,), generator=self.seeds, device="cpu").item())
         drafted = Drafted()
         if seqs:
             drafted = draft_k(self.model, self.cache, seqs, [[g] for g in guess], self.K,
@@ -334,10 +338,6 @@ class Speculator(Drafter):
         # B and b* model rounds that pre-speculate: a skipped one's times are the gate's alone
         if round_seconds is not None and br is not None:
             self.round_seconds.append(round_seconds)
-        tokens = torch.zeros(b, K, dtype=torch.long, device=self.model.device)
-        q = torch.zeros(b, K, self.V, device=self.model.device) if self.temperature > 0 else None
-        deterministic = torch.full((b,), self.temperature == 0)
-        hit = torch.zeros(b, dtype=torch.bool)
         hits, misses = [], []  # (i, branch m) / i
         outcome = to_host(torch.stack([n, t], 1))
         for i, (r, (n_r, t_r)) in enumerate(zip(rows, outcome)):
@@ -357,6 +357,7 @@ class Speculator(Drafter):
                 self.cache.truncate(row.seq, keep)
                 row.pending = row.history[keep:]  # [t], or more if pre-speculation was skipped
                 misses.append(i)
+        parts = []  # (row positions, tokens [m, K], q [m, K, V] or None): hits, then misses
         if hits:  # the branch holds the committed tokens + the next x_1..x_K
             hit_tokens, hit_q, hit_q_raw = self.finish_branches([m for _, m in hits])
             for (i, m), proposed, q_raw in zip(hits, to_host(hit_tokens), hit_q_raw):
@@ -365,20 +366,20 @@ class Speculator(Drafter):
                 row.seq, row.proposed, row.q_raw, row.F, row.fast = (br.seqs[m], proposed, q_raw,
                                                                      br.F, False)
                 row.pending = proposed[-1:]  # x_K: the next pre_speculate feeds it
-            idx = [i for i, _ in hits]
-            tokens[idx], hit[idx] = hit_tokens, True
-            if q is not None:
-                q[idx] = hit_q
+            parts.append(([i for i, _ in hits], hit_tokens, hit_q))
         for m in self.spec_cache.clear():  # branches of outcomes that did not happen
             self.cache.free(br.seqs[m])
         self.branches = None
+        one_hot = set()  # rows a fast backup proposed for: not sampled, tested one-hot
         if misses:
             backup = self.propose_on_miss([rows[i] for i in misses], b, skipped=br is None)
-            tokens[misses] = backup.tokens
+            parts.append((misses, backup.tokens, backup.q))
             if backup.q is None:
-                deterministic[misses] = True
-            elif q is not None:
-                q[misses] = backup.q
+                one_hot = set(misses)
+        tokens, q = in_row_order(parts, b, self.V if self.temperature > 0 else None)
+        missed = set(misses)
+        flags = [[self.temperature == 0 or i in one_hot, i not in missed] for i in range(b)]
+        deterministic, hit = torch.tensor(flags, device="cpu").unbind(1)  # on the host
         now = time.perf_counter()
         self.busy_seconds += now - start
         if self.gate is not None:
@@ -391,7 +392,7 @@ class Speculator(Drafter):
         remaining steps now, with the noise they would have had in the full batch: the same tokens
         as without the stop. Feeding x_K waits for the next pre-speculation (feed_pending)."""
         br = self.branches
-        idx = torch.tensor(ms, device=self.model.device)
+        idx = device_index(ms, self.model.device)
         d = br.drafted.rows(idx)
         if d.steps < self.K:
             d = draft_k(self.model, self.cache, [br.seqs[m] for m in ms],
@@ -471,6 +472,27 @@ class Speculator(Drafter):
                                {"on": self.gate.rate_on(), "off": self.gate.rate_off()}),
                 "mean_budget": self.budget_sum / self.pre_rounds if self.pre_rounds else 0.0,
                 "fan_out": self.fan_out_for(fast=False), "acceptance_estimate": self.accept.a()}
+
+
+def in_row_order(parts, b: int, V: int | None):
+    """One round's proposals in row order: tokens [b, K] and q [b, K, V] (None when V is: at
+    temperature 0) from parts (row positions, tokens [m, K], q [m, K, V] or None: deterministic
+    rows, whose q the verifier never reads) covering rows 0..b-1. When the parts interleave, one
+    index built on the host crosses to the device (indexing device tensors with a list would copy
+    synchronously)."""
+    order = [i for pos, _, _ in parts for i in pos]
+    tokens = torch.cat([x for _, x, _ in parts])
+    q = None
+    if V is not None:
+        q = torch.cat([x if x is not None else torch.zeros(*x_tok.shape, V, device=x_tok.device)
+                       for _, x_tok, x in parts])
+    if order == list(range(b)):
+        return tokens, q
+    where = [0] * b  # where[i]: row i's place in the concatenation
+    for k, i in enumerate(order):
+        where[i] = k
+    idx = device_index(where, tokens.device)
+    return tokens.index_select(0, idx), None if q is None else q.index_select(0, idx)
 
 
 # --------------------------------------------------------------------------------------------------

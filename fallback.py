@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from model import to_device
 from spec_cache import DEFAULT_A, expected_tokens
 
 # Defaults for b* before anything is measured (assumptions, times normalised to one verification):
@@ -188,10 +189,11 @@ def propose(kind, histories, K, V, generator, neural) -> Backup:
     fast backups are deterministic (tested with a one-hot q)."""
     if kind == "neural":
         return Backup(kind, *neural())
-    if kind == "ngram":
-        tokens = torch.tensor([ngram_propose(h, K) for h in histories], dtype=torch.long)
+    if kind == "ngram":  # on the host, then one copy to the draft's device
+        tokens = torch.tensor([ngram_propose(h, K) for h in histories], dtype=torch.long,
+                              device="cpu")
     elif kind == "random":
         tokens = random_propose(len(histories), K, V, generator)
     else:
         raise ValueError(f"unknown backup {kind!r}; choose one of {', '.join(BACKUPS)}")
-    return Backup(kind, tokens.to(generator.device), None, None)
+    return Backup(kind, to_device(tokens, generator.device), None, None)

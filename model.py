@@ -510,7 +510,8 @@ class PagedKVCache:
         # padded query positions [b, T]; padding queries get position 0: their rows are never empty
         qpos = [st + i if i < c else 0 for st, c in zip(starts, counts) for i in range(T)]
         flat_table = [x for row in table for x in row]
-        host = torch.tensor(slots + positions + query_index + last + flat_table + qpos)
+        host = torch.tensor(slots + positions + query_index + last + flat_table + qpos,
+                            device="cpu")
         return host, (b, T, max_blocks)
 
     def meta(self, ints: torch.Tensor, b: int, T: int, max_blocks: int) -> AttnMeta:
@@ -535,11 +536,25 @@ PREFILL_CHUNK = 2048
 
 
 def to_device(host: torch.Tensor, device, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Every forward's host-built metadata crosses to the device here, in one copy (tests count
-    the calls): into a new tensor, or into `out` (a static-shape step's buffer)."""
+    """Every tensor the host builds crosses to the device here (a forward's metadata in one copy;
+    tests count the calls and check that nothing built from Python data crosses any other way):
+    into a new tensor, or into `out` (a static-shape step's buffer). On CUDA the copy comes from
+    page-locked memory without blocking: from pageable memory, or with a blocking copy, the host
+    would wait for the GPU to finish its queue (a copy made straight on the device, as with
+    torch.tensor(list, device=...) or indexing a device tensor with a list, waits as well). A
+    tensor already on the device is returned as it is."""
+    device = torch.device(device) if out is None else out.device
+    if device.type == "cuda" and host.device.type == "cpu" and not host.is_pinned():
+        host = host.pin_memory()  # the caching host allocator keeps it until the copy has run
     if out is None:
         return host.to(device, non_blocking=True)
     return out.copy_(host, non_blocking=True)
+
+
+def device_index(idx: list[int], device) -> torch.Tensor:
+    """A list of row positions as a LongTensor on `device`, for index_select / index_copy_ on
+    device tensors: built on the host, it crosses in one copy (to_device)."""
+    return to_device(torch.tensor(idx, dtype=torch.long, device="cpu"), device)
 
 
 def to_host(x: torch.Tensor) -> list:
@@ -694,7 +709,10 @@ class Transformer(nn.Module):
         to the cache. Returns float32 logits [N, V], or [b, V] (each sequence's last token) if
         last_only. A step whose rows all add the same few tokens (decode, verification) takes the
         static-shape path when it is on (`self.static`, below); the others plan and run here."""
-        tokens = torch.as_tensor(tokens, device=self.device)
+        if not torch.is_tensor(tokens):  # a list (prompts, a draft's pending tokens)
+            tokens = to_device(torch.tensor(tokens, dtype=torch.long, device="cpu"), self.device)
+        elif tokens.device != self.device:
+            tokens = to_device(tokens, self.device)
         if self.static is not None and self.static.fits(counts):
             logits = self.static.step(self, cache, seq_ids, tokens, counts[0])  # [b * T, V]
             return logits.view(len(seq_ids), counts[0], -1)[:, -1] if last_only else logits

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from model import to_device
+
 # Used before any counters exist (assumptions, not measurements of this engine):
 # a: the paper's acceptance rate, Llama-3.1-70B / Llama-3.2-1B at temperature 1 with C = 1.
 DEFAULT_A = 0.8
@@ -250,19 +252,19 @@ def select_guesses_batch(q_raw: torch.Tensor, drafted: torch.Tensor, F: list[int
     excl = torch.cat([drafted, drafted.new_full((b, 1), -1)], dim=1)       # [b, K+1]: none at K
     keep = idx != excl.unsqueeze(-1)                                       # [b, K+1, k]
     rank = keep.cumsum(-1) - 1                                             # rank among kept
-    Ft = torch.tensor(F, device=q_raw.device).view(1, K1, 1)
+    Ft = to_device(torch.tensor(F, device="cpu"), q_raw.device).view(1, K1, 1)
     keep &= rank < Ft
     out = torch.full((b, K1, maxF + 1), -1, dtype=torch.long, device=q_raw.device)  # +1: a dump
     out.scatter_(-1, torch.where(keep, rank, maxF), torch.where(keep, idx, -1))
     return out[..., :maxF]
 
 
-def guess_triples(q_raw: torch.Tensor, drafted: torch.Tensor, F: list[int]):
+def guess_triples(guesses: list) -> list[tuple[int, int, int]]:
     """All (row, depth j, guess token) triples of a batch, ordered by row, depth, rank: the branches
-    to fork. q_raw [b, K+1, V], drafted [b, K]. Returns (rows, depths, tokens), LongTensors [M]."""
-    g = select_guesses_batch(q_raw, drafted, F)  # [b, K+1, maxF]
-    rows, depths, ranks = (g >= 0).nonzero(as_tuple=True)  # row-major: row, depth, rank
-    return rows, depths, g[rows, depths, ranks]
+    to fork. guesses: select_guesses_batch's [b, K+1, maxF] as nested lists, read to the host in one
+    read (its number of guesses is known only there: torch.nonzero on the device would sync)."""
+    return [(i, j, x) for i, depths in enumerate(guesses) for j, ranked in enumerate(depths)
+            for x in ranked if x >= 0]
 
 
 # --------------------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from channel import start_child
-from model import TP, check_tp, load_config, load_model
+from model import TP, check_tp, load_config, load_model, to_device
 from verify import Verifier
 
 # How long a rank waits for the others in one collective before it gives up (seconds;
@@ -322,7 +322,7 @@ class TPVerifier:
         if not isinstance(h, TensorArg):
             return h  # it came in the header
         if self.rank == 0:
-            buf = x.to(self.dev).contiguous()
+            buf = to_device(x, self.dev).contiguous()  # host arguments cross without blocking
         else:
             buf = torch.empty(h.shape, dtype=h.dtype, device=self.dev)
         if buf.numel():  # ar rounds have K = 0: empty tensors need no message

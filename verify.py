@@ -13,7 +13,7 @@ import numbers
 
 import torch
 
-from model import to_host
+from model import device_index, to_device, to_host
 from saguaro_sample import probs_from_logits, sample
 
 
@@ -116,25 +116,30 @@ class Verifier:
         logits = self.model.prefill(self.cache, self.seqs, prompts)  # [b, V]
         b, V = logits.shape
         none = torch.zeros(b, 0, dtype=torch.long, device=logits.device)
-        _, self.last = accept_reject(logits[:, None, :], none, None,
-                                     torch.ones(b, dtype=torch.bool), self.temperature, self.gen)
+        every = torch.ones(b, dtype=torch.bool, device=logits.device)  # nothing was sampled
+        _, self.last = accept_reject(logits[:, None, :], none, None, every, self.temperature,
+                                     self.gen)
         return self.last.clone()
 
     def verify(self, rows: list[int], tokens, q, deterministic):
         """One round for `rows`: tokens [b, K] are the proposals and q [b, K, V] (or None) the laws
-        they were drawn from. Returns (n [b], t [b]); the cache keeps r, x_1..x_n."""
+        they were drawn from, on any device. Returns (n [b], t [b]); the cache keeps r, x_1..x_n."""
         b, K = tokens.shape
         seqs = [self.seqs[r] for r in rows]
         start = [self.cache.length(s) for s in seqs]
-        inp = torch.cat([self.last[rows, None], tokens.to(self.last.device)], 1)  # [b, K+1]
+        # the inputs cross before the forward, without blocking (after it, a blocking copy would
+        # wait for the whole verification)
+        dev = self.last.device
+        idx, tokens, deterministic = (device_index(rows, dev), to_device(tokens, dev),
+                                      to_device(deterministic, dev))
+        q = None if q is None else to_device(q, dev)
+        inp = torch.cat([self.last.index_select(0, idx)[:, None], tokens], 1)        # [b, K+1]
         logits = self.model.forward_cached(self.cache, seqs, inp.flatten(), [K + 1] * b)
         logits = logits.view(b, K + 1, -1)                                          # [b, K+1, V]
-        q = None if q is None else q.to(logits.device)
-        n, t = accept_reject(logits, inp[:, 1:], q, deterministic.to(logits.device),
-                             self.temperature, self.gen)
+        n, t = accept_reject(logits, inp[:, 1:], q, deterministic, self.temperature, self.gen)
         for s, L, n_r in zip(seqs, start, to_host(n)):
             self.cache.truncate(s, L + 1 + n_r)  # the rejected tokens never happened
-        self.last[rows] = t
+        self.last.index_copy_(0, idx, t)
         return n, t
 
     def finish(self, rows):

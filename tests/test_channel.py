@@ -28,7 +28,7 @@ def test_proposals_travel_and_are_not_aliased():
     q = torch.rand(2, K, V, generator=g)
     p = Proposals(tokens, q, torch.tensor([False, True]), torch.tensor([True, False]))
     ch.send_proposals(p)
-    got = ch.proposals(2)
+    got = ch.proposals(2, torch.device("cpu"))
     assert torch.equal(got.tokens, tokens) and torch.equal(got.q, q)
     assert got.deterministic.tolist() == [False, True] and got.hit.tolist() == [True, False]
     ch.tokens.zero_()  # the next message must not change what the verifier already emitted
@@ -41,7 +41,7 @@ def test_no_q_at_temperature_zero():
     assert ch.q is None and all(x.numel() < B * K * V for x in ch.tensors())
     ch.send_proposals(Proposals(torch.ones(1, K, dtype=torch.long), None, torch.tensor([True]),
                                 torch.tensor([False])))
-    assert ch.proposals(1).q is None
+    assert ch.proposals(1, torch.device("cpu")).q is None
 
 
 class FakeCudart:
@@ -94,6 +94,65 @@ def test_flush_waits_only_for_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_stream", lambda d: calls.append(d))
     channel.flush(torch.device("cpu"))
     assert calls == []
+
+
+class Recorder:
+    """Stands in for a message's tensors on a GPU (`put` is stubbed: only .device and len are read), for the
+    CUDA streams (synchronize is logged) and for the signal (release is logged)."""
+
+    def __init__(self, log, name, device=None, n=2):
+        self.log, self.name, self.device, self.n = log, name, device, n
+
+    def __len__(self):
+        return self.n
+
+    def synchronize(self):
+        self.log.append(("synchronize", self.name))
+
+    def release(self):
+        self.log.append(("signal", self.name))
+
+
+def test_an_outcome_is_signalled_only_after_every_device_it_came_from_is_flushed(monkeypatch):
+    """Round 1's n (the zeros of round 0) and t (the verifier's t0) are copied out asynchronously; if they
+    sat on different devices, waiting for n's alone would signal the speculator before t had arrived, and
+    a spinning speculator would read a stale t0. Every device of the message is waited for first."""
+    log = []
+    monkeypatch.setattr(channel, "put", lambda buf, x: log.append(("put", x.name)))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda d: Recorder(log, str(d)))
+    ch = Channel(B, K, V, send_q=False, pin=False)
+    ch.outcome_ready = Recorder(log, "outcome")
+    ch.send_outcome([0, 1], Recorder(log, "n", torch.device("cpu")), Recorder(log, "t", torch.device("cuda:0")),
+                    None)
+    assert log == [("put", "n"), ("put", "t"), ("synchronize", "cuda:0"), ("signal", "outcome")], log
+    log.clear()
+    ch.outcome_ready = Recorder(log, "outcome")
+    ch.send_outcome([0, 1], Recorder(log, "n", torch.device("cuda:1")), Recorder(log, "t", torch.device("cuda:0")),
+                    None)
+    assert sorted(log[2:4]) == [("synchronize", "cuda:0"), ("synchronize", "cuda:1")] and log[4][0] == "signal"
+
+
+def test_proposals_are_signalled_after_every_device_is_flushed(monkeypatch):
+    log = []
+    monkeypatch.setattr(channel, "put", lambda buf, x: log.append(("put", x.name)))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda d: Recorder(log, str(d)))
+    ch = Channel(B, K, V, send_q=True, pin=False)
+    ch.proposals_ready = Recorder(log, "proposals")
+    host, gpu = torch.device("cpu"), torch.device("cuda:1")
+    ch.send_proposals(Proposals(Recorder(log, "tokens", gpu), Recorder(log, "q", gpu), Recorder(log, "det", host),
+                                Recorder(log, "hit", host)))
+    assert log[-2:] == [("synchronize", "cuda:1"), ("signal", "proposals")], log
+
+
+def test_proposals_arrive_on_the_verifiers_device():
+    """Tokens, q and the deterministic flags cross to the verifier's device (meta stands in for a GPU here);
+    the hit flags, which only the host reads, stay there."""
+    ch = Channel(B, K, V, send_q=True, pin=False)
+    ch.send_proposals(Proposals(torch.ones(2, K, dtype=torch.long), torch.rand(2, K, V), torch.tensor([True, False]),
+                                torch.tensor([False, True])))
+    got = ch.proposals(2, torch.device("meta"))
+    assert got.tokens.device.type == got.q.device.type == got.deterministic.device.type == "meta"
+    assert got.hit.device.type == "cpu" and got.hit.tolist() == [False, True]
 
 
 class CountingSignal:

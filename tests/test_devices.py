@@ -1,0 +1,100 @@
+"""Where tensors live, checked on a CPU-only machine (issue 31): what a GPU would meet first.
+
+A CPU run cannot see device mismatches (the host is the device), so the decode loops run here under
+`torch.device("meta")` as the default device: a tensor made without naming its device lands on meta
+and collides with the models' CPU tensors exactly where, on a GPU, a host tensor would meet CUDA ones
+(host tensors say device="cpu"). Host-to-device crossings are counted with scripts/gpu_check.py's
+HostToDevice (every tensor made from Python data must cross through model.to_device, pinned and
+without blocking).
+"""
+import pytest
+import torch
+
+import model as model_module
+from conftest import make_checkpoint
+from run import generate
+from scripts.gpu_check import HostToDevice
+
+KW = dict(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2, eos_token_id=None,
+          max_position_embeddings=256)
+PROMPTS = [[1, 5, 7, 9, 11], [1, 3], [1, 8, 22, 33, 44, 55]]
+# every mode, greedy and sampled; SSD with a fixed fan-out and backup: its tokens depend on no timing
+RUNS = [("ar", {}), ("sd", {}), ("ssd", dict(parallel=False, fan_out=[2, 1, 1, 1], fallback="neural")),
+        ("ssd", dict(parallel=False, fan_out=[2, 1, 1, 1], fallback="ngram"))]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("devices")
+    return (make_checkpoint(root / "target", "llama", seed=0, **KW),
+            make_checkpoint(root / "draft", "llama", seed=1, **{**KW, "num_hidden_layers": 1}))
+
+
+def gen(pair, mode, prompts=PROMPTS, **kw):
+    kw.setdefault("target_threads", 1)
+    kw.setdefault("draft_threads", 1)
+    return generate(prompts, target=str(pair[0]), draft=str(pair[1]), mode=mode, k=3, max_new_tokens=12,
+                    ignore_eos=True, **kw)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Items 1 and 2: no tensor of the decode loops is made where the models are not
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("mode,kw", RUNS, ids=["ar", "sd", "ssd-neural", "ssd-ngram"])
+def test_decode_loops_make_no_tensor_on_the_default_device(pair, mode, kw, temperature):
+    """Under a meta default device every mode emits the tokens it emits without one: SD's and SSD's first
+    round (n = 0 beside t0) and the prefill's draw at temperature > 0 (its `deterministic` flags) make
+    their tensors on the models' device, or on the host by name."""
+    ref = gen(pair, mode, temperature=temperature, **kw).tokens
+    with torch.device("meta"):
+        res = gen(pair, mode, temperature=temperature, **kw)
+    assert res.tokens == ref
+
+
+def test_two_process_ssd_makes_no_tensor_on_the_default_device(pair):
+    """The verifier's side of the channel too (the speculator's process starts without the default)."""
+    kw = dict(fan_out=[2, 1, 1, 1], fallback="neural", temperature=1.0)
+    ref = gen(pair, "ssd", parallel=False, **kw).tokens
+    with torch.device("meta"):
+        assert gen(pair, "ssd", parallel=True, **kw).tokens == ref
+
+
+# ----------------------------------------------------------------------------------------------------
+# Item 5: host data crosses to the device only through model.to_device
+
+def crossings(pair, mode, batch, **kw):
+    """(tensors made from Python data during decoding that did not cross through to_device, to_device calls
+    per round)."""
+    h2d, started = HostToDevice(), []
+
+    def stream(row, tokens):  # the first token comes from the prefill: count from there
+        if not started:
+            started.append(h2d.mark())
+    with h2d:
+        res = gen(pair, mode, PROMPTS[:batch], stream=stream, **kw)
+    return h2d.implicit(), h2d.n() / res.stats["rounds"]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("mode,kw", RUNS, ids=["ar", "sd", "ssd-neural", "ssd-ngram"])
+def test_host_data_crosses_only_through_to_device(pair, mode, kw, temperature):
+    """Every tensor the decode loops build from Python data (a forward's plan, the rows a verification
+    reads, the proposals of hits and misses put in row order, n-gram proposals, the guesses' fan-out)
+    crosses through model.to_device: none is made on the device from a list or indexes a device tensor
+    with one (on a GPU each of those is a synchronous copy: the host waits for the device's queue). AR and
+    SD cross as often per round at batch 1 as at batch 3."""
+    implicit, per_round = crossings(pair, mode, 3, temperature=temperature, **kw)
+    assert implicit == [], implicit
+    if mode != "ssd":  # SSD's fan-out groups and hit/miss mixes vary with the batch
+        assert crossings(pair, mode, 1, temperature=temperature, **kw)[1] == per_round
+
+
+def test_host_to_device_counts_a_list_made_on_the_device(monkeypatch):
+    """The counter itself: a device tensor indexed with a list, or a list made on the device, is named."""
+    x = torch.arange(6)
+    with HostToDevice() as h2d:
+        model_module.to_device(torch.tensor([1, 2], device="cpu"), "cpu")  # the way to cross
+        x[[0, 2]]
+        torch.tensor([3, 4], device=x.device)
+    assert len(h2d.made) == 3 and len(h2d.implicit()) == 2 and h2d.n() == 1
