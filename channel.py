@@ -22,7 +22,7 @@ import torch
 import torch.multiprocessing as mp
 
 from draft import DraftConfig, Proposals, load_draft
-from model import to_device
+from model import check_device, to_device
 
 
 class Channel:
@@ -270,7 +270,9 @@ def speculator_main(cfg: DraftConfig, threads, ch: Channel, inbox, errors):
         if threads:
             torch.set_num_threads(threads)
         if torch.device(cfg.device).type == "cuda":
-            torch.cuda.set_device(cfg.device)  # first: pinning creates a context on the current GPU
+            # first: pinning creates a context on the current GPU. "cuda" alone has no index,
+            # which set_device needs: check_device names the GPU it means
+            torch.cuda.set_device(check_device(cfg.device))
         ch.pin_here()
         spec = load_draft(cfg)
         # pre-speculation stops when the outcome arrives: the verifier must not wait for branches

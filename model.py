@@ -964,6 +964,25 @@ def load_weights(model: Transformer, path: Path):
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def check_device(device) -> torch.device:
+    """A device name as this process will use it, refused in one line if it cannot be: a GPU that
+    CUDA cannot see here. "cuda" without an index becomes the current GPU's name, so that every
+    process and torch.cuda.set_device (which needs the index) agree on it."""
+    try:
+        d = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device {device!r} is not a device name: use cpu or cuda:N") from None
+    if d.type != "cuda":
+        return d
+    if not torch.cuda.is_available():
+        raise ValueError(f"device {device} requested but CUDA is not available: use --device cpu")
+    index = torch.cuda.current_device() if d.index is None else d.index
+    if index >= torch.cuda.device_count():
+        raise ValueError(f"device {device} does not exist ({torch.cuda.device_count()} GPUs "
+                         f"visible)")
+    return torch.device("cuda", index)
+
+
 def resolve_dtype(dtype, device) -> torch.dtype:
     """The dtype of a model's weights and activations on `device`: "auto" (or None), a DTYPES
     name or a torch dtype."""
@@ -1002,12 +1021,7 @@ def load_model(name_or_path, device="cpu", dtype=None, tp: TP | None = None,
     None when the model has none or tokenizer=False (callers then pass token ids). tp: this
     process's rank of a tensor-parallel model (the process group must exist); it loads only its
     slices."""
-    device = torch.device(device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {device} requested but CUDA is not available: use --device cpu")
-    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-        raise ValueError(f"device {device} does not exist ({torch.cuda.device_count()} GPUs "
-                         f"visible)")
+    device = check_device(device)
     dtype = resolve_dtype(dtype, device)
     path = resolve(name_or_path)
     gguf_file = read_gguf(path) if path.is_file() else None

@@ -22,7 +22,7 @@ from channel import SpeculatorProcess
 from decode import NoDraft, Output, decode_sd, decode_ssd
 from draft import PRE_SPEC, DraftConfig, SSDConfig, load_draft
 from fallback import POLICIES
-from model import DTYPES, load_config, load_model, load_tokenizer, resolve_dtype
+from model import DTYPES, check_device, load_config, load_model, load_tokenizer, resolve_dtype
 from tp import TP_TIMEOUT_S, TPVerifier, TPWorkers
 from verify import Verifier
 
@@ -79,10 +79,15 @@ def generate(prompts, target="tiny", draft="tiny-draft", mode="sd", max_new_toke
            else None)
     two_processes = mode == "ssd" and parallel
 
-    # where each model runs
+    # where each model runs: every device is checked before anything loads or any process starts
+    # (a GPU missing here is one line naming it, not a traceback from the speculator's process),
+    # and "cuda" becomes the GPU it means, so that every process agrees
     dev_t, dev_d = default_devices(len(target_devices) if target_devices else 1)
-    target_device = target_devices[0] if target_devices else target_device or dev_t
-    draft_device = draft_device or dev_d
+    if target_devices:
+        target_devices = [str(check_device(d)) for d in target_devices]
+    target_device = (target_devices[0] if target_devices
+                     else str(check_device(target_device or dev_t)))
+    draft_device = str(check_device(draft_device or dev_d)) if mode != "ar" else dev_d
     target_dtype, draft_dtype = (resolve_dtype(dtype, target_device),
                                  resolve_dtype(dtype, draft_device))
     if two_processes and any(same_gpu(d, draft_device) for d in target_devices or [target_device]):

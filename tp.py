@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from channel import start_child
-from model import TP, check_tp, load_config, load_model, to_device
+from model import TP, check_device, check_tp, load_config, load_model, to_device
 from verify import Verifier
 
 # How long a rank waits for the others in one collective before it gives up (seconds;
@@ -69,7 +69,8 @@ def tp_init(rank, world, store, backend, device, timeout_s=TP_TIMEOUT_S):
     rank 0 waiting)."""
     device = torch.device(device)
     if device.type == "cuda":
-        torch.cuda.set_device(device)  # NCCL uses the current device of each rank
+        # NCCL uses each rank's current device; set_device needs an index, which "cuda" lacks
+        torch.cuda.set_device(check_device(device))
     if rank > 0:
         store.set(f"joined/{rank}", "1")
     dist.init_process_group(backend, store=store, rank=rank, world_size=world,

@@ -5,13 +5,18 @@ A CPU run cannot see device mismatches (the host is the device), so the decode l
 and collides with the models' CPU tensors exactly where, on a GPU, a host tensor would meet CUDA ones
 (host tensors say device="cpu"). Host-to-device crossings are counted with scripts/gpu_check.py's
 HostToDevice (every tensor made from Python data must cross through model.to_device, pinned and
-without blocking).
+without blocking); the speculator's and the tensor-parallel ranks' torch.cuda.set_device with a stub.
 """
 import pytest
 import torch
 
+import channel
 import model as model_module
-from conftest import make_checkpoint
+import run
+import tp
+from conftest import make_checkpoint, one_line
+from draft import DraftConfig
+from model import check_device
 from run import generate
 from scripts.gpu_check import HostToDevice
 
@@ -98,3 +103,66 @@ def test_host_to_device_counts_a_list_made_on_the_device(monkeypatch):
         x[[0, 2]]
         torch.tensor([3, 4], device=x.device)
     assert len(h2d.made) == 3 and len(h2d.implicit()) == 2 and h2d.n() == 1
+
+
+# ----------------------------------------------------------------------------------------------------
+# Item 3: devices are checked before anything starts; "cuda" gets its index
+
+def test_a_missing_gpu_is_refused_before_any_process_starts(pair, monkeypatch):
+    """On a machine without CUDA, a draft (or tensor-parallel) device on a GPU is one line naming it,
+    raised before the speculator's process or any rank is started (not its traceback)."""
+    monkeypatch.setattr(channel, "start_child", lambda *a: pytest.fail("a process was started"))
+    monkeypatch.setattr(tp, "start_child", lambda *a: pytest.fail("a process was started"))
+    with pytest.raises(ValueError) as e:
+        gen(pair, "ssd", draft_device="cuda:3")
+    one_line(e, "cuda:3", "CUDA is not available")
+    with pytest.raises(ValueError) as e:
+        gen(pair, "ar", target_devices=["cuda:0", "cuda:1"])
+    one_line(e, "cuda:0", "CUDA is not available")
+
+
+def test_cli_names_a_missing_gpu_in_one_line(capsys, monkeypatch):
+    monkeypatch.setattr(channel, "start_child", lambda *a: pytest.fail("a process was started"))
+    assert run.main(["--mode", "ssd", "--draft-device", "cuda:3", "--max-new-tokens", "4", "--json"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: device cuda:3") and "\n" not in err and "Traceback" not in err, err
+
+
+@pytest.fixture
+def two_gpus(monkeypatch):
+    """A machine with two visible GPUs, the current one being cuda:1; set_device calls are recorded and
+    stop the caller right there (nothing else may touch the fake GPUs)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    calls = []
+
+    def set_device(device):
+        calls.append(device)
+        raise RuntimeError("stub: stop after set_device")
+    monkeypatch.setattr(torch.cuda, "set_device", set_device)
+    return calls
+
+
+def test_cuda_without_an_index_is_the_current_gpu(two_gpus):
+    assert check_device("cuda") == torch.device("cuda", 1) and check_device("cuda:0") == torch.device("cuda", 0)
+    assert check_device("cpu") == torch.device("cpu")
+    with pytest.raises(ValueError) as e:
+        check_device("cuda:2")
+    one_line(e, "cuda:2", "2 GPUs")
+
+
+def test_speculator_and_tp_ranks_set_an_indexed_device(two_gpus):
+    """torch.cuda.set_device needs an index: given "cuda", the speculator's process and a tensor-parallel
+    rank set the GPU it means (here the current one, cuda:1), not a device without an index."""
+    cfg = DraftConfig("unused", "cuda", torch.bfloat16, 3, 0.0, 0, 64)
+
+    class Errors(list):
+        put = list.append
+    errors = Errors()
+    with pytest.raises(SystemExit):
+        channel.speculator_main(cfg, None, None, None, errors)
+    assert "stub: stop after set_device" in errors[0][1]
+    with pytest.raises(RuntimeError, match="stub"):
+        tp.tp_init(1, 2, None, "nccl", "cuda")
+    assert [torch.device(d) for d in two_gpus] == [torch.device("cuda", 1)] * 2, two_gpus
