@@ -45,6 +45,8 @@ class Channel:
         self.q = host(b, K, V, dtype=torch.float32) if send_q else None
         self.deterministic = host(b, dtype=torch.bool)
         self.hit = host(b, dtype=torch.bool)
+        # the speculator's CUDA graph captures so far, sent with each answer (decode.Captures)
+        self.capture_seconds = host(1, dtype=torch.float64)
         for x in self.tensors():
             x.share_memory_()
         # signals: semaphores, each released by one side and acquired by the other. Not events: an
@@ -101,12 +103,13 @@ class Channel:
                 float(self.round_seconds[0]) or None)
 
     # -- speculator -> verifier
-    def send_proposals(self, p: Proposals):
+    def send_proposals(self, p: Proposals, capture_seconds: float = 0.0):
         pairs = [(self.tokens, p.tokens), (self.deterministic, p.deterministic), (self.hit, p.hit)]
         if self.q is not None:
             pairs.append((self.q, p.q))
         for buf, x in pairs:
             put(buf, x)
+        self.capture_seconds[0] = capture_seconds
         flush(*(x.device for _, x in pairs))
         self.proposals_ready.release()
 
@@ -236,6 +239,10 @@ class SpeculatorProcess:
     def finish(self, rows):
         pass  # the next outcome names only the rows still running; the others are freed there
 
+    def capture_seconds(self) -> float:
+        """The speculator's graph captures so far, as of its last answer (decode.Captures)."""
+        return float(self.ch.capture_seconds[0])
+
     def stats(self) -> dict:
         """Stop the speculator and collect its counters."""
         self.ch.send_stop()
@@ -297,7 +304,7 @@ def speculator_main(cfg: DraftConfig, threads, ch: Channel, inbox, errors):
             active, n, t, round_seconds = ch.outcome()
             spec.finish(sorted(set(rows) - set(active)))
             rows = active
-            ch.send_proposals(spec.respond(rows, n, t, round_seconds))
+            ch.send_proposals(spec.respond(rows, n, t, round_seconds), spec.capture_seconds())
             spec.pre_speculate(rows)  # the next round, while the verifier verifies this one
         errors.put(("stats", spec.stats()))
         errors.close()

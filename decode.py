@@ -16,7 +16,7 @@ import time
 import torch
 
 from draft import Proposals
-from model import device_index, to_device, to_host
+from model import device_index, sync, to_device, to_host
 
 
 class Output:
@@ -30,6 +30,7 @@ class Output:
         self.hist = [0] * (K + 1)  # rounds that accepted n = 0..K tokens
         self.tok_hit = self.rounds_hit = self.tok_miss = self.rounds_miss = 0
         self.verify_s = 0.0  # the target's verifications (the theory's c against SD's and AR's)
+        self.capture_s = 0.0  # CUDA graph captures, left out of the decode time (Captures)
 
     def emit(self, row, new) -> bool:
         """Append tokens to a row; returns True when the row is done."""
@@ -79,6 +80,7 @@ class Output:
              # the first token of each row comes from the prefill; decode speed counts the rest
              "decode_tok_s": (new - b) / decode_s if decode_s > 0 else 0.0,
              "rounds": self.rounds, "verify_seconds": self.verify_s,
+             "capture_seconds": self.capture_s,
              "mean_tokens_per_round": (new - b) / self.row_rounds if self.row_rounds else 0.0,
              "acceptance_rate": self.accepted / self.proposed if self.proposed else 0.0,
              "accept_len_histogram": self.hist}
@@ -90,6 +92,37 @@ class Output:
 
 
 # --------------------------------------------------------------------------------------------------
+# The clocks: what counts as prefill and as decoding on a GPU
+
+def wait_for_devices(*results):
+    """Wait until the devices of the prefills' results (None: a side with nothing here) have run
+    them: GPU kernels run after the host queued them, and the prefill clock must not stop first."""
+    for x in results:
+        if x is not None:
+            sync(x.device)
+
+
+class Captures:
+    """The seconds some sides (verifier, drafter, speculator; each has capture_seconds()) spent
+    capturing CUDA graphs, read as increments. Each new shape's first step captures one (an eager
+    run, the capture, syncs, the allocator's cache emptied): set-up, slower than many steps, which
+    the decode clock leaves out and Output reports apart."""
+
+    def __init__(self, *sides):
+        self.sides = sides
+        self.seen = self.total()
+
+    def total(self) -> float:
+        return sum(side.capture_seconds() for side in self.sides)
+
+    def take(self) -> float:
+        """The seconds captured since the last take (or since this was made)."""
+        total = self.total()
+        new, self.seen = total - self.seen, total
+        return new
+
+
+# --------------------------------------------------------------------------------------------------
 # Speculative decoding (and AR)
 
 def sd_round(verifier, drafter, rows):
@@ -97,9 +130,10 @@ def sd_round(verifier, drafter, rows):
     verification took."""
     p = drafter.draft(rows)  # 1. the draft proposes x_1..x_K, one step at a time (the target waits)
     # 2. one target forward over [r, x_1..x_K] gives p_0..p_K; accept x_1..x_n, draw the bonus t
-    start = time.perf_counter()
+    captures, start = Captures(verifier), time.perf_counter()
     n, t = verifier.verify(rows, p.tokens, p.q, p.deterministic)
-    verify_s = time.perf_counter() - start  # verify reads n on the host: the device is done
+    # verify reads n on the host: the device is done; a graph it captured is not verification
+    verify_s = time.perf_counter() - start - captures.take()
     drafter.commit(rows, n, t)  # 3. the draft follows: its cache keeps the accepted prefix
     return p, n, t, verify_s
 
@@ -108,7 +142,7 @@ class NoDraft:
     """Autoregressive decoding is SD with K = 0: no proposals, the bonus token is the next token."""
 
     def prefill(self, prompts):
-        pass
+        return None
 
     def draft(self, rows) -> Proposals:
         b = len(rows)
@@ -122,14 +156,19 @@ class NoDraft:
     def finish(self, rows):
         pass
 
+    def capture_seconds(self) -> float:
+        return 0.0
+
 
 def decode_sd(verifier, drafter, prompts, out: Output):
     """ar (drafter: NoDraft) and sd: the draft and the target take turns in this process.
     Returns (prefill seconds, decode seconds)."""
     start = time.perf_counter()
-    drafter.prefill(prompts)
+    q0 = drafter.prefill(prompts)
     t0 = verifier.prefill(prompts)  # round 0: no proposals, its outcome is (0, t0)
+    wait_for_devices(q0, t0)
     prefill_s, start = time.perf_counter() - start, time.perf_counter()
+    captures = Captures(verifier, drafter)
     all_rows = list(range(len(prompts)))
     drafter.commit(all_rows, torch.zeros_like(t0), t0)  # n = 0, on t0's device
     finished = out.first(t0)
@@ -138,7 +177,8 @@ def decode_sd(verifier, drafter, prompts, out: Output):
         verifier.finish(finished)
         rows = out.active()
         if not rows:
-            return prefill_s, time.perf_counter() - start
+            out.capture_s += captures.take()
+            return prefill_s, time.perf_counter() - start - out.capture_s
         p, n, t, verify_s = sd_round(verifier, drafter, rows)
         out.verify_s += verify_s
         finished = out.round(rows, p.tokens, n, t)
@@ -169,10 +209,12 @@ def decode_ssd(verifier, speculator, prompts, out: Output):
     Returns (prefill seconds, decode seconds, seconds the verifier waited for proposals)."""
     start = time.perf_counter()
     b = len(prompts)
-    speculator.prefill(prompts)
+    q0 = speculator.prefill(prompts)  # None in two processes: the speculator prefills over there
     speculator.pre_speculate(list(range(b)))  # round 0's outcome is (0, t0): guess t0
     t0 = verifier.prefill(prompts)
+    wait_for_devices(q0, t0)
     prefill_s, start = time.perf_counter() - start, time.perf_counter()
+    ours, theirs = Captures(verifier), Captures(speculator)
     rows, n, t, verify_start, wait = list(range(b)), torch.zeros_like(t0), t0, None, 0.0
     finished = out.first(t0)
     while True:
@@ -180,11 +222,16 @@ def decode_ssd(verifier, speculator, prompts, out: Output):
         speculator.finish(finished)
         keep = [i for i, r in enumerate(rows) if not out.done[r]]
         if not keep:
-            return prefill_s, time.perf_counter() - start, wait
+            out.capture_s += ours.take()
+            return prefill_s, time.perf_counter() - start - out.capture_s, wait
         if len(keep) < len(rows):  # the outcome of the rows still running, on its device
             idx = device_index(keep, n.device)
             rows, n, t = [rows[i] for i in keep], n.index_select(0, idx), t.index_select(0, idx)
         round_s = time.perf_counter() - verify_start if verify_start else None
         p, n, t, wait_s, verify_start = ssd_round(verifier, speculator, rows, n, t, round_s)
-        wait, out.verify_s = wait + wait_s, out.verify_s + time.perf_counter() - verify_start
+        # the speculator's captures held the verifier up only while it waited (in two processes a
+        # capture can also overlap a verification); the verifier's own are all its time
+        stalled, own = min(wait_s, theirs.take()), ours.take()
+        wait, out.capture_s = wait + wait_s - stalled, out.capture_s + stalled + own
+        out.verify_s += time.perf_counter() - verify_start - own
         finished = out.round(rows, p.tokens, n, t, p.hit)

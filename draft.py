@@ -161,6 +161,10 @@ class Drafter:
             self.cache.free(self.rows[r].seq)
             self.rows[r].seq = None
 
+    def capture_seconds(self) -> float:
+        """Seconds the draft has spent capturing CUDA graphs (decode.Captures)."""
+        return self.model.capture_seconds()
+
 
 # --------------------------------------------------------------------------------------------------
 # SSD: the speculator
@@ -466,6 +470,7 @@ class Speculator(Drafter):
                 "fallback_rounds": dict(self.fallback_used), "b_star": self.b_star,
                 "b_star_terms": self.b_star_terms,
                 "draft_busy_seconds": self.busy_seconds,
+                "draft_capture_seconds": self.capture_seconds(),
                 "pre_speculation_stopped": self.stopped, "branches_finished": self.finished,
                 "pre_speculation_skipped": self.skipped,
                 "gate_tok_s": (None if self.gate is None else

@@ -564,6 +564,13 @@ def to_host(x: torch.Tensor) -> list:
     return x.tolist()
 
 
+def sync(device):
+    """Wait until `device` has run the work queued on it (GPU kernels run asynchronously; a no-op
+    on the CPU): a clock stopped before that would charge the work to what comes next."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def paged_attention(q, k, v, kv_layer, meta: AttnMeta):
     """Reference paged attention: write the new K/V through the block table, gather each sequence's
     K/V back into a padded batch, and run SDPA with a mask. Works on any device and block size.
@@ -640,6 +647,10 @@ class Transformer(nn.Module):
     @property
     def device(self):
         return self.lm_head.weight.device
+
+    def capture_seconds(self) -> float:
+        """Seconds this model has spent capturing CUDA graphs (StaticSteps.capture_graph)."""
+        return self.static.capture_seconds if self.static is not None else 0.0
 
     def checkpoint_params(self) -> dict:
         """The parameters under their Hugging Face checkpoint names: q_proj, k_proj, v_proj,
@@ -825,7 +836,10 @@ class StaticSteps:
         # one eager run first, on a side stream (as torch.cuda.graphs asks): cuBLAS and the caching
         # allocator set themselves up outside the capture. It writes the same K/V the replay will.
         # Captures happen during decoding, the first time a shape comes up, and are timed (a sync
-        # each, rare): short runs' tokens per second include them.
+        # each, rare): the decode loops leave that time out of decode time and report it apart
+        # (decode.Captures), so that tokens per second measure decoding, not set-up. The clock
+        # starts once the steps queued before have run: their time is decoding.
+        torch.cuda.synchronize()
         start = time.perf_counter()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())

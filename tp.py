@@ -299,6 +299,9 @@ class TPVerifier:
     def finish(self, rows):
         return self.call("finish", rows) if len(rows) else None  # nothing to free, nothing to say
 
+    def capture_seconds(self) -> float:
+        return self.verifier.capture_seconds()  # 0: no CUDA graphs with tensor parallelism
+
     def call(self, name: str, *args):
         """Make the local Verifier's call `name` on every rank and return rank 0's result. Tensor
         arguments go by dist.broadcast (moved to this rank's device), the others pickled as they

@@ -142,6 +142,10 @@ class Verifier:
         self.last.index_copy_(0, idx, t)
         return n, t
 
+    def capture_seconds(self) -> float:
+        """Seconds the target has spent capturing CUDA graphs (decode.Captures)."""
+        return self.model.capture_seconds()
+
     def finish(self, rows):
         """Free the KV of rows that ended (EOS or max_new_tokens)."""
         for r in rows:

@@ -140,8 +140,9 @@ def test_proposals_are_signalled_after_every_device_is_flushed(monkeypatch):
     ch.proposals_ready = Recorder(log, "proposals")
     host, gpu = torch.device("cpu"), torch.device("cuda:1")
     ch.send_proposals(Proposals(Recorder(log, "tokens", gpu), Recorder(log, "q", gpu), Recorder(log, "det", host),
-                                Recorder(log, "hit", host)))
+                                Recorder(log, "hit", host)), capture_seconds=1.5)
     assert log[-2:] == [("synchronize", "cuda:1"), ("signal", "proposals")], log
+    assert float(ch.capture_seconds[0]) == 1.5  # the speculator's graph captures travel with its answer
 
 
 def test_proposals_arrive_on_the_verifiers_device():

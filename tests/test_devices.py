@@ -5,18 +5,25 @@ A CPU run cannot see device mismatches (the host is the device), so the decode l
 and collides with the models' CPU tensors exactly where, on a GPU, a host tensor would meet CUDA ones
 (host tensors say device="cpu"). Host-to-device crossings are counted with scripts/gpu_check.py's
 HostToDevice (every tensor made from Python data must cross through model.to_device, pinned and
-without blocking); the speculator's and the tensor-parallel ranks' torch.cuda.set_device with a stub.
+without blocking); the speculator's and the tensor-parallel ranks' torch.cuda.set_device with a stub;
+the prefill and decode clocks with a fake device whose work finishes only when the host waits for it;
+graph captures with a fake capture that takes its time.
 """
+import time
+
 import pytest
 import torch
 
 import channel
+import decode
+import draft
 import model as model_module
 import run
 import tp
+import verify
 from conftest import make_checkpoint, one_line
 from draft import DraftConfig
-from model import check_device
+from model import StaticSteps, Transformer, check_device
 from run import generate
 from scripts.gpu_check import HostToDevice
 
@@ -166,3 +173,72 @@ def test_speculator_and_tp_ranks_set_an_indexed_device(two_gpus):
     with pytest.raises(RuntimeError, match="stub"):
         tp.tp_init(1, 2, None, "nccl", "cuda")
     assert [torch.device(d) for d in two_gpus] == [torch.device("cuda", 1)] * 2, two_gpus
+
+
+# ----------------------------------------------------------------------------------------------------
+# Items 6 and 8: what the clocks count on a GPU
+
+PENDING_S = 1.0  # the fake device's prefill work, finished only when the host waits for it
+
+
+@pytest.fixture
+def slow_device(monkeypatch):
+    """A device that runs a prefill's last chunk after the host has queued it: PENDING_S seconds that the
+    first wait for the device (decode.sync, or a device-to-host read) pays."""
+    pending = []
+
+    def wait(real):
+        def waited(*a, **kw):
+            while pending:
+                time.sleep(pending.pop())
+            return real(*a, **kw)
+        return waited
+    real_prefill = Transformer.prefill
+
+    def prefill(self, *a, **kw):
+        out = real_prefill(self, *a, **kw)
+        pending[:] = [PENDING_S]
+        return out
+    monkeypatch.setattr(Transformer, "prefill", prefill)
+    monkeypatch.setattr(decode, "sync", wait(decode.sync))
+    for m in (decode, draft, verify):
+        monkeypatch.setattr(m, "to_host", wait(m.to_host))
+
+
+@pytest.mark.parametrize("mode,kw", RUNS[:3], ids=["ar", "sd", "ssd"])
+def test_prefill_clock_waits_for_the_device(pair, slow_device, mode, kw):
+    """The prefill clock stops once the device has run the prefill, so its last chunk is prefill time, not
+    the first round's."""
+    s = gen(pair, mode, **kw).stats
+    assert s["prefill_seconds"] >= PENDING_S > s["decode_seconds"], s
+
+
+CAPTURE_S = 0.5  # a fake capture's seconds
+
+
+@pytest.fixture
+def slow_captures(monkeypatch):
+    """The static-shape path on the CPU, with each new bucket's first step taking CAPTURE_S and timing it as
+    StaticSteps.capture_graph does on CUDA."""
+    real = StaticSteps.step
+
+    def step(self, model, cache, seq_ids, tokens, T):
+        n = len(self.buckets)
+        out = real(self, model, cache, seq_ids, tokens, T)
+        if len(self.buckets) > n:  # a new shape: on CUDA, a capture
+            time.sleep(CAPTURE_S)
+            self.captures += 1
+            self.capture_seconds += CAPTURE_S
+        return out
+    monkeypatch.setattr(StaticSteps, "step", step)
+
+
+@pytest.mark.parametrize("mode,kw", RUNS[:3], ids=["ar", "sd", "ssd"])
+def test_graph_captures_are_not_decode_time(pair, slow_captures, mode, kw):
+    """Captures (each new shape's first step) are reported apart from decoding: decode_seconds and the
+    verifications' seconds leave them out."""
+    s = gen(pair, mode, graphs=True, **kw).stats
+    assert s["capture_seconds"] >= 2 * CAPTURE_S, s  # a bucket per power of two of the context
+    assert s["decode_seconds"] < 2 * CAPTURE_S and s["verify_seconds"] < CAPTURE_S, s
+    if mode == "ssd":
+        assert s["verifier_wait_seconds"] < CAPTURE_S and s["draft_capture_seconds"] >= CAPTURE_S, s
