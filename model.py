@@ -188,14 +188,16 @@ class Linear(nn.Linear):
 
 
 # torch >= 2.8 multiplies bf16/fp16 matrices into a float32 result on CUDA (aten::mm.dtype, cuBLAS);
-# "meta" runs the same call without data, so that a CPU-only test checks it
+# "meta" runs the same call without data, so that a CPU-only test checks it. Older torch builds
+# are refused for bf16/fp16 on CUDA (resolve_dtype; requirements.txt)
 MM_FP32_OUT = ("cuda", "meta") if "dtype" in torch.ops.aten.mm.overloads() else ()
 
 
 def matmul_fp32(x, w):
     """x [..., in] @ w [out, in].T -> float32 [..., out] for bf16/fp16 x and w, never rounded to
     their dtype (a product of two bf16 numbers is exact in float32). On CUDA cuBLAS reads the bf16
-    weight once; elsewhere (CPU, torch < 2.8) the weight is upcast, a float32 copy per call."""
+    weight once; on the CPU the weight is upcast, a float32 copy per call (on CUDA that copy, 2 GB
+    for an 8B model's head, in every step and graph, is why torch < 2.8 is refused there)."""
     if x.device.type in MM_FP32_OUT:
         y = torch.mm(x.reshape(-1, x.shape[-1]), w.t(), out_dtype=torch.float32)
         return y.view(*x.shape[:-1], -1)
@@ -999,13 +1001,19 @@ def check_device(device) -> torch.device:
 
 def resolve_dtype(dtype, device) -> torch.dtype:
     """The dtype of a model's weights and activations on `device`: "auto" (or None), a DTYPES
-    name or a torch dtype."""
+    name or a torch dtype. bf16/fp16 on CUDA need torch >= 2.8 (MM_FP32_OUT): an older one would
+    upcast the LM head to a float32 copy in every step (matmul_fp32), so it is refused."""
     device = torch.device(device)
     if dtype is None or dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    resolved = DTYPES.get(dtype) if isinstance(dtype, str) else dtype
+        resolved = torch.bfloat16 if device.type == "cuda" else torch.float32
+    else:
+        resolved = DTYPES.get(dtype) if isinstance(dtype, str) else dtype
     if resolved not in DTYPES.values():
         raise ValueError(f"unknown dtype {dtype!r}: use auto, {', '.join(DTYPES)} (--dtype)")
+    if resolved != torch.float32 and device.type == "cuda" and "cuda" not in MM_FP32_OUT:
+        raise ValueError(f"torch {torch.__version__} has no float32-output GEMM for "
+                         f"{str(resolved)[6:]} on CUDA (aten::mm.dtype): install torch >= 2.8, "
+                         f"or use --dtype float32")
     if resolved == torch.bfloat16 and device.type == "cuda" and torch.cuda.is_available() \
             and torch.cuda.get_device_capability(device)[0] < 8:
         raise ValueError(f"{device} has no bfloat16 arithmetic (a GPU older than Ampere): use "

@@ -23,7 +23,7 @@ import tp
 import verify
 from conftest import make_checkpoint, one_line
 from draft import DraftConfig
-from model import StaticSteps, Transformer, check_device
+from model import StaticSteps, Transformer, check_device, resolve_dtype
 from run import generate
 from scripts.gpu_check import HostToDevice
 
@@ -242,3 +242,20 @@ def test_graph_captures_are_not_decode_time(pair, slow_captures, mode, kw):
     assert s["decode_seconds"] < 2 * CAPTURE_S and s["verify_seconds"] < CAPTURE_S, s
     if mode == "ssd":
         assert s["verifier_wait_seconds"] < CAPTURE_S and s["draft_capture_seconds"] >= CAPTURE_S, s
+
+
+# ----------------------------------------------------------------------------------------------------
+# Item 7: bf16 on CUDA needs the float32-output GEMM (torch >= 2.8)
+
+def test_cuda_bf16_without_the_float32_gemm_is_refused(monkeypatch):
+    """Without aten::mm.dtype the LM head would be upcast to a float32 copy in every step and graph: such a
+    torch is refused for bf16/fp16 on CUDA, in one line naming the fix; float32, and the CPU, still run."""
+    monkeypatch.setattr(model_module, "MM_FP32_OUT", ())
+    for dtype in ("auto", "bfloat16", "float16"):
+        with pytest.raises(ValueError) as e:
+            resolve_dtype(dtype, "cuda:0")
+        one_line(e, "torch >= 2.8", "--dtype float32")
+    assert resolve_dtype("float32", "cuda:0") == torch.float32
+    assert resolve_dtype("bfloat16", "cpu") == torch.bfloat16
+    monkeypatch.setattr(model_module, "MM_FP32_OUT", ("cuda", "meta"))
+    assert resolve_dtype("auto", "cuda:0") == torch.bfloat16
