@@ -8,28 +8,39 @@ downloaded), and the shipped tiny pair for the token checks. Each check adds one
 report {"checks": [{"name", "ok", ...figures}], ...} (--out; default docs/gpu_check_<device>.json)
 and one line to the table printed at the end:
 
-  versions        torch, CUDA, the device
+  versions        torch, CUDA, the device; on CUDA, torch's float32-output bf16 GEMM (>= 2.8)
   load            load_model's peak memory over the weights' bytes (1B shape, from a checkpoint
                   written here): parameters are allocated once, in bf16
   step:<shape>    decode-step and verification ms (batch 1, T = 1 and T = K + 1), eager and
-                  replayed as CUDA graphs, beside the step's memory-bandwidth floor (weights + KV
-                  bytes / bandwidth) and issue 14's targets (graph step <= 2x the floor for 1B,
-                  1.3x for 8B); the graph's logits against eager's; kernels per eager step and the
-                  attention kernel SDPA chose (torch.profiler)
-  host_syncs      host-device synchronisations per AR, SD and SSD round (CUDA's sync debug mode);
-                  on the CPU, the decode loop's device-to-host reads (model.to_host) and its
-                  host-to-device crossings, none of which may bypass model.to_device
+                  replayed as CUDA graphs, beside the step's memory-bandwidth floor (the bytes a
+                  step reads: weights but the embedding table, + KV; over the bandwidth) and issue
+                  14's targets (graph step <= 2x the floor for 1B, 1.3x for 8B); the graph's
+                  logits against eager's; kernels per eager step and the attention kernel SDPA
+                  chose (torch.profiler)
+  attention       the device's paged attention (the kernel SDPA picks there) against a float32
+                  reference on the CPU written out by hand: decode, verification and prefill-chunk
+                  shapes of the 1B model, ragged rows (graph vs eager and AR vs SD run one kernel)
+  host_syncs      host-device synchronisations per AR, SD and SSD round (CUDA's sync debug mode;
+                  a graph capture's own syncs are counted apart); on the CPU, the decode loop's
+                  device-to-host reads (model.to_host) and its host-to-device crossings, none of
+                  which may bypass model.to_device
   greedy          AR, SD and SSD (one process and two) emit the same greedy tokens in bf16
+  sampling        temperature 1: the joint law of the first 3 tokens from AR, SD and SSD (one
+                  process and two) against the exact law (a 4-token vocabulary, enumerated on the
+                  CPU), within the sampling noise of N rows (float32)
   ssd:<devices>   two-process SSD on one GPU (time-sliced) and on two when there are two: tok/s
-                  beside AR's and SD's (tiny pair, graphs on), hit rate, verifier wait
+                  beside AR's and SD's (tiny pair, graphs on; graph captures timed apart), hit rate,
+                  verifier wait
   long_prefill    memory of one long prompt's prefill (1B shape, in chunks as the engine does it):
-                  the peak on a GPU, the largest allocation on the CPU, beside one layer's scores
+                  the peak on a GPU, the largest allocation on the CPU, below one chunk's attention
+                  scores (what a kernel that materialised them would allocate)
 
 A check that fails records its error and the run goes on. The exit status is 1 if any check is
 not ok. Whenever a GPU is at hand: run it, commit the report under docs/, act on what it shows.
 """
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -50,7 +61,8 @@ from safetensors.torch import save_file  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils._pytree import tree_leaves  # noqa: E402
 
-from model import PREFILL_CHUNK, ModelConfig, Transformer, load_model, materialize  # noqa: E402
+from model import (MM_FP32_OUT, PREFILL_CHUNK, ModelConfig, PagedKVCache,  # noqa: E402
+                   Transformer, load_model, materialize, paged_attention, sync)
 from run import generate  # noqa: E402
 
 # HF config fields of the shapes (Llama-3.2-1B and Llama-3.1-8B), and their --quick stand-ins
@@ -63,8 +75,10 @@ SHAPES = {
                      vocab_size=128256, tie_word_embeddings=False, rope_theta=500000.0),
 }
 QUICK_SHAPES = {
+    # 4 KV heads as the 1B's 8: the CPU's attention copies its mask (g x chunk x context) to
+    # float32, which with 2 would be as large as one chunk's bf16 scores (long_prefill's limit)
     "llama-1b": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
+                     num_attention_heads=8, num_key_value_heads=4, head_dim=8, vocab_size=512,
                      tie_word_embeddings=True, rope_theta=500000.0),
     "llama-8b": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4,
                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=512,
@@ -81,13 +95,13 @@ def hf_config(fields: dict) -> dict:
             "bos_token_id": 0, "eos_token_id": 1, **fields}
 
 
-def random_model(fields: dict, device, dtype=torch.bfloat16) -> Transformer:
+def random_model(fields: dict, device, dtype=torch.bfloat16, seed=0) -> Transformer:
     """A model of this shape with random weights (logits of order 1), built in place."""
     cfg = ModelConfig.from_hf(hf_config(fields))
     with torch.device("meta"):
         model = Transformer(cfg)
     materialize(model, device, dtype)
-    g = torch.Generator(device=device).manual_seed(0)
+    g = torch.Generator(device=device).manual_seed(seed)
     for name, p in model.named_parameters():
         if p.dim() == 1:
             p.fill_(1.0)
@@ -97,13 +111,27 @@ def random_model(fields: dict, device, dtype=torch.bfloat16) -> Transformer:
     return model.eval().requires_grad_(False)
 
 
+def write_checkpoint(model, fields: dict, path: Path) -> Path:
+    """Save a model as an HF-format directory (config.json, model.safetensors) at `path`."""
+    path.mkdir(exist_ok=True)
+    state = model.checkpoint_params()  # HF names; a tied head is left out
+    save_file({k: v.contiguous() for k, v in state.items()}, path / "model.safetensors",
+              metadata={"format": "pt"})
+    dtype = str(model.lm_head.weight.dtype).removeprefix("torch.")
+    (path / "config.json").write_text(json.dumps({**hf_config(fields), "torch_dtype": dtype}))
+    return path
+
+
 def weight_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def sync(device):
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
+def step_read_bytes(model) -> int:
+    """The weight bytes a decode step reads: every parameter but the embedding table, of which it
+    reads one row per token, unless the LM head is that table (tied embeddings)."""
+    table = model.model.embed_tokens.weight
+    tied = model.lm_head.weight is table
+    return weight_bytes(model) - (0 if tied else table.numel() * table.element_size())
 
 
 class Allocations(TorchDispatchMode):
@@ -165,6 +193,8 @@ def check_versions(a):
         info["gpu"] = torch.cuda.get_device_name(a.device)
         info["gpus"] = torch.cuda.device_count()
         info["cudnn"] = torch.backends.cudnn.version()
+        # without it the engine refuses bf16 on CUDA (model.resolve_dtype): install torch >= 2.8
+        info["fp32_out_gemm"] = info["ok"] = "cuda" in MM_FP32_OUT
     return info
 
 
@@ -172,14 +202,9 @@ def check_load(a, shapes, work: Path):
     """Write a random 1B-shaped bf16 checkpoint, load it, compare the peak with its weights."""
     fields = shapes["llama-1b"]
     model = random_model(fields, "cpu")
-    state = model.checkpoint_params()  # HF names; a tied head is left out
-    path = work / "llama-1b"
-    path.mkdir(exist_ok=True)
-    save_file({k: v.contiguous() for k, v in state.items()}, path / "model.safetensors",
-              metadata={"format": "pt"})
-    (path / "config.json").write_text(json.dumps({**hf_config(fields), "torch_dtype": "bfloat16"}))
+    path = write_checkpoint(model, fields, work / "llama-1b")
     wbytes = weight_bytes(model)
-    del model, state
+    del model
     start = time.perf_counter()
     with peak_bytes(a.device) as peak:
         loaded, _ = load_model(path, device=a.device, dtype="bfloat16", tokenizer=False)
@@ -257,7 +282,8 @@ def check_step(a, name, fields):
     model.forward_cached(cache, [seq], torch.randint(fields["vocab_size"], (ctx,),
                                                      device=a.device), [ctx], last_only=True)
     n = 5 if a.quick else 30
-    out = {"shape": name, "context": ctx, "weight_bytes": weight_bytes(model)}
+    out = {"shape": name, "context": ctx, "weight_bytes": weight_bytes(model),
+           "step_read_bytes": step_read_bytes(model)}
     logits = {}
     tok = torch.randint(fields["vocab_size"], (K + 1,), device=a.device)
     for label, graphs in (("eager", False), ("graph", True)):
@@ -281,7 +307,7 @@ def check_step(a, name, fields):
                 * model.lm_head.weight.element_size())
     bw = bandwidth(a)
     if bw:
-        floor = 1000 * (out["weight_bytes"] + kv_bytes) / (bw * 1e9)
+        floor = 1000 * (out["step_read_bytes"] + kv_bytes) / (bw * 1e9)
         out.update(floor_ms=floor, eager_over_floor=out["eager_decode_ms"] / floor,
                    graph_over_floor=out["graph_decode_ms"] / floor)
         if name in FLOOR_TARGETS and not a.quick:
@@ -302,12 +328,63 @@ def bandwidth(a):
     return next((v for k, v in BANDWIDTH_GBS.items() if k in gpu), None)
 
 
+def attention_reference(q, pool, blocks, length, T, scale):
+    """One row's attention in float32 on the CPU, written out (no SDPA): q [T, nh, hd] are the
+    last T of its `length` tokens, whose K/V the pool [2, num_blocks, block_size, nkv, hd] holds at
+    its blocks. Token i sees the keys up to its own position. -> [T, nh, hd]."""
+    kv = pool[:, blocks].flatten(1, 2)[:, :length].float()             # [2, length, nkv, hd]
+    g = q.shape[1] // kv.shape[2]
+    k, v = kv[0].repeat_interleave(g, 1), kv[1].repeat_interleave(g, 1)  # [length, nh, hd]
+    scores = torch.einsum("thd,lhd->htl", q.float(), k) * scale          # [nh, T, length]
+    seen = torch.arange(length)[None, :] <= torch.arange(length - T, length)[:, None]
+    probs = scores.masked_fill(~seen, float("-inf")).softmax(-1)
+    return torch.einsum("htl,lhd->thd", probs, v)
+
+
+def check_attention(a, shapes):
+    """The engine's paged attention on the device (SDPA's kernel there) against
+    attention_reference: the 1B model's heads in bf16, three ragged rows, a decode step, a
+    verification and a prefill chunk on top of their contexts."""
+    cfg = ModelConfig.from_hf(hf_config({**shapes["llama-1b"], "num_hidden_layers": 1}))
+    nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    contexts = [40, 17, 100] if a.quick else [1000, 333, 3000]
+    chunk = 32 if a.quick else 512
+    cache = PagedKVCache(cfg, sum(contexts) + 3 * (chunk + K + 1) + 64, 16, a.device,
+                         torch.bfloat16)
+    seqs = [cache.new_seq() for _ in contexts]
+    g = torch.Generator(device=a.device).manual_seed(0)
+
+    def step(counts):  # random q, k, v for `counts` new tokens per row through paged_attention
+        N = sum(counts)
+        q, k, v = (torch.randn(N, h, hd, generator=g, device=a.device).to(torch.bfloat16)
+                   for h in (nh, nkv, nkv))
+        q = q * 3  # peaked attention: its output is of order 1, not a mean near 0 of many values
+        return q, paged_attention(q, k, v, cache.kv[0], cache.prepare(seqs, counts))
+
+    step(contexts)  # the rows' contexts
+    out = {"contexts": contexts}
+    for label, T in (("decode", 1), ("verify", K + 1), ("prefill_chunk", chunk)):
+        q, y = step([T] * len(seqs))
+        pool, q, y = cache.kv[0].cpu(), q.cpu(), y.float().cpu()
+        ref = torch.cat([attention_reference(q[i * T:(i + 1) * T], pool, cache.seqs[s].blocks,
+                                             cache.length(s), T, hd ** -0.5)
+                         for i, s in enumerate(seqs)])
+        out[f"{label}_max_abs"] = (y - ref).abs().max().item()
+        out[f"{label}_ref_mean_abs"] = ref.abs().mean().item()
+    # outputs of order 1 from bf16 inputs: the CPU's kernel is within 0.01 of the reference; a
+    # wrong mask or head mapping is off by 1-4, a wrong scale (0.9x) by 0.15-0.3
+    out["ok"] = max(out[f"{x}_max_abs"] for x in ("decode", "verify", "prefill_chunk")) < 0.05
+    return out
+
+
 class SyncCounter:
-    """Host-device synchronisations seen since `mark()` (or since counting began)."""
+    """Host-device synchronisations seen since `mark()` (or since counting began), less those of
+    CUDA graph captures (set-up, which the decode clock leaves out too), counted apart."""
 
     def __init__(self, is_sync=lambda event: True, crossings: "HostToDevice | None" = None):
         self.events, self.since = [], 0  # CUDA: the warnings caught; CPU: one entry per read
         self.is_sync = is_sync
+        self.captures = []  # (first, end): the events logged during each graph capture
         self.crossings = crossings  # the CPU's host-to-device crossings, marked along
 
     def mark(self):
@@ -315,8 +392,12 @@ class SyncCounter:
         if self.crossings is not None:
             self.crossings.mark()
 
+    def in_captures(self) -> int:
+        inside = {i for first, end in self.captures for i in range(max(first, self.since), end)}
+        return sum(self.is_sync(self.events[i]) for i in inside)
+
     def n(self) -> int:
-        return sum(map(self.is_sync, self.events[self.since:]))
+        return sum(map(self.is_sync, self.events[self.since:])) - self.in_captures()
 
 
 def engine_line() -> str:
@@ -389,11 +470,21 @@ class HostToDevice(TorchDispatchMode):
 @contextmanager
 def count_host_syncs(device):
     """-> a SyncCounter for the block; call its mark() when decoding starts (loading and prefill
-    sync too). CUDA's sync debug mode on a GPU; on the CPU, the decode loop's device-to-host reads
-    (model.to_host, each a sync on a GPU; other syncs, which the GPU's count shows, are not seen)
-    and its host-to-device crossings (HostToDevice)."""
+    sync too). CUDA's sync debug mode on a GPU (a graph capture's syncs counted apart); on the CPU,
+    the decode loop's device-to-host reads (model.to_host, each a sync on a GPU; other syncs,
+    which the GPU's count shows, are not seen) and its host-to-device crossings (HostToDevice)."""
+    from model import StaticSteps
     if torch.device(device).type == "cuda":
         counter = SyncCounter(lambda w: "synchroniz" in str(w.message))  # not other warnings
+        real = StaticSteps.capture_graph
+
+        def capture_graph(steps, bk, run):
+            first = len(counter.events)
+            try:
+                return real(steps, bk, run)
+            finally:
+                counter.captures.append((first, len(counter.events)))
+        StaticSteps.capture_graph = capture_graph
         torch.cuda.set_sync_debug_mode("warn")
         try:
             with warnings.catch_warnings(record=True) as caught:
@@ -402,6 +493,7 @@ def count_host_syncs(device):
                 yield counter
         finally:
             torch.cuda.set_sync_debug_mode(0)
+            StaticSteps.capture_graph = real
         return
     import decode
     import draft
@@ -449,6 +541,7 @@ def check_host_syncs(a, prompts):
                            stream=stream)
             rounds = max(1, res.stats["rounds"])
             out[f"{mode}_per_round"] = c.n() / rounds
+            out[f"{mode}_in_captures"] = c.in_captures()
             if c.crossings is not None:  # the CPU: every crossing through model.to_device
                 out[f"{mode}_h2d_per_round"] = c.crossings.n() / rounds
                 out[f"{mode}_h2d_implicit"] = sorted(set(c.crossings.implicit()))
@@ -472,6 +565,70 @@ def check_greedy(a, prompts):
     return out
 
 
+# The sampling check's pair: 4 tokens, peaked next-token laws that differ between the two
+LAW_FIELDS = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8, vocab_size=4, tie_word_embeddings=False,
+                  rope_theta=10000.0, max_position_embeddings=64)
+LAW_PROMPT, LAW_TOKENS = [0, 3, 1], 3
+
+
+def law_pair(work: Path) -> tuple[Path, Path]:
+    """A target and a draft of LAW_FIELDS with random weights (LM heads scaled up: far from
+    uniform), written as float32 checkpoints."""
+    paths = []
+    for name, seed in (("law-target", 10), ("law-draft", 11)):
+        model = random_model(LAW_FIELDS, "cpu", torch.float32, seed)
+        model.lm_head.weight.mul_(2.5)
+        paths.append(write_checkpoint(model, LAW_FIELDS, work / name))
+    return paths[0], paths[1]
+
+
+def exact_law(path: Path, prompt, n: int) -> dict:
+    """The model's law of its first n tokens after `prompt` at temperature 1, by enumerating the
+    V^n continuations through its plain (uncached) forward in float32 on the CPU."""
+    model, _ = load_model(path, device="cpu", dtype="float32", tokenizer=False)
+    V, L = model.config.vocab_size, len(prompt)
+    conts = torch.cartesian_prod(*[torch.arange(V)] * n).view(-1, n)           # [V^n, n]
+    x = torch.cat([torch.tensor(prompt).expand(len(conts), -1), conts], 1)     # [V^n, L + n]
+    logp = torch.log_softmax(model(x)[:, L - 1:L - 1 + n].double(), -1)        # [V^n, n, V]
+    logp = logp.gather(-1, conts[..., None]).squeeze(-1).sum(-1)               # [V^n]
+    return {tuple(c): p for c, p in zip(conts.tolist(), logp.exp().tolist())}
+
+
+def tv(p: dict, q: dict) -> float:
+    return 0.5 * sum(abs(p.get(k, 0.0) - q.get(k, 0.0)) for k in set(p) | set(q))
+
+
+def tv_bound(law: dict, N: int, delta: float = 1e-6) -> float:
+    """TV between the empirical law of N rows and `law` stays below this with probability
+    1 - delta (the mean by Jensen per cell, McDiarmid around it: tests/test_generate.py)."""
+    mean = 0.5 * sum(math.sqrt(p * (1 - p) / N) for p in law.values())
+    return mean + math.sqrt(math.log(1 / delta) / (2 * N))
+
+
+def check_sampling(a, work: Path):
+    """Temperature 1 on the device: the joint law of the first LAW_TOKENS tokens of N rows, from
+    AR, SD and SSD in one process and in two, against the exact law (float32, so that the CPU's
+    enumeration computes the same law)."""
+    target, draft = law_pair(work)
+    law = exact_law(target, LAW_PROMPT, LAW_TOKENS)
+    N = 1000 if a.quick else 8000
+    out = {"rows": N, "tv_bound": tv_bound(law, N)}
+    for label, mode, kw in [("ar", "ar", {}), ("sd", "sd", {}),
+                            ("ssd_one_process", "ssd", {"parallel": False}),
+                            ("ssd_two_processes", "ssd", {"parallel": True})]:
+        res = generate([LAW_PROMPT] * N, target=str(target), draft=str(draft), mode=mode, k=2,
+                       budget=3, temperature=1.0, max_new_tokens=LAW_TOKENS, seed=1,
+                       target_device=a.device, draft_device=a.device, dtype="float32",
+                       ignore_eos=True, **kw)
+        counts = {}
+        for row in res.tokens:
+            counts[tuple(row)] = counts.get(tuple(row), 0) + 1
+        out[f"{label}_tv"] = tv({k: c / N for k, c in counts.items()}, law)
+    out["ok"] = all(v < out["tv_bound"] for k, v in out.items() if k.endswith("_tv"))
+    return out
+
+
 def check_ssd(a, prompts, draft_device):
     new = 16 if a.quick else 128
     ar = tiny_run(a, "ar", prompts[:1], max_new_tokens=new)
@@ -484,28 +641,33 @@ def check_ssd(a, prompts, draft_device):
             / sd.stats["decode_tok_s"], "hit_rate": s["cache_hit_rate"],
             "verifier_wait_pct": 100 * s["verifier_wait_seconds"] / s["decode_seconds"],
             "mean_budget": s["mean_budget"], "tokens_equal": ssd.tokens == sd.tokens,
+            # graph captures, left out of decode time (decode.Captures): seconds per mode
+            "capture_s": {m: r.stats["capture_seconds"] for m, r in
+                          (("ar", ar), ("sd", sd), ("ssd", ssd))},
             "ok": ssd.tokens == sd.tokens}
 
 
 def check_long_prefill(a, shapes):
-    """One long prompt (16k tokens; 256 with --quick) through the 1B shape. The score matrix of
-    one layer, [heads, L, L] in fp32, would be 34 GB at 16k if attention materialised it."""
+    """One long prompt (16k tokens; 256 with --quick) through the 1B shape, in chunks of 2048 (64)
+    as the engine prefills. An attention kernel that materialised its scores would allocate, at
+    the last chunk, [heads, chunk, L] of them in the model's dtype (2.1 GB at 16k), more in
+    float32; one that streams over the keys needs the mask (1 / KV heads of that) and a few
+    [chunk, intermediate] activations."""
     fields = shapes["llama-1b"]
     model = random_model(fields, a.device)
-    L = 256 if a.quick else 16384
+    L, chunk = (256, 64) if a.quick else (16384, PREFILL_CHUNK)
     cache = model.new_cache(L + 16)
     seq = cache.new_seq()
     cfg = model.config
     tokens = torch.randint(cfg.vocab_size, (L,)).tolist()
     start = time.perf_counter()
     with peak_bytes(a.device) as peak:
-        model.prefill(cache, [seq], [tokens], chunk=64 if a.quick else PREFILL_CHUNK)
-    scores = 4 * cfg.num_attention_heads * L * L
-    out = {"prompt_tokens": L, "weight_bytes": weight_bytes(model),
+        model.prefill(cache, [seq], [tokens], chunk=chunk)
+    scores = cfg.num_attention_heads * chunk * L * model.lm_head.weight.element_size()
+    out = {"prompt_tokens": L, "chunk": chunk, "weight_bytes": weight_bytes(model),
            "kv_cache_bytes": cache.kv.numel() * cache.kv.element_size(),
            "prefill_bytes": peak["bytes"], "largest_alloc_bytes": peak.get("largest"),
-           "scores_bytes_if_materialised": scores, "seconds": time.perf_counter() - start}
-    # an attention that streams over keys needs a few [L, intermediate] activations, not scores
+           "chunk_scores_bytes": scores, "seconds": time.perf_counter() - start}
     biggest = peak["bytes"] if torch.device(a.device).type == "cuda" else peak["largest"]
     out["ok"] = biggest < scores
     return out
@@ -534,8 +696,10 @@ def main(argv=None):
     checks = [("versions", lambda: check_versions(a)),
               ("load", lambda: check_load(a, shapes, work))]
     checks += [(f"step:{n}", lambda n=n, f=f: check_step(a, n, f)) for n, f in shapes.items()]
-    checks += [("host_syncs", lambda: check_host_syncs(a, prompts)),
-               ("greedy", lambda: check_greedy(a, prompts))]
+    checks += [("attention", lambda: check_attention(a, shapes)),
+               ("host_syncs", lambda: check_host_syncs(a, prompts)),
+               ("greedy", lambda: check_greedy(a, prompts)),
+               ("sampling", lambda: check_sampling(a, work))]
     draft_devices = [a.device]
     if torch.device(a.device).type == "cuda" and torch.cuda.device_count() > 1:
         draft_devices.append("cuda:1")
