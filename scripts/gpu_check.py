@@ -423,8 +423,10 @@ class HostToDevice(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self.made = []     # (tensor, engine line) per tensor made from Python data (kept alive:
-        self.crossed = []  # a freed storage's address could come back)  to_device's storages
+        # (tensor, engine line) per tensor made from Python data, kept alive so that no later
+        # tensor gets the storage address of a freed one
+        self.made = []
+        self.crossed = []  # the storage address of each tensor passed to to_device
         self.since = (0, 0)
         self.saved = {}
 
