@@ -32,6 +32,8 @@ REPO = Path(__file__).resolve().parent
 ALIASES = {
     "tiny": REPO / "checkpoints" / "tiny-target",
     "tiny-draft": REPO / "checkpoints" / "tiny-draft",
+    # a draft distilled for smollm2-135m (below) by scripts/distill_draft.py
+    "smollm2-135m-draft": REPO / "checkpoints" / "smollm2-135m-draft",
     "llama-70b": "meta-llama/Llama-3.1-70B-Instruct",
     "llama-8b": "meta-llama/Llama-3.1-8B-Instruct",
     "llama-3b": "meta-llama/Llama-3.2-3B-Instruct",

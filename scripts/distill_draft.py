@@ -437,9 +437,12 @@ def train(draft, train_ex: list[dict], heldout_ex: list[dict], args, work: Path)
 # ----------------------------------------------------------------------------------------------------
 # 4. Export, and the driver
 
-def export(draft, tok, out: Path, info: dict):
-    """config.json + model.safetensors (bf16) + the target's tokenizer files + distill.json."""
+def export(draft, tok, out: Path, info: dict, heldout_prompts: list[str]):
+    """config.json + model.safetensors (bf16) + the target's tokenizer files + distill.json, and
+    the held-out prompts as JSONL (bench.py --prompt-file ... --chat measures on them)."""
     out.mkdir(parents=True, exist_ok=True)
+    with open(out / "heldout_prompts.jsonl", "w") as f:
+        f.writelines(json.dumps({"prompt": p}) + "\n" for p in heldout_prompts)
     draft.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
     draft.float()
     tok.save_pretrained(out)
@@ -529,7 +532,7 @@ def main(argv=None):
             "train_tokens": sum(len(e["answer"]) for e in train_ex),
             "steps": args.steps, "parameters": n_params, **metrics,
             "session_seconds": round(time.time() - t_start)}
-    export(draft, tok, out, info)
+    export(draft, tok, out, info, heldout_prompts)
     log(work, f"exported to {out}: {json.dumps(metrics)}")
 
 
