@@ -22,7 +22,8 @@ from channel import SpeculatorProcess
 from decode import NoDraft, Output, decode_sd, decode_ssd
 from draft import PRE_SPEC, DraftConfig, SSDConfig, load_draft
 from fallback import POLICIES
-from model import DTYPES, check_device, load_config, load_model, load_tokenizer, resolve_dtype
+from model import (DTYPES, check_device, load_config, load_model, load_tokenizer, resolve,
+                   resolve_dtype)
 from tp import TP_TIMEOUT_S, TPVerifier, TPWorkers
 from verify import Verifier
 
@@ -45,7 +46,8 @@ def generate(prompts, target="tiny", draft="tiny-draft", mode="sd", max_new_toke
              saguaro_c=1.0, fallback="auto", parallel=True, target_device=None, draft_device=None,
              target_threads=None, draft_threads=None, kv_tokens=None, block_size=16, chat=False,
              stream=None, target_devices: list[str] | None = None, tp_timeout: float = TP_TIMEOUT_S,
-             dtype="auto", graphs: bool | None = None, pre_spec="always") -> GenerateResult:
+             dtype="auto", graphs: bool | None = None, pre_spec="always",
+             tokenizer=None) -> GenerateResult:
     """Generate up to max_new_tokens for each prompt (strings, or lists of token ids).
 
     mode: "ar" (target only), "sd" (speculative decoding, k draft tokens per round) or "ssd"
@@ -61,7 +63,9 @@ def generate(prompts, target="tiny", draft="tiny-draft", mode="sd", max_new_toke
     float32 in every dtype. graphs: None replays decode steps and verifications as CUDA graphs
     on CUDA (not with tensor parallelism) and runs them eagerly elsewhere; False turns graphs off;
     True pads them to the graphs' static shapes on any device (on the CPU, eagerly: the tests'
-    check of that path). stream(row, tokens_so_far) is called as tokens are accepted."""
+    check of that path). stream(row, tokens_so_far) is called as tokens are accepted. tokenizer:
+    the target's, when the caller has it already (the CLI streams with it; a GGUF file's takes
+    seconds to build), so it is not built twice."""
     if mode not in ("ar", "sd", "ssd"):
         raise ValueError(f"unknown mode {mode!r}: use 'ar', 'sd' or 'ssd'")
     if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
@@ -108,15 +112,15 @@ def generate(prompts, target="tiny", draft="tiny-draft", mode="sd", max_new_toke
             workers = TPWorkers(target, list(target_devices), target_threads, tp_timeout,
                                 target_dtype)
         tmodel, tok = load_model(target, device=target_device, dtype=target_dtype,
-                                 tp=workers.rank0 if workers else None)
+                                 tp=workers.rank0 if workers else None,
+                                 tokenizer=tokenizer is None)
+        tok = tokenizer or tok
         tmodel.use_graphs(graphs)
         cfg = tmodel.config
         ids = [encode(tok, p, chat) for p in prompts]
         check_prompts(ids, cfg, max_new_tokens, K)
-        V_draft = load_config(draft).vocab_size if mode != "ar" else cfg.vocab_size
-        if V_draft != cfg.vocab_size:
-            raise ValueError(f"draft vocabulary ({V_draft}) differs from the target's "
-                             f"({cfg.vocab_size}): pick a draft from the same model family")
+        if mode != "ar":
+            check_pair(target, draft, cfg, tok)
         eos = set(cfg.eos_token_ids) | ({tok.eos_token_id} if tok and tok.eos_token_id is not None
                                          else set())
         kv_tokens, draft_kv = kv_sizes(ids, max_new_tokens, K, block_size, kv_tokens, ssd)
@@ -171,6 +175,27 @@ def check_prompts(ids, cfg, max_new_tokens, K):
         if bad:
             raise ValueError(f"prompt token id {bad[0]} outside the vocabulary of size "
                              f"{cfg.vocab_size}")
+
+
+def check_pair(target, draft, cfg, tok):
+    """The draft must speak the target's tokens: the same vocabulary size and, where both come
+    with a tokenizer, the same token behind every id (a draft of another family with a vocabulary
+    of the same size would be accepted less, silently)."""
+    V_draft = load_config(draft).vocab_size
+    if V_draft != cfg.vocab_size:
+        raise ValueError(f"draft vocabulary ({V_draft}) differs from the target's "
+                         f"({cfg.vocab_size}): pick a draft from the same model family")
+    if tok is None or resolve(draft) == resolve(target):
+        return
+    draft_tok = load_tokenizer(draft)
+    if draft_tok is None:
+        return  # a bare checkpoint (ids in, ids out): nothing more to compare
+    ids = range(cfg.vocab_size)
+    for i, a, b in zip(ids, tok.convert_ids_to_tokens(ids), draft_tok.convert_ids_to_tokens(ids)):
+        if a != b:
+            raise ValueError(f"the draft's tokenizer differs from the target's (token {i} is "
+                             f"{b!r} for the draft, {a!r} for the target): pick a draft made "
+                             f"with the target's tokenizer (scripts/distill_draft.py makes one)")
 
 
 def kv_sizes(ids, max_new_tokens, K, block_size, kv_tokens=None, ssd: SSDConfig | None = None):
@@ -357,8 +382,9 @@ def main(argv=None):
     tokenizer = [None]
     try:
         if not a.json:
-            tokenizer[0] = load_tokenizer(a.target)  # the one load_model loads; only for streaming
-            sys.stdout.write(a.prompt)
+            tokenizer[0] = load_tokenizer(a.target)  # generate() uses it too: built once
+            # a chat answer starts on its own line; a plain prompt is continued where it ends
+            sys.stdout.write(a.prompt + ("\n\n" if a.chat else ""))
         res = generate([a.prompt], target=a.target, draft=a.draft, mode=a.mode,
                        max_new_tokens=a.max_new_tokens, temperature=a.temperature, k=a.k,
                        seed=a.seed, ignore_eos=a.ignore_eos, fan_out=fan, budget=a.budget,
@@ -368,7 +394,7 @@ def main(argv=None):
                        draft_device=a.draft_device or a.device, target_threads=a.target_threads,
                        draft_threads=a.draft_threads, kv_tokens=a.kv_tokens, chat=a.chat,
                        stream=stream, tp_timeout=a.tp_timeout, dtype=a.dtype,
-                       graphs=False if a.no_graphs else None,
+                       graphs=False if a.no_graphs else None, tokenizer=tokenizer[0],
                        target_devices=a.target_devices.split(",") if a.target_devices else None)
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)

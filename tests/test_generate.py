@@ -411,3 +411,35 @@ def test_cli_json_with_tokenizer(ckpts, tmp_path, capsys):
                 "mean_tokens_per_round", "acceptance_rate", "accept_len_histogram"):
         assert key in s, key
     assert s["mode"] == "sd" and s["new_tokens"] == len(got["tokens"])
+
+
+def test_draft_with_another_tokenizer_of_the_same_size_is_one_line(tmp_path):
+    """Same vocabulary size, two tokens swapped in the draft's tokenizer: refused before decoding,
+    naming the first id that differs."""
+    draft = tmp_path / "draft"
+    shutil.copytree(Path(run.__file__).parent / "checkpoints" / "tiny-draft", draft)
+    tj = json.loads((draft / "tokenizer.json").read_text())
+    vocab = tj["model"]["vocab"]
+    a, b = [t for t, i in vocab.items() if i in (300, 301)]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (draft / "tokenizer.json").write_text(json.dumps(tj))
+    for mode, extra in (("sd", {}), ("ssd", {"parallel": False})):
+        msg = expect_value_error("tokenizer differs", prompts=["def f():"], target="tiny",
+                                 draft=str(draft), mode=mode, max_new_tokens=2, **extra)
+        assert "token 300" in msg and "distill_draft" in msg, msg
+    gen(prompts=["def f():"], target="tiny", draft="tiny-draft", mode="sd", max_new_tokens=2)
+
+
+def test_cli_builds_the_target_tokenizer_once(monkeypatch, capsys):
+    import model
+    calls = []
+    real = model.load_tokenizer
+
+    def counting(*a, **kw):
+        calls.append(a[0])
+        return real(*a, **kw)
+    monkeypatch.setattr(model, "load_tokenizer", counting)
+    monkeypatch.setattr(run, "load_tokenizer", counting)
+    assert run.main(["--mode", "sd", "--max-new-tokens", "4", "--prompt", "def f():"]) == 0
+    assert calls.count("tiny") == 1, calls  # and the draft's once, for the pairing check
+    assert capsys.readouterr().out.startswith("def f():")  # a plain prompt is continued in place
