@@ -51,6 +51,7 @@ if str(REPO) not in sys.path:  # so `python scripts/distill_draft.py` imports th
     sys.path.insert(0, str(REPO))
 
 from model import load_model, resolve  # noqa: E402  (after the path is set)
+from scripts.train_tiny import lr_at  # noqa: E402  (warm-up, then cosine to a tenth of the peak)
 
 # ----------------------------------------------------------------------------------------------------
 # 1. Prompts
@@ -368,14 +369,6 @@ def autocast(device):
     return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
 
 
-def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
-    """Linear warm-up, then cosine down to a tenth of the peak."""
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    progress = (step - warmup) / max(1, total - warmup)
-    return peak * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
-
-
 def train(draft, train_ex: list[dict], heldout_ex: list[dict], args, work: Path) -> dict:
     """AdamW on the mean top-k KL over answer positions; resumes from work/draft.pt (weights,
     optimizer, step, the data order's epoch and the seconds spent), saves every --save-every-s."""
@@ -496,7 +489,10 @@ def main(argv=None):
     work = Path(args.work_dir or Path.home() / ".cache" / "ssd-distill" / out.resolve().name)
     work.mkdir(parents=True, exist_ok=True)
     t_start = time.time()
-    log(work, "distill_draft.py " + " ".join(sys.argv[1:] if argv is None else argv))
+    # the command as a reader can rerun it: the home directory as ~, no machine's absolute path
+    command = ("python scripts/distill_draft.py "
+               + " ".join(sys.argv[1:] if argv is None else argv)).replace(str(Path.home()), "~")
+    log(work, command)
 
     target, tok = load_model(args.target, device=args.device, dtype="float32")
     if tok is None:
@@ -525,8 +521,7 @@ def main(argv=None):
     log(work, f"draft: {n_params / 1e6:.1f}M parameters (hidden {args.hidden}, layers from the "
               f"target's {layers})")
     metrics = train(draft, train_ex, heldout_ex, args, work)
-    info = {"command": "python scripts/distill_draft.py " +
-                       " ".join(sys.argv[1:] if argv is None else argv),
+    info = {"command": command,
             "target": args.target, "target_file": resolve(args.target).name,
             "train_prompts": len(train_ex), "heldout_prompts": len(heldout_ex),
             "train_tokens": sum(len(e["answer"]) for e in train_ex),
