@@ -22,7 +22,7 @@ import torch
 import torch.multiprocessing as mp
 
 from draft import DraftConfig, Proposals, load_draft
-from model import check_device, to_device
+from devices import check_device, to_device
 
 
 class Channel:

@@ -16,7 +16,7 @@ import time
 import torch
 
 from draft import Proposals
-from model import device_index, sync, to_device, to_host
+from devices import device_index, sync, to_device, to_host
 
 
 class Output:

@@ -16,7 +16,10 @@ import torch
 
 import fallback
 from fallback import BACKUPS, POLICIES, critical_batch_size
-from model import PagedKVCache, Transformer, device_index, load_model, to_device, to_host
+from checkpoint import load_model
+from devices import device_index, to_device, to_host
+from kv_cache import PagedKVCache
+from model import Transformer
 from saguaro_sample import exp_noise, probs_from_logits, sample, saguaro
 from spec_cache import (DEFAULT_A, DEFAULT_R, AcceptanceTracker, PreSpecGate, SpecCache,
                         expected_tokens, fan_out, guess_triples, next_budget,

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from model import to_device
+from devices import to_device
 from spec_cache import DEFAULT_A, expected_tokens
 
 # Defaults for b* before anything is measured (assumptions, times normalised to one verification):

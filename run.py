@@ -22,8 +22,8 @@ from channel import SpeculatorProcess
 from decode import NoDraft, Output, decode_sd, decode_ssd
 from draft import PRE_SPEC, DraftConfig, SSDConfig, load_draft
 from fallback import POLICIES
-from model import (DTYPES, check_device, load_config, load_model, load_tokenizer, resolve,
-                   resolve_dtype)
+from checkpoint import load_config, load_model, load_tokenizer, resolve
+from devices import DTYPES, check_device, resolve_dtype
 from tp import TP_TIMEOUT_S, TPVerifier, TPWorkers
 from verify import Verifier
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from model import to_device
+from devices import to_device
 
 # Used before any counters exist (assumptions, not measurements of this engine):
 # a: the paper's acceptance rate, Llama-3.1-70B / Llama-3.2-1B at temperature 1 with C = 1.

@@ -24,7 +24,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from channel import start_child
-from model import TP, check_device, check_tp, load_config, load_model, to_device
+from checkpoint import load_config, load_model
+from devices import check_device, to_device
+from model import TP, check_tp
 from verify import Verifier
 
 # How long a rank waits for the others in one collective before it gives up (seconds;

@@ -40,7 +40,7 @@ import torch
 import torch.multiprocessing as mp
 
 from channel import start_child
-from model import load_model, resolve
+from checkpoint import load_model, resolve
 from run import split_cores
 from scripts.gpu_check import sync
 

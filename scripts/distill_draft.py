@@ -50,38 +50,73 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # so `python scripts/distill_draft.py` imports the engine
     sys.path.insert(0, str(REPO))
 
-from model import load_model, resolve  # noqa: E402  (after the path is set)
+from checkpoint import load_model, resolve  # noqa: E402  (after the path is set)
 from scripts.train_tiny import lr_at  # noqa: E402  (warm-up, then cosine to a tenth of the peak)
 
 # ----------------------------------------------------------------------------------------------------
 # 1. Prompts
 
 TOPICS = """
-hash tables; binary search; recursion; sorting algorithms; linked lists; the Python GIL; unit testing;
-version control with git; regular expressions; HTTP requests; JSON; databases and SQL; indexes in a
-database; caching; memory leaks; garbage collection; threads and processes; async programming;
-compilers; interpreters; the TCP/IP model; DNS; encryption; public key cryptography; passwords;
-operating systems; file systems; virtual memory; machine learning; neural networks; gradient
-descent; overfitting; probability; statistics; the mean and the median; prime numbers; fractions;
-percentages; algebra; geometry; the Pythagorean theorem; calculus; derivatives; integrals; vectors;
-matrices; photosynthesis; the water cycle; climate change; volcanoes; earthquakes; the solar system;
-black holes; gravity; electricity; magnets; light; sound waves; atoms; chemical reactions; acids
-and bases; DNA; evolution; the immune system; vaccines; the human heart; sleep; nutrition; exercise;
-meditation; stress; time management; public speaking; job interviews; writing a resume; learning a
-language; reading habits; studying for exams; teamwork; leadership; negotiation; budgeting; saving
-money; compound interest; inflation; supply and demand; the stock market; taxes; renting an
-apartment; buying a car; cooking pasta; baking bread; making coffee; growing tomatoes; keeping a
-houseplant alive; adopting a dog; training a cat; birdwatching; hiking; camping; cycling; running a
-marathon; swimming; chess; football; the Olympic Games; ancient Rome; ancient Egypt; the Renaissance;
-the Industrial Revolution; the printing press; the invention of the telephone; the Moon landing;
-democracy; human rights; recycling; renewable energy; solar panels; electric cars; trains; airplanes;
-bridges; skyscrapers; maps; weather forecasts; rainbows; oceans; rivers; deserts; rainforests;
-mountains; coral reefs; bees; whales; dinosaurs; music theory; learning the guitar; painting;
-photography; poetry; writing a short story; friendship; kindness; gratitude; habits; motivation;
-smartphones; social media; online privacy; spreadsheets; email etiquette; open source software;
-the command line; Docker containers; cloud computing; web browsers; HTML and CSS; JavaScript; APIs;
-sorting a list in Python; reading a file in Python; Python decorators; Python generators; list
-comprehensions; classes and objects; inheritance; exceptions; dictionaries; string formatting
+hash tables; binary search; recursion; sorting algorithms; linked lists; the Python GIL; unit
+testing; version control with git; regular expressions; HTTP requests; JSON; databases and SQL;
+indexes in a database; caching; memory leaks; garbage collection; threads and processes; async
+programming; compilers; interpreters; the TCP/IP model; DNS; encryption; public key cryptography;
+passwords; operating systems; file systems; virtual memory; machine learning; neural networks;
+gradient descent; overfitting; probability; statistics; the mean and the median; prime numbers;
+fractions; percentages; algebra; geometry; the Pythagorean theorem; calculus; derivatives;
+integrals; vectors; matrices; photosynthesis; the water cycle; climate change; volcanoes;
+earthquakes; the solar system; black holes; gravity; electricity; magnets; light; sound waves;
+atoms; chemical reactions; acids and bases; DNA; evolution; the immune system; vaccines; the human
+heart; sleep; nutrition; exercise; meditation; stress; time management; public speaking; job
+interviews; writing a resume; learning a language; reading habits; studying for exams; teamwork;
+leadership; negotiation; budgeting; saving money; compound interest; inflation; supply and demand;
+the stock market; taxes; renting an apartment; buying a car; cooking pasta; baking bread; making
+coffee; growing tomatoes; keeping a houseplant alive; adopting a dog; training a cat; birdwatching;
+hiking; camping; cycling; running a marathon; swimming; chess; football; the Olympic Games; ancient
+Rome; ancient Egypt; the Renaissance; the Industrial Revolution; the printing press; the invention
+of the telephone; the Moon landing; democracy; human rights; recycling; renewable energy; solar
+panels; electric cars; trains; airplanes; bridges; skyscrapers; maps; weather forecasts; rainbows;
+oceans; rivers; deserts; rainforests; mountains; coral reefs; bees; whales; dinosaurs; music
+theory; learning the guitar; painting; photography; poetry; writing a short story; friendship;
+kindness; gratitude; habits; motivation; smartphones; social media; online privacy; spreadsheets;
+email etiquette; open source software; the command line; Docker containers; cloud computing; web
+browsers; HTML and CSS; JavaScript; APIs; sorting a list in Python; reading a file in Python;
+Python decorators; Python generators; list comprehensions; classes and objects; inheritance;
+exceptions; dictionaries; string formatting; binary numbers; floating point numbers; big O
+notation; graphs and trees; breadth-first search; dynamic programming; queues and stacks; heaps;
+the Linux kernel; shell scripts; environment variables; code review; technical debt; refactoring;
+pair programming; agile teams; writing documentation; debugging; logging; type hints; virtual
+environments; package managers; SQL joins; transactions; backups; load balancers; content delivery
+networks; Wi-Fi; Bluetooth; batteries; semiconductors; transistors; quantum computing; robots;
+self-driving cars; 3D printing; drones; satellites; GPS; the Internet of Things; spam filters;
+recommendation systems; search engines; chatbots; image recognition; speech recognition;
+translation software; data visualization; correlation and causation; the scientific method;
+experiments; hypotheses; peer review; the periodic table; the states of matter; friction; energy;
+heat; temperature; the speed of light; telescopes; microscopes; cells; bacteria; viruses; fungi;
+the brain; memory; emotions; dreams; the five senses; the skeleton; muscles; blood; vitamins;
+sugar; water; breakfast; vegetables; spices; soup; salad; pizza; rice; tea; chocolate; cheese;
+bread and butter; fermentation; composting; gardening; pruning trees; bird feeders; aquariums;
+horses; elephants; penguins; octopuses; ants; butterflies; wolves; owls; sharks; frogs; snakes;
+migration of birds; seasons; snow; thunderstorms; hurricanes; tides; the Moon; Mars; the Sun;
+comets; the Milky Way; constellations; the Big Bang; time zones; calendars; clocks; money; banks;
+credit cards; loans; insurance; retirement savings; starting a small business; marketing; customer
+service; meetings; remote work; commuting; cities; villages; public transport; libraries; museums;
+theaters; movies; novels; comics; board games; video games; puzzles; crossword puzzles; magic
+tricks; jokes; birthdays; weddings; holidays; travel; packing a suitcase; learning to swim;
+learning to drive; first aid; fire safety; earthquake drills; volunteering; charity; neighbors;
+family dinners; grandparents; raising children; pets and allergies; moving to a new city; making
+friends as an adult; apologizing; giving feedback; receiving criticism; saying no; patience;
+curiosity; creativity; boredom; procrastination; journaling; minimalism; decluttering; cleaning a
+kitchen; doing laundry; ironing a shirt; fixing a flat tire; painting a wall; building a bookshelf;
+knots; sewing; knitting; origami; pottery; calligraphy; dance; singing; the piano; drums; jazz;
+classical music; opera; film photography; architecture; castles; pyramids; the Great Wall of China;
+the Silk Road; the Vikings; the Middle Ages; ancient Greece; philosophy; logic; ethics; economics;
+game theory; maps and navigation; languages of the world; the alphabet; grammar; punctuation;
+spelling; handwriting; typing; keyboard shortcuts; password managers; two-factor authentication;
+phishing; computer viruses; firewalls; software updates; open data; Wikipedia; the history of the
+internet; email; video calls; podcasts; blogging; newspapers; advertising; fashion; recycling
+clothes; shoes; umbrellas; glasses; bicycle repair; skateboarding; yoga; tennis; basketball;
+baseball; volleyball; golf; skiing; surfing; rock climbing; fishing; sailing; kayaking
 """
 TEMPLATES = [
     "Explain {} in simple terms.", "What is {}?", "Give me three tips about {}.",
@@ -122,9 +157,9 @@ def stdlib_docstrings(limit: int) -> list[str]:
 
 
 def build_prompts(n_train: int, n_heldout: int, seed: int, heldout_percent: int = 15):
-    """-> (train, heldout) lists of prompt strings; the same arguments give the same lists. About
-    one prompt in five is a docstring prompt, the rest templates over topics; held-out topics and
-    docstrings are never used in training prompts."""
+    """-> (train, heldout) lists of prompt strings; the same arguments give the same lists. Most
+    are templates over topics, a few over docstrings (as many as the running Python's standard
+    library has); held-out topics and docstrings are never used in training prompts."""
     topics = [t.strip() for t in TOPICS.replace("\n", " ").split(";") if t.strip()]
     docs = stdlib_docstrings(400)
     pools = {}

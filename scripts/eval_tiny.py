@@ -147,7 +147,7 @@ def median_ms(fn, reps: int, warmup: int) -> float:
 @torch.no_grad()
 def time_pair(target_dir=TARGET_DIR, draft_dir=DRAFT_DIR, reps: int = 200, warmup: int = 20) -> dict:
     """One target forward over 8 tokens vs one draft forward over 1 token, one thread, float32."""
-    from model import load_model
+    from checkpoint import load_model
     torch.set_num_threads(1)
     target, _ = load_model(target_dir, device="cpu")
     draft, _ = load_model(draft_dir, device="cpu")
@@ -162,7 +162,7 @@ def time_pair(target_dir=TARGET_DIR, draft_dir=DRAFT_DIR, reps: int = 200, warmu
 @torch.no_grad()
 def sample(target_dir=TARGET_DIR, prompt: str = "def ", max_new_tokens: int = 120, temperature: float = 0.7, seed: int = 0) -> str:
     """Plain (uncached) sampling from the target with the project's model; stops at EOS."""
-    from model import load_model
+    from checkpoint import load_model
     model, tok = load_model(target_dir, device="cpu")
     g = torch.Generator().manual_seed(seed)
     ids = [tok.bos_token_id] + tok(prompt, add_special_tokens=False)["input_ids"]

@@ -22,8 +22,8 @@ and one line to the table printed at the end:
                   shapes of the 1B model, ragged rows (graph vs eager and AR vs SD run one kernel)
   host_syncs      host-device synchronisations per AR, SD and SSD round (CUDA's sync debug mode;
                   a graph capture's own syncs are counted apart); on the CPU, the decode loop's
-                  device-to-host reads (model.to_host) and its host-to-device crossings, none of
-                  which may bypass model.to_device
+                  device-to-host reads (devices.to_host) and its host-to-device crossings, none of
+                  which may bypass devices.to_device
   greedy          AR, SD and SSD (one process and two) emit the same greedy tokens in bf16
   sampling        temperature 1: the joint law of the first 3 tokens from AR, SD and SSD (one
                   process and two) against the exact law (a 4-token vocabulary, enumerated on the
@@ -61,8 +61,10 @@ from safetensors.torch import save_file  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils._pytree import tree_leaves  # noqa: E402
 
-from model import (MM_FP32_OUT, PREFILL_CHUNK, ModelConfig, PagedKVCache,  # noqa: E402
-                   Transformer, load_model, materialize, paged_attention, sync)
+from checkpoint import load_model, materialize
+from devices import MM_FP32_OUT, sync
+from kv_cache import PagedKVCache, paged_attention
+from model import PREFILL_CHUNK, ModelConfig, Transformer
 from run import generate  # noqa: E402
 
 # HF config fields of the shapes (Llama-3.2-1B and Llama-3.1-8B), and their --quick stand-ins
@@ -414,12 +416,13 @@ def engine_line() -> str:
 class HostToDevice(TorchDispatchMode):
     """The CPU's stand-in for host-to-device copies, which a CPU run cannot see (the host is the
     device): every tensor made from Python data (aten's lift_fresh: torch.tensor or as_tensor of a
-    list, a list used as an index) with the engine line that made it, and model.to_device's calls.
+    list, a list used as an index) with the engine line that made it, and devices.to_device's calls.
     The engine's host data crosses through to_device (on CUDA from page-locked memory, without
     blocking); one that never reaches it was made on the device or indexes a device tensor, which
     on a GPU is a synchronous copy: implicit() names them."""
 
-    MODULES = ("model", "decode", "draft", "verify", "spec_cache", "fallback", "channel", "tp")
+    MODULES = ("devices", "kv_cache", "graphs", "model", "decode", "draft", "verify", "spec_cache",
+               "fallback", "channel", "tp")
 
     def __init__(self):
         super().__init__()
@@ -473,9 +476,9 @@ class HostToDevice(TorchDispatchMode):
 def count_host_syncs(device):
     """-> a SyncCounter for the block; call its mark() when decoding starts (loading and prefill
     sync too). CUDA's sync debug mode on a GPU (a graph capture's syncs counted apart); on the CPU,
-    the decode loop's device-to-host reads (model.to_host, each a sync on a GPU; other syncs,
+    the decode loop's device-to-host reads (devices.to_host, each a sync on a GPU; other syncs,
     which the GPU's count shows, are not seen) and its host-to-device crossings (HostToDevice)."""
-    from model import StaticSteps
+    from graphs import StaticSteps
     if torch.device(device).type == "cuda":
         counter = SyncCounter(lambda w: "synchroniz" in str(w.message))  # not other warnings
         real = StaticSteps.capture_graph
@@ -544,7 +547,7 @@ def check_host_syncs(a, prompts):
             rounds = max(1, res.stats["rounds"])
             out[f"{mode}_per_round"] = c.n() / rounds
             out[f"{mode}_in_captures"] = c.in_captures()
-            if c.crossings is not None:  # the CPU: every crossing through model.to_device
+            if c.crossings is not None:  # the CPU: every crossing through devices.to_device
                 out[f"{mode}_h2d_per_round"] = c.crossings.n() / rounds
                 out[f"{mode}_h2d_implicit"] = sorted(set(c.crossings.implicit()))
     out["ok"] = (all(out[f"{m}_per_round"] <= v for m, v in SYNCS_PER_ROUND.items())

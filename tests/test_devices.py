@@ -4,7 +4,7 @@ A CPU run cannot see device mismatches (the host is the device), so the decode l
 `torch.device("meta")` as the default device: a tensor made without naming its device lands on meta
 and collides with the models' CPU tensors exactly where, on a GPU, a host tensor would meet CUDA ones
 (host tensors say device="cpu"). Host-to-device crossings are counted with scripts/gpu_check.py's
-HostToDevice (every tensor made from Python data must cross through model.to_device, pinned and
+HostToDevice (every tensor made from Python data must cross through devices.to_device, pinned and
 without blocking); the speculator's and the tensor-parallel ranks' torch.cuda.set_device with a stub;
 the prefill and decode clocks with a fake device whose work finishes only when the host waits for it;
 graph captures with a fake capture that takes its time.
@@ -17,13 +17,15 @@ import torch
 import channel
 import decode
 import draft
-import model as model_module
+import devices
 import run
 import tp
 import verify
 from conftest import make_checkpoint, one_line
 from draft import DraftConfig
-from model import StaticSteps, Transformer, check_device, resolve_dtype
+from devices import check_device, resolve_dtype
+from graphs import StaticSteps
+from model import Transformer
 from run import generate
 from scripts.gpu_check import HostToDevice
 
@@ -73,7 +75,7 @@ def test_two_process_ssd_makes_no_tensor_on_the_default_device(pair):
 
 
 # ----------------------------------------------------------------------------------------------------
-# Item 5: host data crosses to the device only through model.to_device
+# Item 5: host data crosses to the device only through devices.to_device
 
 def crossings(pair, mode, batch, **kw):
     """(tensors made from Python data during decoding that did not cross through to_device, to_device calls
@@ -93,7 +95,7 @@ def crossings(pair, mode, batch, **kw):
 def test_host_data_crosses_only_through_to_device(pair, mode, kw, temperature):
     """Every tensor the decode loops build from Python data (a forward's plan, the rows a verification
     reads, the proposals of hits and misses put in row order, n-gram proposals, the guesses' fan-out)
-    crosses through model.to_device: none is made on the device from a list or indexes a device tensor
+    crosses through devices.to_device: none is made on the device from a list or indexes a device tensor
     with one (on a GPU each of those is a synchronous copy: the host waits for the device's queue). AR and
     SD cross as often per round at batch 1 as at batch 3."""
     implicit, per_round = crossings(pair, mode, 3, temperature=temperature, **kw)
@@ -106,7 +108,7 @@ def test_host_to_device_counts_a_list_made_on_the_device(monkeypatch):
     """The counter itself: a device tensor indexed with a list, or a list made on the device, is named."""
     x = torch.arange(6)
     with HostToDevice() as h2d:
-        model_module.to_device(torch.tensor([1, 2], device="cpu"), "cpu")  # the way to cross
+        devices.to_device(torch.tensor([1, 2], device="cpu"), "cpu")  # the way to cross
         x[[0, 2]]
         torch.tensor([3, 4], device=x.device)
     assert len(h2d.made) == 3 and len(h2d.implicit()) == 2 and h2d.n() == 1
@@ -250,12 +252,12 @@ def test_graph_captures_are_not_decode_time(pair, slow_captures, mode, kw):
 def test_cuda_bf16_without_the_float32_gemm_is_refused(monkeypatch):
     """Without aten::mm.dtype the LM head would be upcast to a float32 copy in every step and graph: such a
     torch is refused for bf16/fp16 on CUDA, in one line naming the fix; float32, and the CPU, still run."""
-    monkeypatch.setattr(model_module, "MM_FP32_OUT", ())
+    monkeypatch.setattr(devices, "MM_FP32_OUT", ())
     for dtype in ("auto", "bfloat16", "float16"):
         with pytest.raises(ValueError) as e:
             resolve_dtype(dtype, "cuda:0")
         one_line(e, "torch >= 2.8", "--dtype float32")
     assert resolve_dtype("float32", "cuda:0") == torch.float32
     assert resolve_dtype("bfloat16", "cpu") == torch.bfloat16
-    monkeypatch.setattr(model_module, "MM_FP32_OUT", ("cuda", "meta"))
+    monkeypatch.setattr(devices, "MM_FP32_OUT", ("cuda", "meta"))
     assert resolve_dtype("auto", "cuda:0") == torch.bfloat16

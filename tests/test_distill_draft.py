@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import hf_model, make_checkpoint
-from model import load_model
+from checkpoint import load_model
 from scripts import distill_draft as dd
 
 REPO = Path(__file__).resolve().parent.parent

@@ -34,8 +34,9 @@ import run
 import tp
 import verify as verify_module
 from channel import speculator_main
-from model import (DTYPES, FP32_REDUCE_MAX, MM_FP32_OUT, TP, Transformer, all_reduce, load_model, matmul_fp32,
-                   resolve, resolve_dtype)
+from checkpoint import load_model, resolve
+from devices import DTYPES, MM_FP32_OUT, resolve_dtype
+from model import FP32_REDUCE_MAX, TP, Transformer, all_reduce, matmul_fp32
 from run import GenerateResult, generate, same_gpu
 from scripts.gpu_check import Allocations
 from tp import tp_worker_main

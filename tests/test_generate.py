@@ -178,7 +178,7 @@ def small_vocab(tmp_path_factory):
 
 @pytest.fixture
 def host_reads(monkeypatch):
-    """Log the shape of every read through model.to_host, the decode loop's one device-to-host crossing."""
+    """Log the shape of every read through devices.to_host, the decode loop's one device-to-host crossing."""
     import decode
     import draft
     log = []
@@ -431,14 +431,14 @@ def test_draft_with_another_tokenizer_of_the_same_size_is_one_line(tmp_path):
 
 
 def test_cli_builds_the_target_tokenizer_once(monkeypatch, capsys):
-    import model
+    import checkpoint
     calls = []
-    real = model.load_tokenizer
+    real = checkpoint.load_tokenizer
 
     def counting(*a, **kw):
         calls.append(a[0])
         return real(*a, **kw)
-    monkeypatch.setattr(model, "load_tokenizer", counting)
+    monkeypatch.setattr(checkpoint, "load_tokenizer", counting)
     monkeypatch.setattr(run, "load_tokenizer", counting)
     assert run.main(["--mode", "sd", "--max-new-tokens", "4", "--prompt", "def f():"]) == 0
     assert calls.count("tiny") == 1, calls  # and the draft's once, for the pairing check

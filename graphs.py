@@ -1,0 +1,94 @@
+"""Static shapes and CUDA graphs for decode steps and verifications (`StaticSteps`): a step is
+padded to a bucket of rows and block-table columns, so that each bucket's run can be captured once
+as a CUDA graph and replayed; on the CPU the same padded path runs eagerly, so tests check it.
+"""
+import time
+from dataclasses import dataclass
+
+import torch
+
+from devices import to_device
+from kv_cache import PagedKVCache
+
+# --------------------------------------------------------------------------------------------------
+# Static shapes and CUDA graphs
+#
+# A decode step (T = 1 new token per sequence) or a verification (T = K + 1) does little work per
+# kernel, so on a GPU its time goes to launching some 50 kernels per layer from Python. A CUDA graph
+# records the launches once and replays them in one call, but it replays fixed shapes at fixed
+# addresses. So a forward is split into the host's plan (PagedKVCache.plan: slots, positions, block
+# tables) and the device's run (Transformer.run), and a step whose rows all add the same T tokens is
+# padded to a *bucket*: the rows to a power of two (padding rows are masked and write into the
+# cache's pad block) and the block table to a power of two of columns (masked as well). Each bucket
+# owns its input buffers; a step copies its plan into them (one host-to-device copy, as the dynamic
+# path) and runs, or on CUDA replays the run captured the first time the bucket came up. On the CPU
+# the same padded path runs without capture, so tests check it against the dynamic path.
+
+
+@dataclass
+class Bucket:
+    cache: PagedKVCache     # held: a graph reads its pool's address
+    ints: torch.Tensor      # the plan's int64 layout, on the device (PagedKVCache.plan)
+    tokens: torch.Tensor    # [rows * T] input tokens; padding rows keep token 0
+    logits: torch.Tensor | None = None  # the captured run's output [rows * T, V]
+    graph: object = None    # torch.cuda.CUDAGraph once captured
+
+
+class StaticSteps:
+    MAX_T = 16       # longer uniform steps (prefill pieces) stay on the dynamic path
+    MAX_ROWS = 512   # so do larger batches: a bucket keeps its logits, [rows * T, V] float32
+
+    def __init__(self, capture: bool):
+        self.capture = capture
+        self.buckets: dict[tuple, Bucket] = {}
+        self.pool = None    # one memory pool for all of a model's graphs (they never run at once)
+        self.captures = 0
+        self.capture_seconds = 0.0
+
+    def fits(self, counts: list[int]) -> bool:
+        uniform = all(c == counts[0] for c in counts)
+        return uniform and counts[0] <= self.MAX_T and len(counts) <= self.MAX_ROWS
+
+    def step(self, model, cache: PagedKVCache, seq_ids: list[int], tokens, T: int):
+        """One padded step -> float32 logits [b * T, V] of the real rows."""
+        b = len(seq_ids)
+        host, shape = cache.plan(seq_ids, [T] * b, pad=True)  # shape: (rows, T, blocks)
+        key = (id(cache), *shape)
+        bk = self.buckets.get(key)
+        if bk is None:
+            tokens_buf = torch.zeros(shape[0] * T, dtype=torch.long, device=model.device)
+            bk = self.buckets[key] = Bucket(cache, torch.empty_like(host, device=model.device),
+                                            tokens_buf)
+        to_device(host, model.device, out=bk.ints)  # the one host-to-device copy of this step
+        bk.tokens[:b * T].copy_(tokens)
+
+        def run():
+            return model.run(cache, bk.tokens, cache.meta(bk.ints, *shape))
+        if not self.capture:
+            return run()[:b * T]
+        if bk.graph is None:
+            self.capture_graph(bk, run)
+        bk.graph.replay()
+        return bk.logits[:b * T].clone()  # the next replay overwrites bk.logits
+
+    def capture_graph(self, bk: Bucket, run):
+        # one eager run first, on a side stream (as torch.cuda.graphs asks): cuBLAS and the caching
+        # allocator set themselves up outside the capture. It writes the same K/V the replay will.
+        # Captures happen during decoding, the first time a shape comes up, and are timed (a sync
+        # each, rare): the decode loops leave that time out of decode time and report it apart
+        # (decode.Captures), so that tokens per second measure decoding, not set-up. The clock
+        # starts once the steps queued before have run: their time is decoding.
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            run()
+        torch.cuda.current_stream().wait_stream(side)
+        bk.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(bk.graph, pool=self.pool):
+            bk.logits = run()
+        self.pool = bk.graph.pool()
+        torch.cuda.synchronize()
+        self.captures += 1
+        self.capture_seconds += time.perf_counter() - start

@@ -1,0 +1,248 @@
+"""The paged KV cache: one pool of fixed-size blocks for all sequences, a block table per
+sequence, reference counts so that SSD's branches share their common prefix (fork), rollback
+(truncate), and what attention needs from it: each forward's plan (slots, positions, block tables,
+mask; `AttnMeta`) and `paged_attention`, which writes and reads K/V through the block tables.
+"""
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from devices import to_device
+
+# --------------------------------------------------------------------------------------------------
+# The paged KV cache
+#
+# One pool for the whole model, kv[layer, 0 or 1 (K or V), block, slot, kv_head, head_dim], so that
+# kv[l, 0] is layer l's [num_blocks, block_size, n_kv_heads, head_dim] pool of keys. A sequence is a
+# block table (list of block ids) plus a length. Blocks are reference counted so that SSD's branches
+# can share the blocks of their common prefix (`fork`); a block is copied before it is written while
+# shared (copy on write), so no sequence ever sees another's writes.
+
+@dataclass
+class Seq:
+    blocks: list[int] = field(default_factory=list)
+    length: int = 0
+
+
+@dataclass
+class AttnMeta:
+    """Per-forward bookkeeping for a ragged batch of b sequences with N new tokens in all."""
+    slots: torch.Tensor        # [N] flat pool slot (block * block_size + offset) of each new K/V
+    positions: torch.Tensor    # [N] absolute position of each new token
+    block_table: torch.Tensor  # [b, max_blocks] (padded with block 0; padding is masked out)
+    query_index: torch.Tensor  # [N] row * T + i: each new token's place in the padded [b, T]
+    mask: torch.Tensor         # [b, 1, g * T, max_blocks * block_size]: 0 where a query may look,
+                               #   -inf elsewhere; g = query heads per KV head (see paged_attention)
+    T: int                     # most new tokens of any sequence in this batch
+    last: torch.Tensor         # [b] index in [N] of each sequence's last new token
+
+
+class PagedKVCache:
+    def __init__(self, cfg, num_tokens: int, block_size: int = 16, device="cpu",
+                 dtype=torch.float32):
+        """cfg: the model's ModelConfig (layers, heads, KV heads, head_dim): a pool for
+        num_tokens tokens (rounded up to whole blocks) on `device`, in `dtype`."""
+        if block_size < 1 or num_tokens < 1:
+            raise ValueError(f"KV cache needs block_size >= 1 and num_tokens >= 1 "
+                             f"(got {block_size}, {num_tokens})")
+        self.block_size = block_size
+        self.group = cfg.num_attention_heads // cfg.num_key_value_heads  # g: q heads per KV head
+        self.num_blocks = -(-num_tokens // block_size)
+        self.kv = torch.zeros(cfg.num_hidden_layers, 2, self.num_blocks, block_size,
+                              cfg.num_key_value_heads, cfg.head_dim, device=device, dtype=dtype)
+        self.refcount = [0] * self.num_blocks
+        self.free_blocks = list(range(self.num_blocks - 1, -1, -1))  # a stack: pop() gives block 0
+        self.seqs: dict[int, Seq] = {}
+        self._next_id = 0
+        self._pad_block = None  # pad_block()
+
+    # -- the allocator
+    def _reserve(self, need: int):
+        """Raise, before anything is touched, unless `need` blocks are free: an operation either
+        completes or changes nothing (no half-appended sequence, no block without an owner)."""
+        if need > len(self.free_blocks):
+            raise RuntimeError(f"KV cache full: {need} more blocks of {self.block_size} tokens "
+                               f"needed, {len(self.free_blocks)} of {self.num_blocks} free; raise "
+                               f"the token budget (kv_tokens= / --kv-tokens, now "
+                               f"{self.num_blocks * self.block_size})")
+
+    def _alloc(self) -> int:
+        self._reserve(1)
+        b = self.free_blocks.pop()
+        self.refcount[b] = 1
+        return b
+
+    def _release(self, b: int):
+        self.refcount[b] -= 1
+        if self.refcount[b] == 0:
+            self.free_blocks.append(b)
+
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    # -- sequence operations
+    def new_seq(self) -> int:
+        sid = self._next_id
+        self._next_id += 1
+        self.seqs[sid] = Seq()
+        return sid
+
+    def length(self, sid: int) -> int:
+        return self.seqs[sid].length
+
+    def fork(self, sid: int, length: int) -> int:
+        """A new sequence holding the first `length` tokens of `sid`: full blocks shared, the
+        partial last one copied."""
+        src = self.seqs[sid]
+        if not 0 <= length <= src.length:
+            raise ValueError(f"fork length {length} outside [0, {src.length}]")
+        bs = self.block_size
+        n_full, rem = divmod(length, bs)
+        self._reserve(1 if rem else 0)  # the partial last block is copied
+        blocks = src.blocks[:n_full]
+        for b in blocks:
+            self.refcount[b] += 1
+        if rem:
+            b = self._alloc()
+            self.kv[:, :, b, :rem] = self.kv[:, :, src.blocks[n_full], :rem]
+            blocks = blocks + [b]
+        new = self.new_seq()
+        self.seqs[new] = Seq(blocks, length)
+        return new
+
+    def truncate(self, sid: int, length: int):
+        """Roll back to the first `length` tokens; blocks that become empty are freed."""
+        s = self.seqs[sid]
+        if not 0 <= length <= s.length:
+            raise ValueError(f"truncate length {length} outside [0, {s.length}]")
+        keep = -(-length // self.block_size)
+        for b in s.blocks[keep:]:
+            self._release(b)
+        del s.blocks[keep:]
+        s.length = length
+
+    def free(self, sid: int):
+        self.truncate(sid, 0)
+        del self.seqs[sid]
+
+    def blocks_needed(self, sid: int, n: int) -> int:
+        """How many free blocks appending n tokens to `sid` takes (new ones, a copy on write)."""
+        s, bs = self.seqs[sid], self.block_size
+        cow = s.length % bs != 0 and self.refcount[s.blocks[s.length // bs]] > 1
+        return -(-(s.length + n) // bs) - len(s.blocks) + cow
+
+    def append(self, sid: int, n: int) -> list[int]:
+        """Reserve n new token slots at the end of `sid` and return their flat pool indices."""
+        s, bs = self.seqs[sid], self.block_size
+        self._reserve(self.blocks_needed(sid, n))
+        first = s.length // bs
+        if s.length % bs and self.refcount[s.blocks[first]] > 1:
+            # the partial last block is shared (a truncated fork of a longer one): copy on write
+            old, new = s.blocks[first], self._alloc()
+            self.kv[:, :, new] = self.kv[:, :, old]
+            self._release(old)
+            s.blocks[first] = new
+        while len(s.blocks) * bs < s.length + n:
+            s.blocks.append(self._alloc())
+        slots = [s.blocks[p // bs] * bs + p % bs for p in range(s.length, s.length + n)]
+        s.length += n
+        return slots
+
+    def prepare(self, seq_ids: list[int], counts: list[int]) -> AttnMeta:
+        """Append counts[i] tokens to each sequence and build the metadata of one forward (every
+        layer uses it): the host's plan, one copy to the device, the device's part."""
+        host, shape = self.plan(seq_ids, counts)
+        return self.meta(to_device(host, self.kv.device), *shape)
+
+    def pad_block(self) -> int:
+        """A block no sequence owns, taken from the pool on first use and never released: the
+        static-shape path (StaticSteps) points its padding rows here, so they write and read
+        nothing that belongs to a sequence."""
+        if self._pad_block is None:
+            self._pad_block = self._alloc()
+        return self._pad_block
+
+    def plan(self, seq_ids: list[int], counts: list[int],
+             pad: bool = False) -> tuple[torch.Tensor, tuple[int, int, int]]:
+        """The host's half of a forward: append the tokens' slots and lay out the index lists in
+        one int64 tensor -> (it, (b, T, max_blocks)). pad: round the rows (each with T tokens)
+        and the block table's columns up to powers of two (`bucket`), so that a step's shapes
+        depend only on its bucket (StaticSteps); padding rows write into pad_block()."""
+        bs = self.block_size
+        if min(counts) < 1:
+            raise ValueError(f"every sequence in a cached forward needs >= 1 new token "
+                             f"(counts {counts})")
+        n_pad = bucket(len(seq_ids)) - len(seq_ids) if pad else 0
+        block = self.pad_block() if n_pad else None  # first: a full pool fails before any append
+        self._reserve(sum(self.blocks_needed(s, c) for s, c in zip(seq_ids, counts)))
+        starts = [self.seqs[s].length for s in seq_ids]
+        slots = [x for s, c in zip(seq_ids, counts) for x in self.append(s, c)]
+        tables = [self.seqs[s].blocks for s in seq_ids]
+        T, max_blocks = max(counts), max(len(t) for t in tables)
+        max_blocks = bucket(max_blocks) if pad else max_blocks
+        if n_pad:  # padding rows: T tokens at position 0, in the pad block
+            starts, counts = starts + [0] * n_pad, counts + [T] * n_pad
+            slots = slots + [block * bs] * (n_pad * T)
+            tables = tables + [[block]] * n_pad
+        b = len(counts)
+        table = [t + [0] * (max_blocks - len(t)) for t in tables]  # padded with block 0, masked out
+        # [slots N | positions N | query_index N | last b | table b*blocks | qpos b*T]
+        positions = [p for st, c in zip(starts, counts) for p in range(st, st + c)]  # absolute
+        query_index = [r * T + i for r, c in enumerate(counts) for i in range(c)]   # in [b, T]
+        last = [x - 1 for x in itertools.accumulate(counts)]  # each sequence's last token in [N]
+        # padded query positions [b, T]; padding queries get position 0: their rows are never empty
+        qpos = [st + i if i < c else 0 for st, c in zip(starts, counts) for i in range(T)]
+        flat_table = [x for row in table for x in row]
+        host = torch.tensor(slots + positions + query_index + last + flat_table + qpos,
+                            device="cpu")
+        return host, (b, T, max_blocks)
+
+    def meta(self, ints: torch.Tensor, b: int, T: int, max_blocks: int) -> AttnMeta:
+        """The device's half: split the plan's int64 tensor (already on the device) and build the
+        attention mask. No host values are read, so a CUDA graph can hold this."""
+        N = (ints.numel() - b - b * max_blocks - b * T) // 3
+        slots, positions, query_index, last, table, qpos = ints.split(
+            [N, N, N, b, b * max_blocks, b * T])
+        keys = torch.arange(max_blocks * self.block_size, device=ints.device)
+        # causal within and across rounds; the rows repeat g times, one copy per query head of a
+        # KV head: [b, 1, g * T, L]
+        qpos = qpos.view(b, 1, 1, T).expand(b, 1, self.group, T).reshape(b, 1, -1, 1)
+        allowed = keys.view(1, 1, 1, -1) <= qpos
+        # additive float mask, built once per forward (SDPA would convert a bool mask per layer)
+        mask = torch.zeros(allowed.shape, dtype=self.kv.dtype, device=ints.device)
+        mask.masked_fill_(~allowed, float("-inf"))
+        return AttnMeta(slots, positions, table.view(b, max_blocks), query_index, mask, T, last)
+
+
+def bucket(n: int) -> int:
+    """The next power of two >= n."""
+    return 1 << (n - 1).bit_length()
+
+
+def paged_attention(q, k, v, kv_layer, meta: AttnMeta):
+    """Reference paged attention: write the new K/V through the block table, gather each sequence's
+    K/V back into a padded batch, and run SDPA with a mask. Works on any device and block size.
+    q [N, nh, hd], k/v [N, nkv, hd] -> [N, nh, hd].
+
+    Grouped-query attention is folded into the query length: the g = nh / nkv query heads that
+    read one KV head become g * T queries of that head, so SDPA sees as many heads in q as in K/V
+    and needs no `enable_gqa` (with which, and a mask, CUDA falls back to the math kernel that
+    materialises every score); the mask is built for that layout (PagedKVCache.prepare)."""
+    k_pool, v_pool = kv_layer[0], kv_layer[1]  # [num_blocks, block_size, nkv, hd]
+    nb, bs, nkv, hd = k_pool.shape
+    k_pool.view(nb * bs, nkv, hd).index_copy_(0, meta.slots, k.to(k_pool.dtype))
+    v_pool.view(nb * bs, nkv, hd).index_copy_(0, meta.slots, v.to(v_pool.dtype))
+    b, T, nh = meta.block_table.shape[0], meta.T, q.shape[1]
+    blocks = meta.block_table.flatten()  # index_select copies whole blocks: faster than indexing
+    # [b * max_blocks, bs, nkv, hd] -> [b, nkv, L, hd]
+    keys = k_pool.index_select(0, blocks).view(b, -1, nkv, hd).transpose(1, 2)
+    vals = v_pool.index_select(0, blocks).view(b, -1, nkv, hd).transpose(1, 2)
+    qp = q.new_zeros(b * T, nh, hd).index_copy_(0, meta.query_index, q)
+    # [b*T, nh, hd] -> [b, T, nkv, g, hd] -> [b, nkv, g, T, hd] -> [b, nkv, g*T, hd]
+    qp = qp.view(b, T, nkv, nh // nkv, hd).permute(0, 2, 3, 1, 4).reshape(b, nkv, -1, hd)
+    y = F.scaled_dot_product_attention(qp, keys, vals, attn_mask=meta.mask)  # [b, nkv, g*T, hd]
+    # [b, nkv, g*T, hd] -> [b, nkv, g, T, hd] -> [b, T, nkv, g, hd] -> [b*T, nh, hd]
+    y = y.view(b, nkv, nh // nkv, T, hd).permute(0, 3, 1, 2, 4).reshape(b * T, nh, hd)
+    return y[meta.query_index]
