@@ -1,6 +1,7 @@
 """Devices and dtypes: where a model runs, in what precision, and how tensors cross between the
-host and the device. Every file that moves data to or from a device does it through here, so that
-tests can count the crossings (each one may stall a GPU) and a GPU user finds the rules in one place.
+host and the device. Every file that moves data to or from a device does it through here, so
+that tests can count the crossings (each one may stall a GPU) and a GPU user finds the rules in
+one place.
 """
 import torch
 
