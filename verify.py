@@ -5,7 +5,9 @@ Read top to bottom:
    as a pure function of the target's logits and the proposals, batched over rows. Each token is
    tested with the law it was drawn from (q, Saguaro's q', or one-hot for deterministic proposals),
    so the output follows the target's law exactly, whatever the draft did
-   (docs/design.md section 9).
+   (docs/design.md section 9). Its steps follow it: `check_round` (the arguments),
+   `greedy_accept` (temperature 0), `stochastic_accept` (the test u q < p) and `bonus` (the draw
+   from the residual, or from p_K after K accepts).
 2. `Verifier`: the target with its paged KV cache. A round is one forward over [r, x_1..x_K] for
    every row at once, `accept_reject`, then a rollback (`truncate`) of the rejected tokens' K/V.
 """
@@ -13,7 +15,7 @@ import numbers
 
 import torch
 
-from model import device_index, to_device, to_host
+from devices import device_index, to_device, to_host
 from saguaro_sample import probs_from_logits, sample
 
 
@@ -30,6 +32,18 @@ def accept_reject(target_logits: torch.Tensor, draft_tokens: torch.Tensor, draft
     generator: torch.Generator on the tensors' device (unused at temperature 0).
     Returns n [b] long (accepted, 0..K) and t [b] long (the bonus); the round emits x_1..x_n, t.
     """
+    draft_probs = check_round(target_logits, draft_tokens, draft_probs, deterministic, temperature)
+    x = draft_tokens.long()
+    if temperature == 0:
+        return greedy_accept(target_logits, x)
+    p = probs_from_logits(target_logits, temperature)                          # [b, K+1, V] float32
+    n = stochastic_accept(p, x, draft_probs, deterministic, generator)         # [b]
+    return n, bonus(p, x, n, draft_probs, deterministic, generator)
+
+
+def check_round(target_logits, draft_tokens, draft_probs, deterministic, temperature):
+    """accept_reject's arguments checked (a ValueError names the one that does not fit) -> the
+    draft_probs to read: as given, or zeros [b, K, V] that are never read when it is None."""
     if target_logits.dim() != 3:
         raise ValueError(f"target_logits must be [b, K+1, V], "
                          f"got shape {list(target_logits.shape)}")
@@ -46,36 +60,46 @@ def accept_reject(target_logits: torch.Tensor, draft_tokens: torch.Tensor, draft
     if draft_probs is None:
         if temperature > 0 and K > 0 and not bool(deterministic.all()):
             raise ValueError("draft_probs is None but some rows were sampled: pass their laws q")
-        draft_probs = target_logits.new_zeros(()).expand(b, K, V)  # never read
-    elif draft_probs.shape != (b, K, V):
+        return target_logits.new_zeros(()).expand(b, K, V)  # never read
+    if draft_probs.shape != (b, K, V):
         raise ValueError(f"draft_probs must be [b, K, V] = [{b}, {K}, {V}], "
                          f"got {list(draft_probs.shape)}")
-    x = draft_tokens.long()
+    return draft_probs
 
-    # [b, K] bool -> [b]: how many accepted before the first rejection
-    def first_failures(accepted):
-        return accepted.long().cumprod(-1).sum(-1)
 
-    if temperature == 0:
-        # Greedy: accept while x_{i+1} == argmax p_i; the bonus is argmax p_n (a one-hot q passes
-        # exactly these).
-        best = target_logits.argmax(-1)                                        # [b, K+1]
-        n = first_failures(x == best[:, :K])
-        return n, best.gather(1, n[:, None]).squeeze(1)
+def leading_accepts(accepted: torch.Tensor) -> torch.Tensor:
+    """[b, K] bool -> [b]: how many accepted before the first rejection."""
+    return accepted.long().cumprod(-1).sum(-1)
 
-    p = probs_from_logits(target_logits, temperature)                          # [b, K+1, V] float32
-    # p_i(x_{i+1}) and q_i(x_{i+1}); a deterministic proposal has q_i(x_{i+1}) = 1.
+
+def greedy_accept(target_logits, x):
+    """Temperature 0: accept while x_{i+1} == argmax p_i; the bonus is argmax p_n (a one-hot q
+    passes exactly these). -> (n, t); no randomness."""
+    K = x.shape[1]
+    best = target_logits.argmax(-1)                                            # [b, K+1]
+    n = leading_accepts(x == best[:, :K])
+    return n, best.gather(1, n[:, None]).squeeze(1)
+
+
+def stochastic_accept(p, x, draft_probs, deterministic, generator):
+    """The sampled test, p [b, K+1, V] the target's laws -> n [b]: accept x_{i+1} with probability
+    min(1, p_i(x_{i+1}) / q_i(x_{i+1})); a deterministic proposal has q_i(x_{i+1}) = 1. Draws the
+    round's K uniforms per row."""
+    b, K = x.shape
     px = p[:, :K].gather(-1, x[..., None]).squeeze(-1)                         # [b, K]
     qx = draft_probs.float().gather(-1, x[..., None]).squeeze(-1)              # [b, K]
     qx = torch.where(deterministic[:, None], 1.0, qx)
-    # Accept x_{i+1} with probability min(1, p/q): u < p/q with u ~ U[0, 1), written u q < p so that
-    # q = 0 needs no division. All K uniforms at once; n counts the accepts before the first
-    # rejection.
+    # u < p/q with u ~ U[0, 1), written u q < p so that q = 0 needs no division. All K uniforms at
+    # once; n counts the accepts before the first rejection.
     u = torch.rand(b, K, generator=generator, device=p.device)
-    n = first_failures(u * qx < px)                                            # [b]
+    return leading_accepts(u * qx < px)
 
-    # Bonus: from the residual norm(max(p_n - q_n, 0)) after a rejection (n < K), from p_K if all
-    # were accepted.
+
+def bonus(p, x, n, draft_probs, deterministic, generator):
+    """The bonus token t [b]: from the residual norm(max(p_n - q_n, 0)) after a rejection (n < K),
+    from p_K if all were accepted. Draws one sample per row."""
+    b, K = x.shape
+    V = p.shape[-1]
     rows = torch.arange(b, device=p.device)
     p_n = p[rows, n]                                                           # [b, V]
     if K > 0:
@@ -91,8 +115,7 @@ def accept_reject(target_logits: torch.Tensor, draft_tokens: torch.Tensor, draft
     # the test accepts surely; it can only come from float round-off, with tiny probability. Then
     # p_n is the law to sample (it is the residual's limit and the target's own distribution).
     empty = residual.sum(-1, keepdim=True) == 0                                # [b, 1]
-    t = sample(torch.where(empty, p_n, residual), generator)                   # [b]
-    return n, t
+    return sample(torch.where(empty, p_n, residual), generator)                # [b]
 
 
 # --------------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ import json
 import pytest
 
 import bench
+from bench_report import Measured, theory
 from conftest import make_checkpoint
 from run import generate
 
@@ -15,10 +16,10 @@ def test_theory_known_values():
     # T_ar 10 ms; SD's round 15 ms -> T_SD = 0.5; 2 neural fallback rounds cost 2 * 5 ms of the
     # 70 ms busy, so T_p = 60 ms / 10 rounds / 10 ms = 0.6, T_b = 0.5; the verifier's own time
     # (120 - 20) / 10 = 10 ms -> c = 1
-    m = bench.Measured(T_ar=0.01, rounds=10, decode_s=0.12, wait_s=0.02, busy_s=0.07, p_hit=0.8,
-                       E_hit=3.0, E_miss=2.0, b=1, neural_rounds=2, fast_rounds=0, sd_round=0.015,
-                       E_sd=3.0)
-    t = bench.theory(m)
+    m = Measured(T_ar=0.01, rounds=10, decode_s=0.12, wait_s=0.02, busy_s=0.07, p_hit=0.8,
+                 E_hit=3.0, E_miss=2.0, b=1, neural_rounds=2, fast_rounds=0, sd_round=0.015,
+                 E_sd=3.0)
+    t = theory(m)
     assert t["T_SD"] == pytest.approx(0.5) and t["T_b"] == pytest.approx(0.5)
     assert t["T_p"] == pytest.approx(0.6) and t["c"] == pytest.approx(1.0)
     # Theorem 7: (0.8 * 3 + 0.2 * 2) / (0.8 * max(1, 0.6) + 0.2 * (1 + 0.5)) = 2.8 / 1.1;
@@ -28,23 +29,23 @@ def test_theory_known_values():
     # SD's round 1.5 AR steps over the verifier's 1: SSD/SD <= 1.5
     assert t["sd_bound"] == pytest.approx(1.5)
     # Corollary 16, b = 2: w = 0.64 -> 2.8 / (0.64 + 0.36 * 1.5)
-    tb = bench.theory(bench.Measured(**{**vars(m), "b": 2}))
+    tb = theory(Measured(**{**vars(m), "b": 2}))
     assert tb["ssd_pred"] == pytest.approx(2.8 / 1.18)
     # a verification that costs two AR steps (c = 2) halves the time unit:
     # 2.8 / (0.8 + 0.2 * 1.25) / 2
-    t2 = bench.theory(bench.Measured(**{**vars(m), "decode_s": 0.22}))
+    t2 = theory(Measured(**{**vars(m), "decode_s": 0.22}))
     assert t2["c"] == pytest.approx(2.0) and t2["ssd_pred_c"] == pytest.approx(2.8 / 1.05 / 2)
     # SD's verification timed at 12 of its 15 ms (c_SD = 1.2): its drafting is T_SD = 0.3, which the
     # neural backup costs (T_b) and the busy time loses per backup round: T_p = (70 - 2 * 3) / 100;
     # the ssd verification alone (verify_s) 90 of the verifier's 100 ms: c_v = 0.9
-    t4 = bench.theory(bench.Measured(**{**vars(m), "sd_verify": 0.012, "verify_s": 0.09}))
+    t4 = theory(Measured(**{**vars(m), "sd_verify": 0.012, "verify_s": 0.09}))
     assert t4["c_SD"] == pytest.approx(1.2) and t4["T_SD"] == pytest.approx(0.3)
     assert t4["T_b"] == pytest.approx(0.3) and t4["T_p"] == pytest.approx(0.64)
     assert t4["c_v"] == pytest.approx(0.9) and t4["sd_bound"] == pytest.approx(1.5)
     assert t4["sd_pred"] == pytest.approx(3.0 / 1.3)  # the paper's E_SD / (1 + T_SD): c_SD = 1
     assert t["c_SD"] is None and t["c_v"] is None  # not measured: SD's verification counts as 1
     # fast backups cost nothing on the verifier's path and their rounds are not subtracted from busy
-    t3 = bench.theory(bench.Measured(**{**vars(m), "neural_rounds": 0, "fast_rounds": 2}))
+    t3 = theory(Measured(**{**vars(m), "neural_rounds": 0, "fast_rounds": 2}))
     assert t3["T_b"] == 0 and t3["T_p"] == pytest.approx(0.7)
 
 
