@@ -63,7 +63,7 @@ RUN = {name: p.default for name, p in inspect.signature(generate).parameters.ite
 def heldout_sources():
     """(path, source, ast tree) of each held-out stdlib file that parses, in sorted order (parsed
     once)."""
-    from scripts.train_tiny import read_text, split_files
+    from scripts.stdlib_corpus import read_text, split_files
     out = []
     for path in split_files()[1]:
         src = read_text(path)

@@ -283,7 +283,7 @@ def print_tables(rows, a, n_prompts):
         th = [r for r in g if "theory" in r]
         if th:
             print(f"theory (Theorem 7{', Corollary 16' if b > 1 else ''}; times in AR steps; "
-                  f"see bench.theory):")
+                  f"see bench_report.theory):")
             print(f"{'engine':<{w}}  {'a':>5} {'p_hit':>5} {'E_hit':>5} {'E_miss':>6} {'T_p':>5} "
                   f"{'T_b':>5} {'T_SD':>5} {'c_SD':>5} {'c_v':>5} {'c':>5} {'pred':>5} "
                   f"{'pred_c':>6} {'meas':>5} "

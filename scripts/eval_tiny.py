@@ -1,6 +1,6 @@
 """Evaluate the shipped tiny target/draft pair (checkpoints/tiny-target, checkpoints/tiny-draft).
 
-Held-out data: the files `scripts.train_tiny.split_files()` holds out (md5 of the stdlib-relative path
+Held-out data: the files `scripts.stdlib_corpus.split_files()` holds out (md5 of the stdlib-relative path
 % 100 < 5), in sorted path order, each encoded as BOS + tokens + EOS and concatenated; the first
 --windows non-overlapping windows of --seq-len + 1 tokens from the start of that stream (default: 128
 windows of 256 predicted positions, 32768 positions, the same windows train_tiny.py reports on).
@@ -32,7 +32,7 @@ if str(REPO) not in sys.path:  # so `python scripts/eval_tiny.py` finds model.py
 import torch
 import torch.nn.functional as F
 
-from scripts.train_tiny import read_text, split_files
+from scripts.stdlib_corpus import read_text, split_files
 
 TARGET_DIR = REPO / "checkpoints" / "tiny-target"
 DRAFT_DIR = REPO / "checkpoints" / "tiny-draft"

@@ -43,7 +43,6 @@ import json
 import math
 import os
 import sys
-import sysconfig
 import tempfile
 import time
 from pathlib import Path
@@ -52,11 +51,11 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # so `python scripts/train_tiny.py` can import scripts.eval_tiny
     sys.path.insert(0, str(REPO))
 
+from scripts.stdlib_corpus import read_text, split_files  # noqa: E402  (after the path is set)
+
 SEED = 1234
 VOCAB_SIZE = 4096
 BOS, EOS = "<s>", "</s>"
-HELDOUT_PERCENT = 5
-EXCLUDED_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
 
 TARGET_ARCH = dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=8,
                    num_attention_heads=6, num_key_value_heads=2)
@@ -66,32 +65,6 @@ DRAFT_ARCH = dict(hidden_size=192, intermediate_size=768, num_hidden_layers=1,
 
 # ----------------------------------------------------------------------------------------------------
 # Data: which files, the tokenizer, the token stream
-
-def stdlib_root() -> Path:
-    return Path(sysconfig.get_paths()["stdlib"])
-
-
-def split_files(root=None):
-    """-> (train_paths, heldout_paths): sorted absolute Paths of the stdlib's .py files, without
-    site-packages and test suites. A file is held out iff md5(relative path) % 100 < 5, so the split
-    does not depend on which other files exist."""
-    root = Path(root) if root is not None else stdlib_root()
-    train, heldout = [], []
-    for path in sorted(root.rglob("*.py")):
-        rel = path.relative_to(root).as_posix()
-        parts = rel.split("/")
-        if EXCLUDED_DIRS.intersection(parts[:-1]) or parts[0].startswith("config-"):
-            continue
-        if not path.is_file():
-            continue
-        h = int(hashlib.md5(rel.encode()).hexdigest(), 16)
-        (heldout if h % 100 < HELDOUT_PERCENT else train).append(path)
-    return train, heldout
-
-
-def read_text(path: Path) -> str:
-    return path.read_bytes().decode("utf-8", errors="replace")
-
 
 def train_tokenizer(paths, out_dir: Path):
     """Byte-level BPE with BOS/EOS specials, saved as a transformers fast tokenizer -> the tokenizer."""
