@@ -8,7 +8,7 @@ windows of 256 predicted positions, 32768 positions, the same windows train_tiny
 Measures (1) both models' held-out cross-entropy, (2) greedy agreement (draft argmax == target argmax),
 (3) expected acceptance at temperature 1, mean over positions of sum_x min(p(x), q(x)), all with
 transformers' LlamaForCausalLM in float32 loaded from the bf16 files; (4) wall-clock of one target
-forward over 8 tokens vs one draft forward over 1 token with the project's model (model.load_model) on
+forward over 8 tokens vs one draft forward over 1 token with the project's model (checkpoint.load_model) on
 one CPU thread, medians after warm-up; (5) a sample from the target at temperature 0.7 after `def `;
 (6) run.py's default prompt continued greedily for 128 tokens, and the share of its token 4-grams that are
 distinct (a degenerate loop scores low); (7) (1)-(3) on as many windows from the start of the training

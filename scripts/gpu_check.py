@@ -195,7 +195,7 @@ def check_versions(a):
         info["gpu"] = torch.cuda.get_device_name(a.device)
         info["gpus"] = torch.cuda.device_count()
         info["cudnn"] = torch.backends.cudnn.version()
-        # without it the engine refuses bf16 on CUDA (model.resolve_dtype): install torch >= 2.8
+        # without it the engine refuses bf16 on CUDA (devices.resolve_dtype): install torch >= 2.8
         info["fp32_out_gemm"] = info["ok"] = "cuda" in MM_FP32_OUT
     return info
 

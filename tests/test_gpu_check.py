@@ -36,7 +36,7 @@ def test_gpu_check_quick_on_cpu(tmp_path, capsys):
     # decode rounds only (counting starts at the first streamed token): exactly tests/test_generate.py's numbers
     syncs = checks["host_syncs"]
     assert syncs["ar_per_round"] == 2 and syncs["sd_per_round"] == 4 and syncs["ssd_per_round"] <= 7
-    # ... and every host-to-device crossing through model.to_device (issue 31)
+    # ... and every host-to-device crossing through devices.to_device (issue 31)
     assert all(syncs[f"{m}_h2d_implicit"] == [] and syncs[f"{m}_h2d_per_round"] > 0 for m in ("ar", "sd", "ssd"))
     assert min(checks["greedy"][k] for k in ("sd", "ssd_one_process", "ssd_two_processes")) >= 0.9
     law = checks["sampling"]  # temperature 1, every mode, under the sampling-noise bound
