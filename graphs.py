@@ -45,6 +45,11 @@ class StaticSteps:
         self.captures = 0
         self.capture_seconds = 0.0
 
+    def keep(self, cache: PagedKVCache | None):
+        """Drop the buckets (and graphs) of every other cache: theirs are done, and the buckets
+        would keep their pools alive."""
+        self.buckets = {key: bk for key, bk in self.buckets.items() if bk.cache is cache}
+
     def fits(self, counts: list[int]) -> bool:
         uniform = all(c == counts[0] for c in counts)
         return uniform and counts[0] <= self.MAX_T and len(counts) <= self.MAX_ROWS

@@ -127,6 +127,16 @@ class PagedKVCache:
         self.truncate(sid, 0)
         del self.seqs[sid]
 
+    def reset(self):
+        """Free every sequence: the pool as new, at the same address (the pad block stays taken).
+        Old K/V stay in the freed blocks; nothing reads them (attention masks past each length)."""
+        for sid in list(self.seqs):
+            self.free(sid)
+
+    def holds(self, num_tokens: int, block_size: int) -> bool:
+        """Whether this pool serves a request for a new cache of num_tokens tokens."""
+        return block_size == self.block_size and self.num_blocks >= -(-num_tokens // block_size)
+
     def blocks_needed(self, sid: int, n: int) -> int:
         """How many free blocks appending n tokens to `sid` takes (new ones, a copy on write)."""
         s, bs = self.seqs[sid], self.block_size

@@ -339,6 +339,7 @@ class Transformer(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.static: StaticSteps | None = None  # set by use_graphs
+        self.kv_pool: PagedKVCache | None = None  # the cache new_cache(reuse=True) hands back
         self.init_rope()
 
     def use_graphs(self, graphs: bool | None):
@@ -352,7 +353,13 @@ class Transformer(nn.Module):
         if graphs and self.tp is not None:
             raise ValueError("CUDA graphs are not implemented with tensor parallelism: run with "
                              "--no-graphs (graphs=False)")
-        self.static = StaticSteps(capture=on_cuda) if graphs else None
+        if not graphs:
+            self.static = None
+        elif self.static is None or self.static.capture != on_cuda:
+            self.static = StaticSteps(capture=on_cuda)
+        else:  # a model loaded once and decoded with again (generate(target=model), a bench
+            # sweep) replays the graphs captured on its reused KV pool (new_cache(reuse=True))
+            self.static.keep(self.kv_pool)
 
     def init_rope(self):
         # not a parameter: recomputed after loading (a model built on the meta device holds no
@@ -386,7 +393,23 @@ class Transformer(nn.Module):
                 params[name] = p
         return params
 
-    def new_cache(self, num_tokens: int, block_size: int = 16) -> PagedKVCache:
+    def new_cache(self, num_tokens: int, block_size: int = 16, reuse: bool = False) -> PagedKVCache:
+        """A paged KV cache for num_tokens tokens on this model's device, in its dtype. reuse: the
+        pool of this model's last reuse=True call, emptied, when it holds num_tokens (its address,
+        and with it every CUDA graph captured on it, stays valid), else a new one that replaces it
+        (the graphs of the old one dropped): for a caller that owns the model, one cache at a time
+        (the Verifier of generate(); its previous user must be done with the pool)."""
+        if reuse and self.kv_pool is not None and self.kv_pool.holds(num_tokens, block_size):
+            self.kv_pool.reset()
+            return self.kv_pool
+        cache = self.new_pool(num_tokens, block_size)
+        if reuse:
+            if self.static is not None:
+                self.static.keep(cache)  # the old pool's graphs go with it
+            self.kv_pool = cache
+        return cache
+
+    def new_pool(self, num_tokens: int, block_size: int) -> PagedKVCache:
         cfg = self.config
         if self.tp:  # each rank caches only its own KV heads (and serves its own q heads)
             cfg = replace(cfg, num_key_value_heads=cfg.num_key_value_heads // self.tp.world,

@@ -126,9 +126,11 @@ class Verifier:
     which each round feeds first: one forward over [r, x_1..x_K] gives p_0..p_K for the whole
     round."""
 
-    def __init__(self, model, temperature: float, seed: int, kv_tokens: int, block_size: int = 16):
+    def __init__(self, model, temperature: float, seed: int, kv_tokens: int, block_size: int = 16,
+                 reuse_cache: bool = False):
         self.model, self.temperature = model, temperature
-        self.cache = model.new_cache(kv_tokens, block_size)
+        # reuse_cache: the model's own pool (Transformer.new_cache), for a model decoded with again
+        self.cache = model.new_cache(kv_tokens, block_size, reuse=reuse_cache)
         self.gen = torch.Generator(device=model.device).manual_seed(seed)
         self.seqs: list[int | None] = []  # per row: its sequence in the cache (None once finished)
         self.last = None                   # [b] per row: r, the last bonus token, not yet cached

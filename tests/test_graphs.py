@@ -140,3 +140,33 @@ def test_generate_with_static_shapes_emits_the_same_tokens(mode, parallel, tmp_p
     dynamic = generate(PROMPTS, graphs=False, **kw)
     static = generate(PROMPTS, graphs=True, **kw)
     assert static.tokens == dynamic.tokens
+
+
+def test_a_model_decoded_again_reuses_its_pool_and_its_buckets(model):
+    """A model loaded once and decoded with again (generate(target=model), a bench sweep): the Verifier's
+    new_cache(reuse=True) hands back the same pool, emptied, and use_graphs keeps the buckets, so a GPU
+    replays the graphs it captured before instead of capturing again; the logits are those of a fresh cache.
+    A request the pool cannot hold replaces it, and the old pool's buckets are dropped with it."""
+    runs = []
+    for reuse in (True, True, False):
+        model.use_graphs(True)
+        before = dict(model.static.buckets)
+        cache = model.new_cache(1024, block_size=4, reuse=reuse)
+        ids = [cache.new_seq() for _ in PROMPTS]
+        logits = [model.prefill(cache, ids, PROMPTS)]
+        for _ in range(5):
+            logits.append(model.forward_cached(cache, ids, logits[-1].argmax(-1), [1] * 3, last_only=True))
+        runs.append((cache, before, dict(model.static.buckets), logits))
+    (pool, _, after_1, logits_1), (again, before_2, after_2, logits_2), (fresh, _, _, logits_3) = runs
+    assert again is pool and fresh is not pool and model.kv_pool is pool
+    assert before_2 == after_1 and after_2 == after_1  # no bucket made (on a GPU: no graph captured)
+    assert len(pool.seqs) == 3  # the first run's sequences were freed when the pool came back
+    for a, b, c in zip(logits_1, logits_2, logits_3):
+        torch.testing.assert_close(b, a, atol=0, rtol=0)
+        torch.testing.assert_close(c, a, atol=2e-5, rtol=1e-5)
+    model.use_graphs(True)  # the next call: the buckets of the fresh cache (not reused) are dropped
+    assert model.static.buckets == after_1
+    bigger = model.new_cache(4096, block_size=4, reuse=True)
+    assert bigger is not pool and model.kv_pool is bigger
+    assert all(bk.cache is not pool for bk in model.static.buckets.values())
+    model.use_graphs(False)
