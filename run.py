@@ -41,6 +41,36 @@ class GenerateResult:
     stats: dict = field(default_factory=dict)
 
 
+@dataclass
+class Placement:
+    """Where the models run: devices (every one checked, "cuda" given its index), dtypes, and the
+    CPU threads of the target's process and of the speculator's."""
+    target_device: str
+    draft_device: str
+    target_devices: list[str] | None  # two or more: a tensor-parallel target, one rank per device
+    target_dtype: torch.dtype
+    draft_dtype: torch.dtype
+    target_threads: int
+    draft_threads: int | None
+    cores: int
+
+
+@dataclass
+class Started:
+    """The processes one generate() call started: every path out of it (done, error, Ctrl-C) stops
+    them (docs/design.md section 9)."""
+    workers: TPWorkers | None = None  # ranks 1.. of a tensor-parallel target
+    speculator: object = None         # a SpeculatorProcess, or the Speculator in this process
+
+    def stop(self):
+        try:
+            if isinstance(self.speculator, SpeculatorProcess):
+                self.speculator.close()
+        finally:
+            if self.workers:
+                self.workers.close()  # raises a worker's error, naming its rank
+
+
 def generate(prompts, target="tiny", draft="tiny-draft", mode="sd", max_new_tokens=128,
              temperature=0.0, k=4, seed=0, ignore_eos=False, fan_out="geometric", budget=8,
              saguaro_c=1.0, fallback="auto", parallel=True, target_device=None, draft_device=None,
@@ -66,6 +96,42 @@ def generate(prompts, target="tiny", draft="tiny-draft", mode="sd", max_new_toke
     check of that path). stream(row, tokens_so_far) is called as tokens are accepted. tokenizer:
     the target's, when the caller has it already (the CLI streams with it; a GGUF file's takes
     seconds to build), so it is not built twice."""
+    prompts = check_request(prompts, mode, k, temperature, max_new_tokens)
+    K = k if mode != "ar" else 0
+    ssd = (SSDConfig(K, fan_out, budget, saguaro_c, fallback, pre_spec=pre_spec) if mode == "ssd"
+           else None)
+    two_processes = mode == "ssd" and parallel
+    where = place(mode, two_processes, target_device, draft_device, target_devices, dtype,
+                  target_threads, draft_threads)
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(where.target_threads)
+    started = Started()
+    try:
+        tmodel, tok = load_target(target, where, started, tp_timeout, tokenizer, graphs)
+        ids = [encode(tok, p, chat) for p in prompts]
+        check_prompts(ids, tmodel.config, max_new_tokens, K)
+        if mode != "ar":
+            check_pair(target, draft, tmodel.config, tok)
+        kv_tokens, draft_kv = kv_sizes(ids, max_new_tokens, K, block_size, kv_tokens, ssd)
+        settings = (temperature, seed, kv_tokens, block_size)
+        verifier = (TPVerifier(tmodel, settings, started.workers) if started.workers
+                    else Verifier(tmodel, *settings))
+        dcfg = DraftConfig(draft, where.draft_device, where.draft_dtype, K, temperature, seed + 1,
+                           draft_kv, block_size, ssd, graphs)
+        eos = [] if ignore_eos else eos_ids(tmodel.config, tok)
+        out = Output(len(ids), max_new_tokens, eos, K, stream)
+        stats = run_decode(mode, verifier, dcfg, ids, out, where, two_processes, started)
+        stats.update({"k": K, "temperature": temperature, "target_threads": where.target_threads,
+                      "draft_threads": where.draft_threads})
+        return GenerateResult(out.tokens, detokenize(tok, out.tokens), stats)
+    finally:
+        torch.set_num_threads(old_threads)
+        started.stop()
+
+
+def check_request(prompts, mode, k, temperature, max_new_tokens) -> list:
+    """The request's plain values, checked before anything loads; one prompt becomes a list of
+    one."""
     if mode not in ("ar", "sd", "ssd"):
         raise ValueError(f"unknown mode {mode!r}: use 'ar', 'sd' or 'ssd'")
     if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
@@ -78,14 +144,14 @@ def generate(prompts, target="tiny", draft="tiny-draft", mode="sd", max_new_toke
         raise ValueError(f"temperature={temperature} must be >= 0")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
-    K = k if mode != "ar" else 0
-    ssd = (SSDConfig(K, fan_out, budget, saguaro_c, fallback, pre_spec=pre_spec) if mode == "ssd"
-           else None)
-    two_processes = mode == "ssd" and parallel
+    return prompts
 
-    # where each model runs: every device is checked before anything loads or any process starts
-    # (a GPU missing here is one line naming it, not a traceback from the speculator's process),
-    # and "cuda" becomes the GPU it means, so that every process agrees
+
+def place(mode, two_processes, target_device, draft_device, target_devices, dtype,
+          target_threads, draft_threads) -> Placement:
+    """Where each model runs. Every device is checked before anything loads or any process starts
+    (a GPU missing here is one line naming it, not a traceback from the speculator's process), and
+    "cuda" becomes the GPU it means, so that every process agrees."""
     dev_t, dev_d = default_devices(len(target_devices) if target_devices else 1)
     if target_devices:
         target_devices = [str(check_device(d)) for d in target_devices]
@@ -97,68 +163,62 @@ def generate(prompts, target="tiny", draft="tiny-draft", mode="sd", max_new_toke
     if two_processes and any(same_gpu(d, draft_device) for d in target_devices or [target_device]):
         warnings.warn(f"ssd: the draft shares {draft_device} with the target, so the verifier and "
                       f"speculator processes will time-slice one GPU with no overlap; give the "
-                      f"draft its own GPU (--draft-device) or use --mode sd", stacklevel=2)
+                      f"draft its own GPU (--draft-device) or use --mode sd", stacklevel=3)
     cores = os.cpu_count() or 1
     if two_processes:  # the two processes split the cores (when on the CPU)
         ts, td = split_cores(cores)
         target_threads, draft_threads = target_threads or ts, draft_threads or td
     else:
         target_threads, draft_threads = target_threads or cores, None
-    old_threads = torch.get_num_threads()
-    torch.set_num_threads(target_threads)
-    workers = speculator = None
-    try:
-        if target_devices and len(target_devices) > 1:  # ranks 1.. of a tensor-parallel target
-            workers = TPWorkers(target, list(target_devices), target_threads, tp_timeout,
-                                target_dtype)
-        tmodel, tok = load_model(target, device=target_device, dtype=target_dtype,
-                                 tp=workers.rank0 if workers else None,
-                                 tokenizer=tokenizer is None)
-        tok = tokenizer or tok
-        tmodel.use_graphs(graphs)
-        cfg = tmodel.config
-        ids = [encode(tok, p, chat) for p in prompts]
-        check_prompts(ids, cfg, max_new_tokens, K)
-        if mode != "ar":
-            check_pair(target, draft, cfg, tok)
-        eos = set(cfg.eos_token_ids) | ({tok.eos_token_id} if tok and tok.eos_token_id is not None
-                                         else set())
-        kv_tokens, draft_kv = kv_sizes(ids, max_new_tokens, K, block_size, kv_tokens, ssd)
-        settings = (temperature, seed, kv_tokens, block_size)
-        verifier = TPVerifier(tmodel, settings, workers) if workers else Verifier(tmodel, *settings)
-        dcfg = DraftConfig(draft, draft_device, draft_dtype, K, temperature, seed + 1, draft_kv,
-                           block_size, ssd, graphs)
-        out = Output(len(ids), max_new_tokens, [] if ignore_eos else sorted(eos), K, stream)
-        stats = {}
-        if mode == "ar":
-            prefill_s, decode_s = decode_sd(verifier, NoDraft(), ids, out)
-        elif mode == "sd":
-            prefill_s, decode_s = decode_sd(verifier, load_draft(dcfg), ids, out)
-        else:
-            spin = (spin_seconds(cores, len(target_devices or [target_device]), target_threads,
-                                 draft_threads, target_device, draft_device) if two_processes
-                    else 0.0)
-            speculator = (SpeculatorProcess(dcfg, len(ids), cfg.vocab_size, draft_threads,
-                                            pin=any_cuda(target_device, draft_device), spin=spin)
-                          if two_processes else load_draft(dcfg))
-            prefill_s, decode_s, wait = decode_ssd(verifier, speculator, ids, out)
-            stats = {**speculator.stats(), "verifier_wait_seconds": wait, "fallback": fallback,
-                     "parallel": parallel, "spin_seconds": spin}
-        stats = {**out.stats(mode, prefill_s, decode_s), **stats, "k": K,
-                 "temperature": temperature, "target_threads": target_threads,
-                 "draft_threads": draft_threads}
-        # the text a user reads: special tokens (<|im_end|>, </s>) stay in .tokens only
-        text = ([tok.decode(x, skip_special_tokens=True) for x in out.tokens] if tok is not None
-                else None)
-        return GenerateResult(out.tokens, text, stats)
-    finally:
-        torch.set_num_threads(old_threads)
-        try:
-            if isinstance(speculator, SpeculatorProcess):
-                speculator.close()
-        finally:
-            if workers:
-                workers.close()
+    return Placement(target_device, draft_device, target_devices, target_dtype, draft_dtype,
+                     target_threads, draft_threads, cores)
+
+
+def load_target(target, where: Placement, started: Started, tp_timeout, tokenizer, graphs):
+    """-> (model, tokenizer): this process's target, or its rank-0 slices while the other ranks
+    (started here) load theirs. The caller's tokenizer, when given, is not built again."""
+    if where.target_devices and len(where.target_devices) > 1:  # ranks 1.. of a tensor-parallel
+        started.workers = TPWorkers(target, list(where.target_devices), where.target_threads,
+                                    tp_timeout, where.target_dtype)
+    tmodel, tok = load_model(target, device=where.target_device, dtype=where.target_dtype,
+                             tp=started.workers.rank0 if started.workers else None,
+                             tokenizer=tokenizer is None)
+    tmodel.use_graphs(graphs)
+    return tmodel, tokenizer or tok
+
+
+def run_decode(mode, verifier, dcfg: DraftConfig, ids, out: Output, where: Placement,
+               two_processes, started: Started) -> dict:
+    """The decode loop of the mode (decode.py), with the draft it needs; -> the run's stats."""
+    stats = {}
+    if mode == "ar":
+        prefill_s, decode_s = decode_sd(verifier, NoDraft(), ids, out)
+    elif mode == "sd":
+        prefill_s, decode_s = decode_sd(verifier, load_draft(dcfg), ids, out)
+    else:
+        spin = (spin_seconds(where.cores, len(where.target_devices or [where.target_device]),
+                             where.target_threads, where.draft_threads, where.target_device,
+                             where.draft_device) if two_processes else 0.0)
+        started.speculator = (
+            SpeculatorProcess(dcfg, len(ids), verifier.model.config.vocab_size,
+                              where.draft_threads, pin=any_cuda(where.target_device,
+                                                                where.draft_device), spin=spin)
+            if two_processes else load_draft(dcfg))
+        prefill_s, decode_s, wait = decode_ssd(verifier, started.speculator, ids, out)
+        stats = {**started.speculator.stats(), "verifier_wait_seconds": wait,
+                 "fallback": dcfg.ssd.fallback, "parallel": two_processes, "spin_seconds": spin}
+    return {**out.stats(mode, prefill_s, decode_s), **stats}
+
+
+def eos_ids(cfg, tok) -> list[int]:
+    """The target's end-of-sequence ids: its config's, and its tokenizer's."""
+    return sorted(set(cfg.eos_token_ids)
+                  | ({tok.eos_token_id} if tok and tok.eos_token_id is not None else set()))
+
+
+def detokenize(tok, tokens) -> list[str] | None:
+    """The text a user reads: special tokens (<|im_end|>, </s>) stay in the token ids only."""
+    return [tok.decode(x, skip_special_tokens=True) for x in tokens] if tok is not None else None
 
 
 def check_prompts(ids, cfg, max_new_tokens, K):
@@ -275,12 +335,19 @@ def encode(tokenizer, prompt, chat):
 # --------------------------------------------------------------------------------------------------
 # The command line
 
-def main(argv=None):
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         description="Generate text with autoregressive decoding (ar), speculative decoding (sd) or "
                     "speculative speculative decoding (ssd, Saguaro). Streams the text of the "
                     "prompt's continuation, then prints speed and acceptance statistics.")
-    g = ap.add_argument_group("what to generate")
+    add_request_options(ap.add_argument_group("what to generate"))
+    add_algorithm_options(ap.add_argument_group("models and algorithm"))
+    add_device_options(ap.add_argument_group("devices and memory"))
+    add_output_options(ap.add_argument_group("output"))
+    return ap
+
+
+def add_request_options(g):
     g.add_argument("--prompt", default=DEFAULT_PROMPT,
                    help="the prompt text (default: a Python class header the tiny pair continues)")
     g.add_argument("--chat", action="store_true",
@@ -294,7 +361,9 @@ def main(argv=None):
     g.add_argument("--seed", type=int, default=0,
                    help="random seed of the sampling (same seed, same tokens) "
                         "(default: %(default)s)")
-    g = ap.add_argument_group("models and algorithm")
+
+
+def add_algorithm_options(g):
     g.add_argument("--target", default="tiny", metavar="MODEL",
                    help="target model: an HF directory, an HF hub id in the local cache, or an "
                         "alias (llama-70b, llama-8b, llama-1b, qwen-8b, tiny, ...; see README) "
@@ -331,7 +400,9 @@ def main(argv=None):
     g.add_argument("--no-parallel", action="store_true",
                    help="ssd: run the verifier and the speculator interleaved in one process "
                         "(same tokens, slower)")
-    g = ap.add_argument_group("devices and memory")
+
+
+def add_device_options(g):
     g.add_argument("--device", default=None,
                    help="device for both models, e.g. cpu or cuda:0 (default: target on cuda:0 "
                         "and draft on the next GPU if there are GPUs, else cpu)")
@@ -363,50 +434,46 @@ def main(argv=None):
                    help="target KV cache size in tokens (default: sized for the prompt and "
                         "--max-new-tokens); the draft's cache gets the same plus room for ssd's "
                         "branches")
-    g = ap.add_argument_group("output")
+
+
+def add_output_options(g):
     g.add_argument("--json", action="store_true",
                    help="print one JSON line with the tokens, text and stats instead")
-    a = ap.parse_args(argv)
+
+
+def generate_kwargs(a: argparse.Namespace) -> dict:
+    """generate()'s arguments from the command line's (the prompt, stream and tokenizer aside)."""
     fan = ([int(x) for x in a.fan_out.split(",")] if "," in a.fan_out or a.fan_out.isdigit()
            else a.fan_out)
-    printed = [0]
+    return dict(target=a.target, draft=a.draft, mode=a.mode, max_new_tokens=a.max_new_tokens,
+                temperature=a.temperature, k=a.k, seed=a.seed, ignore_eos=a.ignore_eos,
+                fan_out=fan, budget=a.budget, saguaro_c=a.saguaro_c, fallback=a.fallback,
+                parallel=not a.no_parallel, pre_spec=a.pre_spec,
+                target_device=a.target_device or a.device,
+                draft_device=a.draft_device or a.device, target_threads=a.target_threads,
+                draft_threads=a.draft_threads, kv_tokens=a.kv_tokens, chat=a.chat,
+                tp_timeout=a.tp_timeout, dtype=a.dtype, graphs=False if a.no_graphs else None,
+                target_devices=a.target_devices.split(",") if a.target_devices else None)
 
-    def stream(row, tokens):  # print the decoded text of the first prompt as it is accepted
-        if row != 0 or a.json or tokenizer[0] is None:
+
+def text_printer(tokenizer):
+    """A generate() stream that prints the first prompt's decoded text as it is accepted (nothing
+    without a tokenizer)."""
+    printed = 0
+
+    def stream(row, tokens):
+        nonlocal printed
+        if row != 0 or tokenizer is None:
             return
-        text = tokenizer[0].decode(tokens, skip_special_tokens=True)
-        sys.stdout.write(text[printed[0]:])
+        text = tokenizer.decode(tokens, skip_special_tokens=True)
+        sys.stdout.write(text[printed:])
         sys.stdout.flush()
-        printed[0] = len(text)
+        printed = len(text)
+    return stream
 
-    tokenizer = [None]
-    try:
-        if not a.json:
-            tokenizer[0] = load_tokenizer(a.target)  # generate() uses it too: built once
-            # a chat answer starts on its own line; a plain prompt is continued where it ends
-            sys.stdout.write(a.prompt + ("\n\n" if a.chat else ""))
-        res = generate([a.prompt], target=a.target, draft=a.draft, mode=a.mode,
-                       max_new_tokens=a.max_new_tokens, temperature=a.temperature, k=a.k,
-                       seed=a.seed, ignore_eos=a.ignore_eos, fan_out=fan, budget=a.budget,
-                       saguaro_c=a.saguaro_c, fallback=a.fallback, parallel=not a.no_parallel,
-                       pre_spec=a.pre_spec,
-                       target_device=a.target_device or a.device,
-                       draft_device=a.draft_device or a.device, target_threads=a.target_threads,
-                       draft_threads=a.draft_threads, kv_tokens=a.kv_tokens, chat=a.chat,
-                       stream=stream, tp_timeout=a.tp_timeout, dtype=a.dtype,
-                       graphs=False if a.no_graphs else None, tokenizer=tokenizer[0],
-                       target_devices=a.target_devices.split(",") if a.target_devices else None)
-    except KeyboardInterrupt:
-        print("\ninterrupted", file=sys.stderr)
-        return 130
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
-        print(f"\nerror: {e}", file=sys.stderr)
-        return 1
-    if a.json:
-        print(json.dumps({"tokens": res.tokens[0], "text": res.text[0] if res.text else None,
-                          "stats": res.stats}))
-        return 0
-    s = res.stats
+
+def print_stats(s: dict):
+    """The run's speed and acceptance, one row each, after the text."""
     print("\n")
     rows = [("mode", s["mode"]), ("new tokens", s["new_tokens"]),
             ("prefill s", f"{s['prefill_seconds']:.3f}"),
@@ -423,6 +490,29 @@ def main(argv=None):
                   f"{s['verifier_wait_seconds'] / max(s['decode_seconds'], 1e-9):.0%}")]
     for k_, v in rows:
         print(f"{k_:>16}  {v}")
+
+
+def main(argv=None):
+    a = parser().parse_args(argv)
+    tokenizer = None
+    try:
+        if not a.json:
+            tokenizer = load_tokenizer(a.target)  # generate() uses it too: built once
+            # a chat answer starts on its own line; a plain prompt is continued where it ends
+            sys.stdout.write(a.prompt + ("\n\n" if a.chat else ""))
+        res = generate([a.prompt], **generate_kwargs(a), stream=text_printer(tokenizer),
+                       tokenizer=tokenizer)
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        print(f"\nerror: {e}", file=sys.stderr)
+        return 1
+    if a.json:
+        print(json.dumps({"tokens": res.tokens[0], "text": res.text[0] if res.text else None,
+                          "stats": res.stats}))
+        return 0
+    print_stats(res.stats)
     return 0
 
 
