@@ -45,7 +45,7 @@ from tqdm import tqdm
 
 from bench_report import (add_counters, add_speedups, add_theory, counters, hardware, plot,
                           print_grid, print_tables, summarize)
-from checkpoint import load_config, load_tokenizer, resolve
+from checkpoint import load_config, load_model, load_tokenizer, resolve
 from devices import DTYPES
 from draft import PRE_SPEC
 from fallback import POLICIES
@@ -208,12 +208,14 @@ def make_configs(a, cores):
     return out
 
 
-def run_engine(cfg: Config, batches, a, first=0):
+def run_engine(cfg: Config, batches, a, first=0, target=None):
     """One run of this engine (ar, sd, ssd) over `batches` -> summed counters. first: the index of
-    batches[0] in the prompt set (its seed)."""
+    batches[0] in the prompt set (its seed). target: the target model, loaded once for the sweep
+    (load_target); None loads it by name for each batch."""
     tot = None
     for i, batch in enumerate(batches):
-        s = generate(batch, target=a.target, draft=a.draft, mode=cfg.engine,
+        s = generate(batch, target=a.target if target is None else target, draft=a.draft,
+                     mode=cfg.engine,
                      max_new_tokens=a.max_new_tokens, temperature=cfg.temperature, k=cfg.k or 1,
                      seed=a.seed + first + i, ignore_eos=True, fan_out=cfg.fan_out,
                      budget=cfg.budget,
@@ -300,7 +302,16 @@ def sync():
 # --------------------------------------------------------------------------------------------------
 # The sweep, the tuner, the command line
 
-def measure(configs, batches, a, hf):
+def load_target(a):
+    """The engine's target, loaded once for the whole sweep as the transformers peers are: every
+    run decodes with it (generate(target=model)), so no run reloads it (a GGUF file: seconds of
+    dequantising) and, on a GPU, the runs replay the CUDA graphs the warm-up captured on its KV
+    pool instead of capturing their own. The draft is loaded by each run (in SSD, by the
+    speculator's own process)."""
+    return load_model(a.target, device=default_devices()[0], dtype=a.dtype, tokenizer=False)[0]
+
+
+def measure(configs, batches, a, hf, target=None):
     """Warm-up, then --repeats runs of each configuration -> summarised rows (a tqdm bar over the
     generate() calls). The runs are interleaved as finely as the engines allow: in each pass, for
     each batch of prompts in turn, every configuration decodes that batch once, in a shuffled
@@ -316,7 +327,8 @@ def measure(configs, batches, a, hf):
     def one(cfg, j):
         bar.set_postfix_str(f"{cfg.label} T={cfg.temperature:g} b={cfg.batch}")
         bs = batches[cfg.batch][j:j + 1]
-        out = hf.run(cfg, bs, j) if cfg.engine.startswith("hf") else run_engine(cfg, bs, a, j)
+        out = (hf.run(cfg, bs, j) if cfg.engine.startswith("hf")
+               else run_engine(cfg, bs, a, j, target=target))
         bar.update()
         return out
 
@@ -346,7 +358,7 @@ TUNE_K, TUNE_BUDGET, TUNE_FALLBACK = (2, 3, 4, 6), (4, 8, 16), ("auto", "neural"
 DEFAULTS = {name: RUN[name] for name in ("k", "budget", "fallback")}  # what tune compares against
 
 
-def tune(a, batches, hf):
+def tune(a, batches, hf, target=None):
     """Measure ssd on a small grid (K x B x fallback) at batch 1 and the first temperature; pick
     the fastest."""
     T = a.temperatures[0]
@@ -355,7 +367,7 @@ def tune(a, batches, hf):
                   saguaro_c=a.saguaro_c[0])
     grid = [replace(base, k=K, budget=B, fallback=f, label=f"ssd k={K} B={B} {f}")
             for K in TUNE_K for B in TUNE_BUDGET for f in TUNE_FALLBACK]
-    rows = measure(grid, batches, a, hf)
+    rows = measure(grid, batches, a, hf, target)
     best = max(rows, key=lambda r: r["decode_tok_s"])
     default = next(r for r in rows if all(r[k] == v for k, v in DEFAULTS.items()))
     flags = (f"--mode ssd --k {best['k']} --budget {best['budget']} --fallback {best['fallback']} "
@@ -547,10 +559,11 @@ def main(argv=None):
         batches = {b: batches_of(ids, b) for b in sizes}
         hf = HF(a)
         hw = hardware()
+        target = load_target(a) if a.tune or set(a.modes) - {"hf", "hf-assisted"} else None
         if a.tune:
-            rows, tuned = tune(a, batches, hf)
+            rows, tuned = tune(a, batches, hf, target)
         else:
-            rows, tuned = measure(make_configs(a, a.cores), batches, a, hf), None
+            rows, tuned = measure(make_configs(a, a.cores), batches, a, hf, target), None
             print_tables(rows, a, len(ids))
             print_grid(rows)
         print(f"\nhardware: {hw['cpu']}, {hw['cores']} cores, torch {hw['torch']}, "

@@ -24,6 +24,7 @@ from draft import PRE_SPEC, DraftConfig, SSDConfig, load_draft
 from fallback import POLICIES
 from checkpoint import load_config, load_model, load_tokenizer, resolve
 from devices import DTYPES, check_device, resolve_dtype
+from model import Transformer
 from tp import TP_TIMEOUT_S, TPVerifier, TPWorkers
 from verify import Verifier
 
@@ -95,8 +96,12 @@ def generate(prompts, target="tiny", draft="tiny-draft", mode="sd", max_new_toke
     True pads them to the graphs' static shapes on any device (on the CPU, eagerly: the tests'
     check of that path). stream(row, tokens_so_far) is called as tokens are accepted. tokenizer:
     the target's, when the caller has it already (the CLI streams with it; a GGUF file's takes
-    seconds to build), so it is not built twice."""
+    seconds to build), so it is not built twice. target may also be a model load_model() gave
+    (on its device, in its dtype; not tensor parallel): calls that pass the same one (a bench
+    sweep) load it once, and on a GPU replay the CUDA graphs they captured on its KV pool."""
     prompts = check_request(prompts, mode, k, temperature, max_new_tokens)
+    if isinstance(target, Transformer):
+        target_device = check_loaded(target, target_device, target_devices)
     K = k if mode != "ar" else 0
     ssd = (SSDConfig(K, fan_out, budget, saguaro_c, fallback, pre_spec=pre_spec) if mode == "ssd"
            else None)
@@ -115,7 +120,7 @@ def generate(prompts, target="tiny", draft="tiny-draft", mode="sd", max_new_toke
         kv_tokens, draft_kv = kv_sizes(ids, max_new_tokens, K, block_size, kv_tokens, ssd)
         settings = (temperature, seed, kv_tokens, block_size)
         verifier = (TPVerifier(tmodel, settings, started.workers) if started.workers
-                    else Verifier(tmodel, *settings))
+                    else Verifier(tmodel, *settings, reuse_cache=tmodel is target))
         dcfg = DraftConfig(draft, where.draft_device, where.draft_dtype, K, temperature, seed + 1,
                            draft_kv, block_size, ssd, graphs)
         eos = [] if ignore_eos else eos_ids(tmodel.config, tok)
@@ -145,6 +150,17 @@ def check_request(prompts, mode, k, temperature, max_new_tokens) -> list:
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
     return prompts
+
+
+def check_loaded(model: Transformer, target_device, target_devices) -> str:
+    """The device of a target the caller loaded, which it runs on as it is."""
+    if target_devices or model.tp is not None:
+        raise ValueError("a loaded target runs on its one device: for a tensor-parallel target "
+                         "pass its name with target_devices")
+    if target_device is not None and check_device(target_device) != model.device:
+        raise ValueError(f"the loaded target is on {model.device}, not {target_device}: load it "
+                         f"there, or leave target_device out")
+    return str(model.device)
 
 
 def place(mode, two_processes, target_device, draft_device, target_devices, dtype,
@@ -177,6 +193,9 @@ def place(mode, two_processes, target_device, draft_device, target_devices, dtyp
 def load_target(target, where: Placement, started: Started, tp_timeout, tokenizer, graphs):
     """-> (model, tokenizer): this process's target, or its rank-0 slices while the other ranks
     (started here) load theirs. The caller's tokenizer, when given, is not built again."""
+    if isinstance(target, Transformer):  # loaded by the caller
+        target.use_graphs(graphs)
+        return target, tokenizer
     if where.target_devices and len(where.target_devices) > 1:  # ranks 1.. of a tensor-parallel
         started.workers = TPWorkers(target, list(where.target_devices), where.target_threads,
                                     tp_timeout, where.target_dtype)
@@ -245,7 +264,7 @@ def check_pair(target, draft, cfg, tok):
     if V_draft != cfg.vocab_size:
         raise ValueError(f"draft vocabulary ({V_draft}) differs from the target's "
                          f"({cfg.vocab_size}): pick a draft from the same model family")
-    if tok is None or resolve(draft) == resolve(target):
+    if tok is None or (not isinstance(target, Transformer) and resolve(draft) == resolve(target)):
         return
     draft_tok = load_tokenizer(draft)
     if draft_tok is None:

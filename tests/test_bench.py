@@ -81,7 +81,7 @@ def test_runs_are_interleaved_per_batch_and_summed(monkeypatch):
     from types import SimpleNamespace
     calls = []
 
-    def fake_run_engine(cfg, bs, a, first=0):
+    def fake_run_engine(cfg, bs, a, first=0, target=None):
         calls.append((cfg.label, first))
         return {"new": 10 * len(bs[0]), "decode_s": 1.0 + first, "hist": [first, 1],
                 "fallback_rounds": {"neural": 1} if first else {}, "b_star": first}
@@ -150,3 +150,25 @@ def test_smoke_json_line(tmp_path, capsys):
     # one repeat: the one pass's ratio is the ratio of the medians
     assert rows["ssd"]["speedup_vs_sd_runs"] == [pytest.approx(rows["ssd"]["speedup_vs_sd"])]
     assert rows["ar"]["speedup_vs_sd_runs"] is None
+
+
+def test_a_sweep_loads_the_target_once(tmp_path, monkeypatch, capsys):
+    """Issue 31, item 6: a sweep decodes every run with one loaded target (generate(target=model)), so no
+    run reloads it and, on a GPU, the runs replay the graphs the warm-up captured on its reused KV pool."""
+    import checkpoint
+    import run
+    target = make_checkpoint(tmp_path / "t", "llama")
+    draft = make_checkpoint(tmp_path / "d", "llama", seed=1, num_hidden_layers=1)
+    loads = []
+
+    def counting(name, *a, **kw):
+        loads.append(str(name))
+        return checkpoint.load_model(name, *a, **kw)
+    monkeypatch.setattr(bench, "load_model", counting)
+    monkeypatch.setattr(run, "load_model", counting)
+    rc = bench.main(["--target", str(target), "--draft", str(draft), "--prompts", "2", "--modes", "ar,sd",
+                     "--max-new-tokens", "6", "--repeats", "2", "--warmup", "1", "--cores", "1", "--k", "2,3"])
+    assert rc == 0
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["results"]
+    assert len(rows) == 3 and all(r["new_tokens"] == 12 for r in rows)  # ar, sd k=2, sd k=3
+    assert loads.count(str(target)) == 1, loads  # 3 configurations x (1 + 2 x 2 batches) runs

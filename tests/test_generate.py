@@ -283,6 +283,32 @@ def test_seeded_runs_repeat(ckpts, mode):
     assert all(len(x) == 16 for x in a + c)
 
 
+@pytest.mark.parametrize("mode,parallel", [("ar", True), ("sd", True), ("ssd", False), ("ssd", True)])
+def test_a_loaded_target_decodes_as_its_name_does(ckpts, mode, parallel):
+    """generate(target=model) (a bench sweep's one load): the tokens of generate(target=name), at T = 1 with
+    the same seed, call after call on the same model, which keeps its KV pool (Verifier(reuse_cache=True))."""
+    from checkpoint import load_model
+    kw = dict(mode=mode, k=3, temperature=1.0, max_new_tokens=12, seed=5, parallel=parallel,
+              target_threads=1, draft_threads=1)
+    by_name = generate(PROMPTS, target=str(ckpts["target"]), draft=str(ckpts["perturbed"]), **kw).tokens
+    model = load_model(ckpts["target"], tokenizer=False)[0]
+    pools = []
+    for _ in range(2):
+        assert generate(PROMPTS, target=model, draft=str(ckpts["perturbed"]), **kw).tokens == by_name
+        pools.append(model.kv_pool)
+    assert pools[0] is not None and pools[1] is pools[0]
+
+
+def test_a_loaded_target_runs_where_it_is(ckpts):
+    from checkpoint import load_model
+    model = load_model(ckpts["target"], tokenizer=False)[0]
+    for kw, words in ((dict(target_devices=["cpu", "cpu"]), ("tensor-parallel", "target_devices")),
+                      (dict(target_device="meta"), ("loaded target is on cpu", "not meta"))):
+        with pytest.raises(ValueError) as e:
+            generate(PROMPTS, target=model, mode="ar", max_new_tokens=2, **kw)
+        assert len(str(e.value).splitlines()) == 1 and all(w in str(e.value) for w in words), e.value
+
+
 def pick_eos(ref, K, prompt):
     """A token (not in the prompt) whose first occurrence in ref is inside a round, two or more tokens
     before its end, so that with an always-accepting draft the EOS sits inside an accepted run with more
