@@ -25,7 +25,8 @@ from fallback import POLICIES
 from checkpoint import load_config, load_model, load_tokenizer, resolve
 from devices import DTYPES, check_device, resolve_dtype
 from model import Transformer
-from tp import TP_TIMEOUT_S, TPVerifier, TPWorkers
+from tp import (TP_TIMEOUT_S, TorchrunEnv, TorchrunWorld, TPVerifier, TPWorkers,
+                serve_torchrun_rank, torchrun_device, torchrun_env)
 from verify import Verifier
 
 # Ends where an editor leaves the cursor, at the body's indentation. The tiny pair's tokenizer
@@ -48,19 +49,20 @@ class Placement:
     CPU threads of the target's process and of the speculator's."""
     target_device: str
     draft_device: str
-    target_devices: list[str] | None  # two or more: a tensor-parallel target, one rank per device
+    target_devices: list[str] | None  # the target's ranks on this machine, one per device
     target_dtype: torch.dtype
     draft_dtype: torch.dtype
     target_threads: int
     draft_threads: int | None
     cores: int
+    torchrun: TorchrunEnv | None = None  # rank 0 of a torchrun world: its ranks span the nodes
 
 
 @dataclass
 class Started:
     """The processes one generate() call started: every path out of it (done, error, Ctrl-C) stops
     them (docs/design.md section 9)."""
-    workers: TPWorkers | None = None  # ranks 1.. of a tensor-parallel target
+    workers: TPWorkers | TorchrunWorld | None = None  # ranks 1.. of a tensor-parallel target
     speculator: object = None         # a SpeculatorProcess, or the Speculator in this process
 
     def stop(self):
@@ -78,7 +80,7 @@ def generate(prompts, target="tiny", draft="tiny-draft", mode="sd", max_new_toke
              target_threads=None, draft_threads=None, kv_tokens=None, block_size=16, chat=False,
              stream=None, target_devices: list[str] | None = None, tp_timeout: float = TP_TIMEOUT_S,
              dtype="auto", graphs: bool | None = None, pre_spec="always",
-             tokenizer=None) -> GenerateResult:
+             tokenizer=None, torchrun: bool = False) -> GenerateResult:
     """Generate up to max_new_tokens for each prompt (strings, or lists of token ids).
 
     mode: "ar" (target only), "sd" (speculative decoding, k draft tokens per round) or "ssd"
@@ -87,27 +89,27 @@ def generate(prompts, target="tiny", draft="tiny-draft", mode="sd", max_new_toke
     "never" not at all (SD's schedule across the two processes: what the split alone costs);
     parallel=False runs the speculator interleaved in this process, same tokens for the same seed).
     target_devices: two or more devices (["cuda:0", ..., "cuda:3"]) run the target tensor parallel,
-    one rank per device (it replaces target_device); tp_timeout: seconds a rank may wait in one
-    collective. kv_tokens: the target's KV cache in tokens (default: sized for the request); the
-    draft gets the same plus room for SSD's branches. dtype: both models' weights and activations,
-    "auto" (bfloat16 on CUDA, float32 on the CPU), "float32", "bfloat16" or "float16"; logits are
-    float32 in every dtype. graphs: None replays decode steps and verifications as CUDA graphs
-    on CUDA (not with tensor parallelism) and runs them eagerly elsewhere; False turns graphs off;
-    True pads them to the graphs' static shapes on any device (on the CPU, eagerly: the tests'
-    check of that path). stream(row, tokens_so_far) is called as tokens are accepted. tokenizer:
-    the target's, when the caller has it already (the CLI streams with it; a GGUF file's takes
-    seconds to build), so it is not built twice. target may also be a model load_model() gave
-    (on its device, in its dtype; not tensor parallel): calls that pass the same one (a bench
-    sweep) load it once, and on a GPU replay the CUDA graphs they captured on its KV pool."""
+    one rank per device (it replaces target_device); torchrun=True: this process is rank 0 of a
+    torchrun world and the target runs over all its ranks, on every node (the others run
+    tp.serve_torchrun_rank); tp_timeout: seconds a rank may wait in one collective. kv_tokens: the
+    target's KV cache in tokens (default: sized for the request); the draft gets the same plus room
+    for SSD's branches. dtype: both models' weights and activations, "auto" (bfloat16 on CUDA,
+    float32 on the CPU), "float32", "bfloat16" or "float16"; logits are float32 in every dtype.
+    graphs: None replays decode steps and verifications as CUDA graphs on CUDA (not with tensor
+    parallelism) and runs them eagerly elsewhere; False turns graphs off; True pads them to the
+    graphs' static shapes on any device (on the CPU, eagerly: the tests' check of that path).
+    stream(row, tokens_so_far) is called as tokens are accepted. tokenizer: the target's, when the
+    caller has it already (the CLI streams with it; a GGUF file's takes seconds to build), so it is
+    not built twice. target may also be a model load_model() gave (on its device, in its dtype; not
+    tensor parallel): calls that pass the same one (a bench sweep) load it once, and on a GPU replay
+    the CUDA graphs they captured on its KV pool."""
     prompts = check_request(prompts, mode, k, temperature, max_new_tokens)
-    if isinstance(target, Transformer):
-        target_device = check_loaded(target, target_device, target_devices)
     K = k if mode != "ar" else 0
     ssd = (SSDConfig(K, fan_out, budget, saguaro_c, fallback, pre_spec=pre_spec) if mode == "ssd"
            else None)
     two_processes = mode == "ssd" and parallel
-    where = place(mode, two_processes, target_device, draft_device, target_devices, dtype,
-                  target_threads, draft_threads)
+    where = place(target, mode, two_processes, target_device, draft_device, target_devices, dtype,
+                  target_threads, draft_threads, torchrun)
     old_threads = torch.get_num_threads()
     torch.set_num_threads(where.target_threads)
     started = Started()
@@ -152,22 +154,27 @@ def check_request(prompts, mode, k, temperature, max_new_tokens) -> list:
     return prompts
 
 
-def check_loaded(model: Transformer, target_device, target_devices) -> str:
+def check_loaded(model: Transformer, target_device, target_devices, torchrun) -> str:
     """The device of a target the caller loaded, which it runs on as it is."""
-    if target_devices or model.tp is not None:
+    if target_devices or torchrun or model.tp is not None:
         raise ValueError("a loaded target runs on its one device: for a tensor-parallel target "
-                         "pass its name with target_devices")
+                         "pass its name (with target_devices, or under torchrun)")
     if target_device is not None and check_device(target_device) != model.device:
         raise ValueError(f"the loaded target is on {model.device}, not {target_device}: load it "
                          f"there, or leave target_device out")
     return str(model.device)
 
 
-def place(mode, two_processes, target_device, draft_device, target_devices, dtype,
-          target_threads, draft_threads) -> Placement:
+def place(target, mode, two_processes, target_device, draft_device, target_devices, dtype,
+          target_threads, draft_threads, torchrun=False) -> Placement:
     """Where each model runs. Every device is checked before anything loads or any process starts
     (a GPU missing here is one line naming it, not a traceback from the speculator's process), and
     "cuda" becomes the GPU it means, so that every process agrees."""
+    if isinstance(target, Transformer):
+        target_device = check_loaded(target, target_device, target_devices, torchrun)
+    env = torchrun_rank0(target_devices) if torchrun else None
+    if env:  # this node's ranks, rank 0 first: cuda:0..G-1 (the draft on the next GPU), or CPUs
+        target_devices = [torchrun_device(target_device, r) for r in range(env.local_world)]
     dev_t, dev_d = default_devices(len(target_devices) if target_devices else 1)
     if target_devices:
         target_devices = [str(check_device(d)) for d in target_devices]
@@ -181,26 +188,52 @@ def place(mode, two_processes, target_device, draft_device, target_devices, dtyp
                       f"speculator processes will time-slice one GPU with no overlap; give the "
                       f"draft its own GPU (--draft-device) or use --mode sd", stacklevel=3)
     cores = os.cpu_count() or 1
-    if two_processes:  # the two processes split the cores (when on the CPU)
-        ts, td = split_cores(cores)
-        target_threads, draft_threads = target_threads or ts, draft_threads or td
-    else:
-        target_threads, draft_threads = target_threads or cores, None
+    target_threads, draft_threads = threads_of(two_processes, target_threads, draft_threads, cores)
     return Placement(target_device, draft_device, target_devices, target_dtype, draft_dtype,
-                     target_threads, draft_threads, cores)
+                     target_threads, draft_threads, cores, env)
+
+
+def threads_of(two_processes, target_threads, draft_threads, cores) -> tuple[int, int | None]:
+    """CPU threads: (the target's, the speculator's); the two processes of parallel ssd split the
+    cores (when on the CPU)."""
+    if two_processes:
+        ts, td = split_cores(cores)
+        return target_threads or ts, draft_threads or td
+    return target_threads or cores, None
+
+
+def torchrun_rank0(target_devices) -> TorchrunEnv:
+    """generate(torchrun=True): this process must be rank 0 of a torchrun world, whose ranks
+    torchrun places (a process per rank, each on cuda:LOCAL_RANK or the CPU)."""
+    env = torchrun_env()
+    if env is None:
+        raise ValueError("torchrun=True outside a torchrun world of two or more ranks: start the "
+                         "script with torchrun (python -m torch.distributed.run), or drop torchrun")
+    if env.rank != 0:
+        raise ValueError(f"torchrun=True on rank {env.rank}: only rank 0 generates, the other "
+                         f"ranks call tp.serve_torchrun_rank")
+    if target_devices:
+        raise ValueError("target devices under torchrun: torchrun places the ranks (cuda:LOCAL_RANK"
+                         ", or the CPU); drop --target-devices")
+    return env
 
 
 def load_target(target, where: Placement, started: Started, tp_timeout, tokenizer, graphs):
     """-> (model, tokenizer): this process's target, or its rank-0 slices while the other ranks
-    (started here) load theirs. The caller's tokenizer, when given, is not built again."""
+    (spawned here, or torchrun's) load theirs. The caller's tokenizer, when given, is not built
+    again."""
     if isinstance(target, Transformer):  # loaded by the caller
         target.use_graphs(graphs)
         return target, tokenizer
-    if where.target_devices and len(where.target_devices) > 1:  # ranks 1.. of a tensor-parallel
+    tp = None
+    if where.torchrun:  # torchrun started ranks 1..
+        started.workers = TorchrunWorld(where.torchrun, target, where.target_device, tp_timeout)
+        tp = started.workers.tp
+    elif where.target_devices and len(where.target_devices) > 1:  # spawn ranks 1..
         started.workers = TPWorkers(target, list(where.target_devices), where.target_threads,
                                     tp_timeout, where.target_dtype)
-    tmodel, tok = load_model(target, device=where.target_device, dtype=where.target_dtype,
-                             tp=started.workers.rank0 if started.workers else None,
+        tp = started.workers.rank0
+    tmodel, tok = load_model(target, device=where.target_device, dtype=where.target_dtype, tp=tp,
                              tokenizer=tokenizer is None)
     tmodel.use_graphs(graphs)
     return tmodel, tokenizer or tok
@@ -511,16 +544,33 @@ def print_stats(s: dict):
         print(f"{k_:>16}  {v}")
 
 
+def serve_rank(a: argparse.Namespace, env: TorchrunEnv):
+    """Ranks 1.. of a torchrun world: this rank's slices of the target serve rank 0's verifier
+    calls until it ends the run (every rank has the same flags: target, dtype, threads, timeout)."""
+    device = str(check_device(torchrun_device(a.target_device or a.device, env.local_rank)))
+    threads, _ = threads_of(a.mode == "ssd" and not a.no_parallel, a.target_threads,
+                            a.draft_threads, os.cpu_count() or 1)
+    serve_torchrun_rank(env, a.target, device, resolve_dtype(a.dtype, device), threads,
+                        a.tp_timeout)
+
+
 def main(argv=None):
     a = parser().parse_args(argv)
     tokenizer = None
     try:
+        env = torchrun_env()
+        if env and env.rank > 0:  # run.py under torchrun, rank 1..: serve rank 0
+            serve_rank(a, env)
+            return 0
+        if env:
+            print(f"run.py: rank 0 of a torchrun world of {env.world} ranks on {env.nodes} "
+                  f"node(s): the target runs tensor parallel across all of them", file=sys.stderr)
         if not a.json:
             tokenizer = load_tokenizer(a.target)  # generate() uses it too: built once
             # a chat answer starts on its own line; a plain prompt is continued where it ends
             sys.stdout.write(a.prompt + ("\n\n" if a.chat else ""))
         res = generate([a.prompt], **generate_kwargs(a), stream=text_printer(tokenizer),
-                       tokenizer=tokenizer)
+                       tokenizer=tokenizer, torchrun=env is not None)
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130

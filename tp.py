@@ -1,16 +1,19 @@
-"""Tensor-parallel target (--target-devices, as the paper runs Llama-3.1-70B on 4 GPUs).
+"""Tensor-parallel target: over the devices of one machine (--target-devices, as the paper runs
+Llama-3.1-70B on 4 GPUs), or over every rank of a torchrun world, across nodes.
 
 Rank 0 is the verifier in the calling process: it loads its slice of the target, talks to the
 speculator as in every other mode, and makes each Verifier call through
 `TPVerifier.call(name, *args)`, which broadcasts the call to the other ranks and makes it locally.
-Ranks 1..world-1 are spawned workers (`TPWorkers`): each loads its slices, then `serve()`s rank 0's
-calls until "stop", making the same calls on its own Verifier, so the forwards run in lockstep and
-every rank keeps an identical KV cache. model.py splits heads, MLP and vocabulary and does the
-all-reduces.
+Ranks 1..world-1, spawned here (`TPWorkers`) or started by torchrun (`serve_torchrun_rank`), load
+their slices, then `serve()` rank 0's calls until "stop", making the same calls on their own
+Verifiers, so the forwards run in lockstep and every rank keeps an identical KV cache. model.py
+splits heads, MLP and vocabulary and does the all-reduces.
 """
+import math
 import os
 import queue
 import signal
+import socket
 import sys
 import threading
 import time
@@ -65,6 +68,18 @@ def tp_store(world: int, timeout_s: float, port: int | None = None) -> dist.TCPS
     return dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=t)
 
 
+def check_start(target, world: int, timeout_s: float):
+    """Before a rank starts: a timeout that can pass, a split the model allows (each rank checks
+    before it loads any weight) and no process group of this process's own in the way."""
+    if not timeout_s > 0:
+        raise ValueError(f"tp_timeout={timeout_s}: give the seconds a rank may wait in a "
+                         f"collective, > 0")
+    check_tp(load_config(target), world)
+    if dist.is_initialized():
+        raise ValueError("this process already has a torch.distributed process group: the "
+                         "tensor-parallel target needs its own (call generate() outside it)")
+
+
 def tp_init(rank, world, store, backend, device, timeout_s=TP_TIMEOUT_S):
     """Join the process group. A worker first marks itself in the store, so rank 0 can wait for
     every worker while watching that each is alive (a rank that dies before joining must not leave
@@ -82,7 +97,21 @@ def tp_init(rank, world, store, backend, device, timeout_s=TP_TIMEOUT_S):
 # --------------------------------------------------------------------------------------------------
 # Rank 0's handle on the workers
 
-class TPWorkers:
+class Ranks:
+    """What TPVerifier needs of rank 0's handle on the other ranks (TPWorkers, spawned here;
+    TorchrunWorld, started by torchrun): busy() around each call, wait_ready() before the first."""
+    idle = False  # True while every other rank waits for a call (only then can "stop" be sent)
+
+    @contextmanager
+    def busy(self):
+        """Around one call on every rank. Only a call that completed leaves the others waiting for
+        the next; after an error they may be anywhere inside it (close() must not send "stop")."""
+        self.idle = False
+        yield
+        self.idle = True  # not reached when the call raised
+
+
+class TPWorkers(Ranks):
     """Rank 0's handle on ranks 1..world-1: spawns them (they load their slices while rank 0 loads
     its own), joins their process group, watches that they live, and stops them in close(): a "stop"
     call when they wait for one, else terminate, so Ctrl-C or an error anywhere leaves no process
@@ -95,41 +124,23 @@ class TPWorkers:
 
     def __init__(self, target, devices: list[str], threads: int | None,
                  timeout_s: float = TP_TIMEOUT_S, dtype=None):
-        if not timeout_s > 0:
-            raise ValueError(f"tp_timeout={timeout_s}: give the seconds a rank may wait in a "
-                             f"collective, > 0")
         self.world, self.device, self.timeout_s = len(devices), torch.device(devices[0]), timeout_s
-        check_tp(load_config(target), self.world)
-        backend = tp_backend(devices)
-        if dist.is_initialized():
-            raise ValueError("this process already has a torch.distributed process group: a "
-                             "tensor-parallel target needs its own (call generate() outside "
-                             "torch.distributed jobs)")
-        self.rank0, self.backend = TP(0, self.world), backend
-        self.idle = False  # True while every worker waits for a call (only then can "stop" be sent)
-        self.closing = False
+        check_start(target, self.world, timeout_s)
+        self.rank0, self.backend, self.closing = TP(0, self.world), tp_backend(devices), False
         self.store = tp_store(self.world, timeout_s)
         self.errors = mp.get_context("spawn").Queue()
         self.procs = [start_child(tp_worker_main,
-                                  (r, self.world, self.store.port, backend, devices[r], target,
+                                  (r, self.world, self.store.port, self.backend, devices[r], target,
                                    dtype, threads, timeout_s, os.getpid(), self.errors))
                       for r in range(1, self.world)]
         try:
             self.wait(lambda: self.store.check([f"joined/{r}" for r in range(1, self.world)]),
                       "start-up")
-            tp_init(0, self.world, self.store, backend, self.device, timeout_s)
+            tp_init(0, self.world, self.store, self.backend, self.device, timeout_s)
         except BaseException:
             self.close()
             raise
         threading.Thread(target=self.watch, daemon=True).start()
-
-    @contextmanager
-    def busy(self):
-        """Around one call on every rank. Only a call that completed leaves the workers waiting for
-        the next; after an error they may be anywhere inside it, so close() must terminate them."""
-        self.idle = False
-        yield
-        self.idle = True  # not reached when the call raised
 
     def wait(self, done, stage):
         """Poll done() until it is true; a worker that failed or died meanwhile raises, naming
@@ -274,13 +285,13 @@ def broadcast_header(header=None, group=None):
 class TPVerifier:
     """One rank of a tensor-parallel verifier, with Verifier's methods (prefill, verify, finish).
 
-    On rank 0 (the one given `workers`) each method is `call(name, *args)`: the call travels to
-    ranks 1.., which receive it in serve(), and every rank makes it on its own Verifier. model.py
-    all-gathers the logits onto every rank, so every rank runs accept_reject on the same numbers
-    with an identically seeded generator, draws the same (n, t) and rolls its cache back the same
-    way: only the arguments travel, never the outcome."""
+    On rank 0 (the one given `workers`: TPWorkers or TorchrunWorld) each method is
+    `call(name, *args)`: the call travels to ranks 1.., which receive it in serve(), and every rank
+    makes it on its own Verifier. model.py all-gathers the logits onto every rank, so every rank
+    runs accept_reject on the same numbers with an identically seeded generator, draws the same
+    (n, t) and rolls its cache back the same way: only the arguments travel, never the outcome."""
 
-    def __init__(self, model, settings: tuple | None = None, workers: TPWorkers | None = None):
+    def __init__(self, model, settings: tuple | None = None, workers: Ranks | None = None):
         self.model, self.workers, self.rank, self.dev = model, workers, model.tp.rank, model.device
         self.group = model.tp.group
         with workers.busy() if workers else nullcontext():  # loading, then taking the settings
@@ -352,3 +363,238 @@ class TPVerifier:
                 raise RuntimeError(f"rank {self.rank} drew a different verification outcome than "
                                    f"rank 0: ranks out of lockstep")
         return out
+
+
+# --------------------------------------------------------------------------------------------------
+# A world started by torchrun: every rank a process of its own, on any node
+
+BEAT_S = 0.5     # each rank counts up its heartbeat in torchrun's store this often
+SILENT_S = 5.0   # a rank whose heartbeat has not moved this long is gone (dead, stopped, cut off)
+STORE_S = 10.0   # a store operation waits this long for the store before it counts as unreachable
+
+
+@dataclass(frozen=True)
+class TorchrunEnv:
+    """This process's place in a torchrun world, from the variables torchrun sets."""
+    rank: int
+    world: int
+    local_rank: int
+    local_world: int   # ranks on this node
+    node: int          # the node's rank (torchrun's --node-rank)
+    nodes: int
+    max_restarts: int
+
+
+def torchrun_env(environ=None) -> TorchrunEnv | None:
+    """The torchrun world this process is a rank of, when it has two or more ranks; else None."""
+    env = os.environ if environ is None else environ
+    if int(env.get("WORLD_SIZE", "1")) < 2:
+        return None
+    missing = [v for v in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if v not in env]
+    if missing:
+        raise ValueError(f"WORLD_SIZE={env['WORLD_SIZE']} but {', '.join(missing)} not set: "
+                         f"start every rank with torchrun (python -m torch.distributed.run)")
+    return TorchrunEnv(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"]),
+                       int(env.get("LOCAL_WORLD_SIZE", "1")), int(env.get("GROUP_RANK", "0")),
+                       int(env.get("GROUP_WORLD_SIZE", "1")),
+                       int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")))
+
+
+def torchrun_device(device, local_rank: int) -> str:
+    """A torchrun rank's device: cuda:LOCAL_RANK where GPUs are visible (or device is "cuda"), else
+    the CPU ("cpu" chooses it, and gloo, on a machine with GPUs too)."""
+    if device is not None and torch.device(device).index is not None:
+        raise ValueError(f"target device {device} under torchrun: each rank takes cuda:LOCAL_RANK; "
+                         f"give cuda or cpu, or leave it out")
+    kind = torch.device(device).type if device else "cuda" if torch.cuda.is_available() else "cpu"
+    return f"cuda:{local_rank}" if kind == "cuda" else "cpu"
+
+
+class PeerFailure(RuntimeError):
+    """Another rank ended the run; the message names it."""
+
+
+def store_client(timeout_s: float) -> dist.TCPStore:
+    """A connection of our own to the store torchrun serves (its agent on node 0, or rank 0)."""
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                         is_master=False, timeout=timedelta(seconds=timeout_s))
+
+
+class Heartbeat:
+    """A thread that counts up this rank's key in the store every BEAT_S and reads every rank's. A
+    rank whose count stops moving is silent: dead, stopped, or its node cut off. Silence is judged
+    on this thread's own reads, so a stall of this process never makes the others look silent."""
+
+    def __init__(self, prefix: str, rank: int, world: int):
+        self.store = dist.PrefixStore(prefix, store_client(STORE_S))
+        self.rank, self.world, self.stopped, self.store_lost = rank, world, False, False
+        self.counts, self.moved, self.last = [None] * world, [time.monotonic()] * world, 0.0
+        threading.Thread(target=self.run, daemon=True).start()
+
+    def run(self):
+        keys = [f"beat/{r}" for r in range(self.world)]
+        while not self.stopped:
+            try:
+                self.store.add(keys[self.rank], 1)
+                counts = [self.store.add(k, 0) for k in keys]  # adding 0 reads without waiting
+            except Exception:  # the store's node is down or unreachable
+                self.store_lost = True
+                return
+            self.last = now = time.monotonic()
+            for r, c in enumerate(counts):
+                if c != self.counts[r]:
+                    self.counts[r], self.moved[r] = c, now
+            time.sleep(BEAT_S)
+
+    def silent(self) -> list[int]:
+        """The ranks that beat, then stopped (one that never came is gather()'s to name)."""
+        return [r for r in range(self.world) if r != self.rank and self.counts[r]
+                and self.last - self.moved[r] > SILENT_S]
+
+
+class TorchrunWorld(Ranks):
+    """This rank's handle on a torchrun world: the process group over every rank of every node,
+    and a heartbeat in torchrun's store that names a rank that dies, stops or loses its node. Rank
+    0's stands where TPWorkers stands in the spawned form (TPVerifier's `workers`); the other ranks
+    run serve_torchrun_rank. Each world takes a fresh prefix in the store, so that a process can
+    start one after another (a script under torchrun that calls generate() again)."""
+
+    def __init__(self, env: TorchrunEnv, target, device: str, timeout_s: float = TP_TIMEOUT_S):
+        if env.max_restarts:  # torchrun would start a new world, and a decode cannot resume there
+            raise ValueError(f"torchrun --max-restarts={env.max_restarts}: a decode cannot resume "
+                             f"on a new world; use --max-restarts 0 (torchrun's default)")
+        check_start(target, env.world, timeout_s)
+        self.env, self.timeout_s, self.backend = env, timeout_s, tp_backend([device])
+        self.tp, self.closing = TP(env.rank, env.world), False
+        # torchrun's agent on node 0 serves the store (without that agent rank 0 serves it here)
+        t = timedelta(seconds=timeout_s)
+        self.rendezvous, _, _ = next(dist.rendezvous("env://", timeout=t))
+        # every rank counts itself in before it joins the group, so all count the same world
+        prefix = f"ssd-tp/{(self.rendezvous.add('ssd-tp/worlds', 1) - 1) // env.world}/"
+        self.store = dist.PrefixStore(prefix, store_client(STORE_S))
+        self.store.set(f"where/{env.rank}", f"node {env.node}, {socket.gethostname()}")
+        self.beat = Heartbeat(prefix, env.rank, env.world)
+        try:  # a rank that failed before (its checkpoint, its GPU) is named after tp_timeout
+            self.gather("here", timeout_s)  # where the process group's own wait names no one
+            tp_init(env.rank, env.world, dist.PrefixStore(prefix, self.rendezvous), self.backend,
+                    device, timeout_s)
+        except BaseException:
+            self.close()  # raises the line naming another rank, when one failed first
+            raise
+        if self.backend == "nccl":
+            threading.Thread(target=self.watch, daemon=True).start()
+
+    def gather(self, stage: str, timeout_s: float = math.inf):
+        """Mark this rank at `stage` and wait until every rank is. A rank that failed or fell
+        silent on its way raises here, naming it; so do the ranks still missing after timeout_s."""
+        keys = [f"{stage}/{r}" for r in range(self.env.world)]
+        self.store.set(keys[self.env.rank], "1")
+        deadline = time.monotonic() + timeout_s
+        while not self.store.check(keys):
+            msg = self.peer_failure()
+            if not msg and time.monotonic() > deadline:
+                missing = ", ".join(str(r) for r, k in enumerate(keys) if not self.store.check([k]))
+                msg = (f"tensor-parallel rank {missing} did not start within tp_timeout="
+                       f"{timeout_s:g}s: see the output on its node")
+            if msg:
+                raise PeerFailure(msg)
+            time.sleep(0.05)
+
+    def wait_ready(self):
+        """Mark this rank loaded and wait for every rank (no time limit: a large checkpoint on a
+        slow disk takes what it takes)."""
+        self.gather("ready")
+
+    def watch(self):
+        """NCCL's collectives spin on the GPU when a peer is gone: abort them (gloo's fail by
+        themselves when the peer's sockets close, or after tp_timeout)."""
+        while not self.closing:
+            if self.beat.silent() or self.beat.store_lost:
+                dist.distributed_c10d._abort_process_group()
+                return
+            time.sleep(BEAT_S)
+
+    def peer_failure(self, timed_out=False) -> str | None:
+        """The line naming another rank that ended the run: the error it posted, else the ranks
+        that fell silent; None while none is seen."""
+        lost = (f"tensor-parallel rank 0 (node 0) stopped answering, and so did torchrun's store "
+                f"on its node ({os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}): rank "
+                f"0's process died or node 0 went down")
+        if self.beat.store_lost:
+            return lost
+        try:
+            for r in range(self.env.world):
+                if r != self.env.rank and self.store.check([f"error/{r}"]):
+                    return "tensor-parallel " + self.store.get(f"error/{r}").decode()
+            silent = {r: self.store.get(f"where/{r}").decode() for r in self.beat.silent()}
+        except Exception:  # dist.DistStoreError: the store is gone
+            return lost
+        if not silent:
+            return None
+        ranks = ", ".join(f"{r} ({where})" for r, where in silent.items())
+        if timed_out:
+            return (f"tensor-parallel rank {ranks} did not answer within tp_timeout="
+                    f"{self.timeout_s:g}s (stopped, hung or cut off; raise --tp-timeout if it was "
+                    f"only slow)")
+        return (f"tensor-parallel rank {ranks} stopped answering: its process died or stopped, or "
+                f"its node went down")
+
+    def failure(self, error) -> str | None:
+        """After `error` ended this rank's part: the line naming the rank to blame when it was
+        another one, else None. A dead rank shows as silent only SILENT_S after its last beat, so a
+        failed collective waits that long for it."""
+        if isinstance(error, PeerFailure):
+            return str(error)
+        if not isinstance(error, dist.DistError) and "gloo" not in str(error):
+            return None  # not a collective's failure: this rank's own (or none)
+        timed_out = "timed out" in str(error).lower()
+        deadline = time.monotonic() + SILENT_S + 2 * BEAT_S + 1
+        while not (msg := self.peer_failure(timed_out)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if msg is None and timed_out:
+            msg = (f"a tensor-parallel collective timed out after tp_timeout={self.timeout_s:g}s "
+                   f"while every rank still beats: one is hung (raise --tp-timeout if it was only "
+                   f"slow)")
+        return msg
+
+    def close(self):
+        """Leave the world. Rank 0 sends "stop" when the others wait for a call. A rank that fails
+        on its own posts its error in the store, where the others find it and name it; a rank that
+        fails because another one did raises the line naming that one."""
+        self.closing = True
+        error = sys.exc_info()[1]
+        if self.env.rank == 0 and self.idle:
+            try:
+                broadcast_header(("stop", []))
+            except Exception:  # a rank is gone: named below
+                pass
+        msg = self.failure(error)
+        if error is not None and msg is None:  # this rank's own error: tell the others
+            first = (str(error).strip().splitlines() or [""])[0]
+            line = (f"rank {self.env.rank} was interrupted" if isinstance(error, KeyboardInterrupt)
+                    else f"rank {self.env.rank} failed: {type(error).__name__}: {first}")
+            try:
+                self.store.set(f"error/{self.env.rank}", line)
+            except Exception:  # the store is gone too: the others see this rank fall silent
+                pass
+        self.beat.stopped = True
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        if msg:
+            raise PeerFailure(msg) from None
+
+
+def serve_torchrun_rank(env: TorchrunEnv, target, device: str, dtype=None, threads=None,
+                        timeout_s: float = TP_TIMEOUT_S):
+    """Ranks 1.. of a torchrun world (run.py on every rank but 0): load this rank's slices of the
+    target, then make rank 0's Verifier calls until it ends the run. Raises one line naming the
+    rank that ended it, when that was another one."""
+    if threads:
+        torch.set_num_threads(threads)
+    world = TorchrunWorld(env, target, device, timeout_s)
+    try:
+        model, _ = load_model(target, device=device, dtype=dtype, tp=world.tp, tokenizer=False)
+        world.wait_ready()
+        TPVerifier(model).serve()
+    finally:
+        world.close()
