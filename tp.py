@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 import traceback
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext, suppress
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -414,10 +414,10 @@ class PeerFailure(RuntimeError):
     """Another rank ended the run; the message names it."""
 
 
-def store_client(timeout_s: float) -> dist.TCPStore:
+def store_client() -> dist.TCPStore:
     """A connection of our own to the store torchrun serves (its agent on node 0, or rank 0)."""
     return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                         is_master=False, timeout=timedelta(seconds=timeout_s))
+                         is_master=False, timeout=timedelta(seconds=STORE_S))
 
 
 class Heartbeat:
@@ -426,7 +426,7 @@ class Heartbeat:
     on this thread's own reads, so a stall of this process never makes the others look silent."""
 
     def __init__(self, prefix: str, rank: int, world: int):
-        self.store = dist.PrefixStore(prefix, store_client(STORE_S))
+        self.store = dist.PrefixStore(prefix, store_client())
         self.rank, self.world, self.stopped, self.store_lost = rank, world, False, False
         self.counts, self.moved, self.last = [None] * world, [time.monotonic()] * world, 0.0
         threading.Thread(target=self.run, daemon=True).start()
@@ -446,10 +446,10 @@ class Heartbeat:
                     self.counts[r], self.moved[r] = c, now
             time.sleep(BEAT_S)
 
-    def silent(self) -> list[int]:
-        """The ranks that beat, then stopped (one that never came is gather()'s to name)."""
+    def silent(self, after: float) -> list[int]:
+        """The ranks that beat, then stopped `after` seconds (gather() names those never seen)."""
         return [r for r in range(self.world) if r != self.rank and self.counts[r]
-                and self.last - self.moved[r] > SILENT_S]
+                and self.last - self.moved[r] > after]
 
 
 class TorchrunWorld(Ranks):
@@ -466,12 +466,13 @@ class TorchrunWorld(Ranks):
         check_start(target, env.world, timeout_s)
         self.env, self.timeout_s, self.backend = env, timeout_s, tp_backend([device])
         self.tp, self.closing = TP(env.rank, env.world), False
+        self.patience = max(SILENT_S, timeout_s)  # while loading, which may hold the GIL long
         # torchrun's agent on node 0 serves the store (without that agent rank 0 serves it here)
         t = timedelta(seconds=timeout_s)
         self.rendezvous, _, _ = next(dist.rendezvous("env://", timeout=t))
         # every rank counts itself in before it joins the group, so all count the same world
         prefix = f"ssd-tp/{(self.rendezvous.add('ssd-tp/worlds', 1) - 1) // env.world}/"
-        self.store = dist.PrefixStore(prefix, store_client(STORE_S))
+        self.store = dist.PrefixStore(prefix, store_client())
         self.store.set(f"where/{env.rank}", f"node {env.node}, {socket.gethostname()}")
         self.beat = Heartbeat(prefix, env.rank, env.world)
         try:  # a rank that failed before (its checkpoint, its GPU) is named after tp_timeout
@@ -504,12 +505,13 @@ class TorchrunWorld(Ranks):
         """Mark this rank loaded and wait for every rank (no time limit: a large checkpoint on a
         slow disk takes what it takes)."""
         self.gather("ready")
+        self.patience = SILENT_S
 
     def watch(self):
         """NCCL's collectives spin on the GPU when a peer is gone: abort them (gloo's fail by
         themselves when the peer's sockets close, or after tp_timeout)."""
         while not self.closing:
-            if self.beat.silent() or self.beat.store_lost:
+            if self.beat.silent(self.patience) or self.beat.store_lost:
                 dist.distributed_c10d._abort_process_group()
                 return
             time.sleep(BEAT_S)
@@ -517,16 +519,16 @@ class TorchrunWorld(Ranks):
     def peer_failure(self, timed_out=False) -> str | None:
         """The line naming another rank that ended the run: the error it posted, else the ranks
         that fell silent; None while none is seen."""
-        lost = (f"tensor-parallel rank 0 (node 0) stopped answering, and so did torchrun's store "
-                f"on its node ({os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}): rank "
-                f"0's process died or node 0 went down")
+        lost = ("tensor-parallel rank 0 (node 0) stopped answering, and so did torchrun's store on "
+                "its node: rank 0's process died or node 0 went down")
         if self.beat.store_lost:
             return lost
         try:
             for r in range(self.env.world):
                 if r != self.env.rank and self.store.check([f"error/{r}"]):
                     return "tensor-parallel " + self.store.get(f"error/{r}").decode()
-            silent = {r: self.store.get(f"where/{r}").decode() for r in self.beat.silent()}
+            silent = {r: self.store.get(f"where/{r}").decode()
+                      for r in self.beat.silent(self.patience)}
         except Exception:  # dist.DistStoreError: the store is gone
             return lost
         if not silent:
@@ -541,14 +543,13 @@ class TorchrunWorld(Ranks):
 
     def failure(self, error) -> str | None:
         """After `error` ended this rank's part: the line naming the rank to blame when it was
-        another one, else None. A dead rank shows as silent only SILENT_S after its last beat, so a
-        failed collective waits that long for it."""
+        another one, else None. A dead rank falls silent a while after a collective fails."""
         if isinstance(error, PeerFailure):
             return str(error)
         if not isinstance(error, dist.DistError) and "gloo" not in str(error):
             return None  # not a collective's failure: this rank's own (or none)
         timed_out = "timed out" in str(error).lower()
-        deadline = time.monotonic() + SILENT_S + 2 * BEAT_S + 1
+        deadline = time.monotonic() + self.patience + 2 * BEAT_S + 1
         while not (msg := self.peer_failure(timed_out)) and time.monotonic() < deadline:
             time.sleep(0.1)
         if msg is None and timed_out:
@@ -564,19 +565,15 @@ class TorchrunWorld(Ranks):
         self.closing = True
         error = sys.exc_info()[1]
         if self.env.rank == 0 and self.idle:
-            try:
+            with suppress(Exception):  # a rank is gone: named below
                 broadcast_header(("stop", []))
-            except Exception:  # a rank is gone: named below
-                pass
         msg = self.failure(error)
         if error is not None and msg is None:  # this rank's own error: tell the others
             first = (str(error).strip().splitlines() or [""])[0]
             line = (f"rank {self.env.rank} was interrupted" if isinstance(error, KeyboardInterrupt)
                     else f"rank {self.env.rank} failed: {type(error).__name__}: {first}")
-            try:
+            with suppress(Exception):  # the store is gone too: the others see this rank fall silent
                 self.store.set(f"error/{self.env.rank}", line)
-            except Exception:  # the store is gone too: the others see this rank fall silent
-                pass
         self.beat.stopped = True
         if dist.is_initialized():
             dist.destroy_process_group()
