@@ -212,10 +212,14 @@ def torchrun_rank0(target_devices) -> TorchrunEnv:
     if env.rank != 0:
         raise ValueError(f"torchrun=True on rank {env.rank}: only rank 0 generates, the other "
                          f"ranks call tp.serve_torchrun_rank")
-    if target_devices:
+    refuse_target_devices(target_devices)
+    return env
+
+
+def refuse_target_devices(target_devices):
+    if target_devices:  # every rank refuses them: torchrun's ranks place themselves
         raise ValueError("target devices under torchrun: torchrun places the ranks (cuda:LOCAL_RANK"
                          ", or the CPU); drop --target-devices")
-    return env
 
 
 def load_target(target, where: Placement, started: Started, tp_timeout, tokenizer, graphs):
@@ -547,6 +551,7 @@ def print_stats(s: dict):
 def serve_rank(a: argparse.Namespace, env: TorchrunEnv):
     """Ranks 1.. of a torchrun world: this rank's slices of the target serve rank 0's verifier
     calls until it ends the run (every rank has the same flags: target, dtype, threads, timeout)."""
+    refuse_target_devices(a.target_devices)
     device = str(check_device(torchrun_device(a.target_device or a.device, env.local_rank)))
     threads, _ = threads_of(a.mode == "ssd" and not a.no_parallel, a.target_threads,
                             a.draft_threads, os.cpu_count() or 1)
