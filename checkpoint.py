@@ -115,11 +115,20 @@ def read_tensor(f, fname, name, param, tp: TP | None):
     return t
 
 
+def open_shard(file: Path):
+    """safe_open, a damaged file (a download cut short) refused in one line."""
+    from safetensors import SafetensorError, safe_open
+    try:
+        return safe_open(file, framework="pt", device="cpu")
+    except SafetensorError as e:
+        raise ValueError(f"{file} is not a readable safetensors file ({e}): download or copy it "
+                         f"again") from None
+
+
 def load_weights(model: Transformer, path: Path):
     """Stream tensors from safetensors (one file or index-listed shards) straight into the model's
     parameters (already on their device, in their dtype), one at a time, so no memory ever holds
     a second copy of the checkpoint."""
-    from safetensors import safe_open
     index = path / "model.safetensors.index.json"
     if index.exists():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -133,7 +142,7 @@ def load_weights(model: Transformer, path: Path):
     for fname in files:
         if not (path / fname).exists():
             raise FileNotFoundError(f"checkpoint shard {path / fname} is missing")
-        with safe_open(path / fname, framework="pt", device="cpu") as f:
+        with open_shard(path / fname) as f:
             for name in f.keys():
                 if name == "lm_head.weight" and model.config.tie_word_embeddings:
                     continue  # a tied checkpoint may store the head: it is the embedding

@@ -488,6 +488,21 @@ def test_missing_shard(make_ckpt):
     one_line(e, shard.name)
 
 
+def test_a_damaged_shard_is_one_line(make_ckpt, capsys):
+    """A download cut short: one line naming the file, from load_model and from the CLI (no traceback)."""
+    import run
+    path = make_ckpt("llama")
+    f = path / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:1000])
+    with pytest.raises(ValueError) as e:
+        load_model(path)
+    one_line(e, str(f), "not a readable safetensors file", "again")
+    capsys.readouterr()
+    assert run.main(["--mode", "ar", "--target", str(path), "--max-new-tokens", "2", "--prompt", "x"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and "not a readable safetensors file" in err and "Traceback" not in err
+
+
 @pytest.mark.parametrize("changes,needle", [
     (dict(model_type="gpt2"), "gpt2"),
     (dict(attention_bias=True), "attention_bias"),
