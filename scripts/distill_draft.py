@@ -24,7 +24,10 @@ resumable from --work-dir (run the same command again after a kill; nothing done
                Trained on the answer positions with the KL from the target's top-k law (plus the
                rest of its mass as one bucket) to the draft's, under bf16 autocast on a CPU.
                Logged every --eval-every steps: held-out greedy agreement (the draft's argmax is
-               the target's, on the target's greedy answers) and the KL.
+               the target's, on the target's greedy answers) and the KL. --init-from starts from
+               an earlier draft instead: a later sitting (another --seed draws other prompts)
+               trains it further on new answers, so data answered in separate sittings adds up.
+               Held-out prompts are held out by content, so neither sitting trains on them.
   4. export    an HF directory (config.json, model.safetensors in bf16, the target's tokenizer
                files, distill.json with the command, data, steps, time and final metrics) that this
                engine and transformers both load.
@@ -506,6 +509,9 @@ def parse_args(argv=None):
     g.add_argument("--layers", default="0,1,2,29",
                    help="target layers the draft's layers start from, in order (their count is "
                         "the draft's depth)")
+    g.add_argument("--init-from", default=None,
+                   help="start from this draft's HF directory instead of the target (its shape "
+                        "wins over --hidden and --layers): train a draft further on new answers")
     g.add_argument("--steps", type=int, default=3000)
     g.add_argument("--batch-tokens", type=int, default=4096)
     g.add_argument("--lr", type=float, default=1e-3)
@@ -514,6 +520,45 @@ def parse_args(argv=None):
     g.add_argument("--save-every-s", type=float, default=120)
     g.add_argument("--seed", type=int, default=0)
     return ap.parse_args(argv)
+
+
+def check_shape(args, cfg):
+    """The draft's shape against the target, before any answering: --hidden and --layers, or the
+    vocabulary of the --init-from draft."""
+    if args.init_from:
+        config = Path(args.init_from) / "config.json"
+        if not config.exists():
+            raise SystemExit(f"error: --init-from {args.init_from}: no config.json there; give a "
+                             f"draft directory this script wrote")
+        vocab = json.loads(config.read_text()).get("vocab_size")
+        if vocab != cfg.vocab_size:
+            raise SystemExit(f"error: --init-from {args.init_from} has a vocabulary of {vocab}, "
+                             f"the target {cfg.vocab_size}: give a draft distilled for this target")
+        return
+    if args.hidden % cfg.num_attention_heads:  # transformers' Llama insists, even with head_dim
+        raise SystemExit(f"error: --hidden {args.hidden}: give a multiple of the target's "
+                         f"{cfg.num_attention_heads} attention heads")
+    layers = [int(x) for x in args.layers.split(",")]
+    if not layers or any(not 0 <= x < cfg.num_hidden_layers for x in layers):
+        raise SystemExit(f"error: --layers {args.layers}: give target layers in "
+                         f"[0, {cfg.num_hidden_layers})")
+
+
+def new_draft(target, args):
+    """-> (the draft to train, where it came from). From the target (init_draft), or with
+    --init-from from an earlier draft: a later sitting trains the shipped draft further on new
+    answers, so data answered in different sessions adds up in the weights."""
+    from transformers import LlamaForCausalLM
+    torch.manual_seed(args.seed)
+    if args.init_from:
+        draft = LlamaForCausalLM.from_pretrained(args.init_from, dtype=torch.float32)
+        c = draft.config
+        return draft.to(args.device), (f"hidden {c.hidden_size}, {c.num_hidden_layers} layers, "
+                                       f"from {args.init_from}")
+    layers = [int(x) for x in args.layers.split(",")]
+    draft = LlamaForCausalLM(draft_config(target, args.hidden, len(layers))).to(args.device)
+    init_draft(draft, target_state(target), layers)
+    return draft, f"hidden {args.hidden}, layers from the target's {layers}"
 
 
 def main(argv=None):
@@ -532,35 +577,24 @@ def main(argv=None):
     target, tok = load_model(args.target, device=args.device, dtype="float32")
     if tok is None:
         raise SystemExit(f"error: {args.target} has no tokenizer: a draft needs the target's")
-    layers = [int(x) for x in args.layers.split(",")]
-    n_target, heads = target.config.num_hidden_layers, target.config.num_attention_heads
-    if args.hidden % heads:  # transformers' Llama insists, even with head_dim given
-        raise SystemExit(f"error: --hidden {args.hidden}: give a multiple of the target's "
-                         f"{heads} attention heads")
-    if not layers or any(not 0 <= x < n_target for x in layers):
-        raise SystemExit(f"error: --layers {args.layers}: give target layers in [0, {n_target})")
-
+    check_shape(args, target.config)
     train_prompts, heldout_prompts = build_prompts(args.prompts, args.heldout, args.seed)
     heldout_ex = make_answers(target, tok, heldout_prompts, "heldout", args, work)
     train_ex = make_answers(target, tok, train_prompts, "train", args, work)
     log(work, f"data: {len(train_ex)} answers, {sum(len(e['answer']) for e in train_ex)} tokens "
               f"to train on; {sum(len(e['answer']) for e in heldout_ex)} held-out")
 
-    from transformers import LlamaForCausalLM
-    torch.manual_seed(args.seed)
-    draft = LlamaForCausalLM(draft_config(target, args.hidden, len(layers))).to(args.device)
-    init_draft(draft, target_state(target), layers)
+    draft, origin = new_draft(target, args)
     draft.train()
     n_params = sum(p.numel() for p in draft.parameters())
     del target  # training needs the memory, not the target: its labels are on disk
-    log(work, f"draft: {n_params / 1e6:.1f}M parameters (hidden {args.hidden}, layers from the "
-              f"target's {layers})")
+    log(work, f"draft: {n_params / 1e6:.1f}M parameters ({origin})")
     metrics = train(draft, train_ex, heldout_ex, args, work)
     info = {"command": command,
             "target": args.target, "target_file": resolve(args.target).name,
             "train_prompts": len(train_ex), "heldout_prompts": len(heldout_ex),
             "train_tokens": sum(len(e["answer"]) for e in train_ex),
-            "steps": args.steps, "parameters": n_params, **metrics,
+            "steps": args.steps, "parameters": n_params, "init": origin, **metrics,
             "session_seconds": round(time.time() - t_start)}
     export(draft, tok, out, info, heldout_prompts)
     log(work, f"exported to {out}: {json.dumps(metrics)}")

@@ -64,6 +64,34 @@ def test_resume_mid_run_continues_where_it_stopped(tmp_path):
     assert "draft step 4/6" not in log.split("resumed at step 3")[0]
 
 
+def test_init_from_continues_an_earlier_draft_on_new_answers(tmp_path):
+    """A second sitting with --init-from starts from the first draft's weights (its shape, not
+    --hidden / --layers), answers new prompts in its own work dir, and trains on."""
+    target = tiny_target(tmp_path / "target")
+    first = tmp_path / "first"
+    dd.main(["--target", str(target), "--out", str(first), "--work-dir", str(tmp_path / "w1"),
+             *ARGS])
+    args = [a if a not in ("32", "0,1") else {"32": "64", "0,1": "0"}[a] for a in ARGS]
+    common = ["--target", str(target), "--init-from", str(first), "--seed", "1", *args]
+    dd.main([*common, "--out", str(tmp_path / "same"), "--work-dir", str(tmp_path / "w2"),
+             "--steps", "0"])
+    hf_first, hf_same = hf_model(first), hf_model(tmp_path / "same")
+    for (name, a), (_, b) in zip(hf_first.state_dict().items(), hf_same.state_dict().items()):
+        assert torch.equal(a, b), name  # 0 steps: the earlier draft, unchanged
+    dd.main([*common, "--out", str(tmp_path / "more"), "--work-dir", str(tmp_path / "w3")])
+    info = json.loads((tmp_path / "more" / "distill.json").read_text())
+    assert info["init"].startswith("hidden 32, 2 layers, from") and info["steps"] == 6
+    hf_more = hf_model(tmp_path / "more")
+    assert hf_more.config.hidden_size == 32 and hf_more.config.num_hidden_layers == 2
+    assert any(not torch.equal(a, b) for a, b in zip(hf_first.state_dict().values(),
+                                                     hf_more.state_dict().values()))
+    first_prompts = {json.dumps(ex["prompt"]) for f in (tmp_path / "w1" / "answers").iterdir()
+                     if f.name.startswith("train") for ex in torch.load(f)}
+    new_prompts = {json.dumps(ex["prompt"]) for f in (tmp_path / "w3" / "answers").iterdir()
+                   if f.name.startswith("train") for ex in torch.load(f)}
+    assert new_prompts - first_prompts  # another seed: other prompts, new answers
+
+
 def test_init_draft_at_full_width_with_every_layer_is_the_target():
     """With d = D the projection P is a rotation: the mapped draft computes the target's logits
     exactly (the final norm's fold is exact when its weight is uniform, set so here)."""
@@ -114,8 +142,13 @@ def test_prompts_are_reproducible_and_held_out_by_content():
 
 def test_bad_arguments_are_one_line_errors(tmp_path):
     target = tiny_target(tmp_path / "target")
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "config.json").write_text(json.dumps({"vocab_size": 1000}))
     for bad, needle in ((["--hidden", "30"], "multiple of the target's 4 attention heads"),
-                        (["--layers", "0,5"], "give target layers in [0, 2)")):
+                        (["--layers", "0,5"], "give target layers in [0, 2)"),
+                        (["--init-from", str(tmp_path / "none")], "no config.json there"),
+                        (["--init-from", str(tmp_path / "other")], "vocabulary of 1000, the "
+                                                                   "target 4096")):
         with pytest.raises(SystemExit, match=re.escape(needle)):
             dd.main(["--target", str(target), "--out", str(tmp_path / "o"), "--work-dir",
                      str(tmp_path / "w"), *ARGS, *bad])
