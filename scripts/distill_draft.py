@@ -54,6 +54,7 @@ if str(REPO) not in sys.path:  # so `python scripts/distill_draft.py` imports th
     sys.path.insert(0, str(REPO))
 
 from checkpoint import load_model, resolve  # noqa: E402  (after the path is set)
+from run import check_pair  # noqa: E402  (the pairing run.py checks)
 from scripts.train_tiny import lr_at  # noqa: E402  (warm-up, then cosine to a tenth of the peak)
 
 # ----------------------------------------------------------------------------------------------------
@@ -522,18 +523,15 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
-def check_shape(args, cfg):
+def check_shape(args, target, tok):
     """The draft's shape against the target, before any answering: --hidden and --layers, or the
-    vocabulary of the --init-from draft."""
+    --init-from draft's pairing with the target (run.check_pair: vocabulary and tokens)."""
+    cfg = target.config
     if args.init_from:
-        config = Path(args.init_from) / "config.json"
-        if not config.exists():
-            raise SystemExit(f"error: --init-from {args.init_from}: no config.json there; give a "
-                             f"draft directory this script wrote")
-        vocab = json.loads(config.read_text()).get("vocab_size")
-        if vocab != cfg.vocab_size:
-            raise SystemExit(f"error: --init-from {args.init_from} has a vocabulary of {vocab}, "
-                             f"the target {cfg.vocab_size}: give a draft distilled for this target")
+        try:
+            check_pair(args.target, args.init_from, cfg, tok)
+        except (FileNotFoundError, ValueError) as e:
+            raise SystemExit(f"error: --init-from {args.init_from}: {e}") from None
         return
     if args.hidden % cfg.num_attention_heads:  # transformers' Llama insists, even with head_dim
         raise SystemExit(f"error: --hidden {args.hidden}: give a multiple of the target's "
@@ -551,7 +549,7 @@ def new_draft(target, args):
     from transformers import LlamaForCausalLM
     torch.manual_seed(args.seed)
     if args.init_from:
-        draft = LlamaForCausalLM.from_pretrained(args.init_from, dtype=torch.float32)
+        draft = LlamaForCausalLM.from_pretrained(resolve(args.init_from), dtype=torch.float32)
         c = draft.config
         return draft.to(args.device), (f"hidden {c.hidden_size}, {c.num_hidden_layers} layers, "
                                        f"from {args.init_from}")
@@ -577,7 +575,7 @@ def main(argv=None):
     target, tok = load_model(args.target, device=args.device, dtype="float32")
     if tok is None:
         raise SystemExit(f"error: {args.target} has no tokenizer: a draft needs the target's")
-    check_shape(args, target.config)
+    check_shape(args, target, tok)
     train_prompts, heldout_prompts = build_prompts(args.prompts, args.heldout, args.seed)
     heldout_ex = make_answers(target, tok, heldout_prompts, "heldout", args, work)
     train_ex = make_answers(target, tok, train_prompts, "train", args, work)

@@ -142,13 +142,13 @@ def test_prompts_are_reproducible_and_held_out_by_content():
 
 def test_bad_arguments_are_one_line_errors(tmp_path):
     target = tiny_target(tmp_path / "target")
-    (tmp_path / "other").mkdir()
-    (tmp_path / "other" / "config.json").write_text(json.dumps({"vocab_size": 1000}))
+    make_checkpoint(tmp_path / "other", "llama", vocab_size=1000)
     for bad, needle in ((["--hidden", "30"], "multiple of the target's 4 attention heads"),
                         (["--layers", "0,5"], "give target layers in [0, 2)"),
-                        (["--init-from", str(tmp_path / "none")], "no config.json there"),
-                        (["--init-from", str(tmp_path / "other")], "vocabulary of 1000, the "
-                                                                   "target 4096")):
+                        (["--init-from", str(tmp_path / "none")], "not found"),
+                        (["--init-from", str(tmp_path / "other")], "draft vocabulary (1000) "
+                                                                   "differs from the target's "
+                                                                   "(4096)")):
         with pytest.raises(SystemExit, match=re.escape(needle)):
             dd.main(["--target", str(target), "--out", str(tmp_path / "o"), "--work-dir",
                      str(tmp_path / "w"), *ARGS, *bad])
