@@ -24,9 +24,11 @@ resumable from --work-dir (run the same command again after a kill; nothing done
                Trained on the answer positions with the KL from the target's top-k law (plus the
                rest of its mass as one bucket) to the draft's, under bf16 autocast on a CPU.
                Logged every --eval-every steps: held-out greedy agreement (the draft's argmax is
-               the target's, on the target's greedy answers) and the KL. --init-from starts from
-               an earlier draft instead: a later sitting (another --seed draws other prompts)
-               trains it further on new answers, so data answered in separate sittings adds up.
+               the target's, on the target's greedy answers), the KL, and the tokens per round
+               greedy SD would make on those answers. --init-from starts from an earlier draft
+               instead: a later sitting trains it further on more answers, so data answered in
+               separate sittings adds up (the prompt order is a function of --seed, so more
+               --prompts of the same seed in the same work dir answer only the new ones).
                Held-out prompts are held out by content, so neither sitting trains on them.
   4. export    an HF directory (config.json, model.safetensors in bf16, the target's tokenizer
                files, distill.json with the command, data, steps, time and final metrics) that this
@@ -382,25 +384,45 @@ def draft_logits(draft, x, where):
     return draft.lm_head(h.flatten(0, 1)[where])  # [N, V]
 
 
+def greedy_sd_rounds(agree: list[bool], K: int) -> int:
+    """The rounds greedy SD at K takes to emit one answer of the target, from the draft's agreement
+    at each of its positions. At temperature 0 SD emits exactly the target's greedy text and the
+    draft always drafts from the true prefix, so a round at position i accepts the run of agreeing
+    positions from i (at most K) and adds the target's own token after it. The answer's first
+    token comes from the prefill, so the rounds start at position 1."""
+    rounds, i = 0, 1
+    while i < len(agree):
+        n = 0
+        while n < K and i + n < len(agree) and agree[i + n]:
+            n += 1
+        i, rounds = i + n + 1, rounds + 1
+    return rounds
+
+
 @torch.no_grad()
 def evaluate(draft, examples: list[dict], device, batch_tokens: int) -> dict:
     """On the held-out greedy answers: greedy agreement (the draft's argmax is the target's top-1,
-    the token greedy SD accepts), mean KL, and sum_x min(p, q) over the target's top-k (a lower
-    bound on the expected acceptance of one sampled draft token at temperature 1)."""
+    the token greedy SD accepts), mean KL, sum_x min(p, q) over the target's top-k (a lower bound
+    on the expected acceptance of one sampled draft token at temperature 1), and the tokens per
+    round greedy SD would make on these answers at K = 2, 3, 4 (greedy_sd_rounds)."""
     draft.eval()
     agree = kl = overlap = n = 0.0
+    per_answer = []  # the agreement at each position, one list per answer
     for batch in batches(examples, batch_tokens, random.Random(0)):
         x, where, ids, logp = collate(batch, device)
         with autocast(device):
             logits = draft_logits(draft, x, where).float()
-        agree += (logits.argmax(-1) == ids[:, 0]).sum().item()
+        hit = logits.argmax(-1) == ids[:, 0]
+        per_answer += hit.cpu().split([len(ex["answer"]) for ex in batch])
+        agree += hit.sum().item()
         kl += topk_kl(logits, ids, logp).sum().item()
         q_top = F.softmax(logits, -1).gather(-1, ids)
         overlap += torch.minimum(q_top, logp.exp()).sum().item()
         n += len(ids)
     draft.train()
+    sd = {K: n / sum(greedy_sd_rounds(a.tolist(), K) for a in per_answer) for K in (2, 3, 4)}
     return {"agreement": agree / n, "kl": kl / n, "accept_t1_lower": overlap / n,
-            "positions": int(n)}
+            "sd_tokens_per_round": sd, "positions": int(n)}
 
 
 def autocast(device):
@@ -452,7 +474,8 @@ def train(draft, train_ex: list[dict], heldout_ex: list[dict], args, work: Path)
                 metrics = evaluate(draft, heldout_ex, args.device, args.batch_tokens)
                 log(work, f"draft step {step}/{args.steps} epoch {epoch} loss {loss.item():.3f} "
                           f"held-out agreement {metrics['agreement']:.3f} kl {metrics['kl']:.3f}"
-                          f" accept_t1>= {metrics['accept_t1_lower']:.3f} ({spent:.0f}s)")
+                          f" accept_t1>= {metrics['accept_t1_lower']:.3f} sd tok/round K=3 "
+                          f"{metrics['sd_tokens_per_round'][3]:.2f} ({spent:.0f}s)")
                 t_last = time.time()  # evaluation is not training time
             if now - t_save > args.save_every_s or step == args.steps:
                 save()

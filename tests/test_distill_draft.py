@@ -129,6 +129,27 @@ def test_topk_kl_is_the_kl_when_k_covers_the_vocabulary_and_coarsens_otherwise()
     assert dd.topk_kl(p_logits, top4.indices, top4.values).abs().max() < 1e-5  # q = p: zero
 
 
+def test_greedy_sd_rounds_are_the_rounds_the_engines_sd_takes():
+    """The evaluation's tokens per round: from the draft's teacher-forced agreement on the target's
+    greedy text, greedy_sd_rounds counts exactly the rounds run.generate's SD takes (tiny pair)."""
+    from run import generate
+    draft, tok = load_model("tiny-draft")
+    for prompt in ("def parse_args(argv):\n    ", "class Stack:\n    def __init__(self):\n"):
+        ids = tok(prompt)["input_ids"]
+        for K in (2, 3, 4):
+            res = generate([ids], target="tiny", draft="tiny-draft", mode="sd", k=K,
+                           temperature=0.0, max_new_tokens=48, ignore_eos=True)
+            out = res.tokens[0]  # the target's greedy text: SD at T = 0 emits exactly it
+            with torch.no_grad():
+                logits = draft(torch.tensor([ids + out[:-1]]))[0, len(ids) - 1:]  # [48, V]
+            agree = (logits.argmax(-1) == torch.tensor(out)).tolist()
+            assert 0 < sum(agree) < len(agree)  # a mix of accepted and rejected proposals
+            assert dd.greedy_sd_rounds(agree, K) == res.stats["rounds"], (prompt, K)
+    # the extremes: every proposal accepted (K + 1 tokens a round), none (1), after the prefill's
+    assert dd.greedy_sd_rounds([True] * 13, 3) == 3 and dd.greedy_sd_rounds([False] * 13, 3) == 12
+    assert dd.greedy_sd_rounds([False, True, True, False, True], 2) == 2  # 2 accepted + 1, 1
+
+
 def test_prompts_are_reproducible_and_held_out_by_content():
     train, heldout = dd.build_prompts(200, 40, seed=0)
     assert (train, heldout) == dd.build_prompts(200, 40, seed=0)
