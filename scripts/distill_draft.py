@@ -420,7 +420,8 @@ def evaluate(draft, examples: list[dict], device, batch_tokens: int) -> dict:
         overlap += torch.minimum(q_top, logp.exp()).sum().item()
         n += len(ids)
     draft.train()
-    sd = {K: n / sum(greedy_sd_rounds(a.tolist(), K) for a in per_answer) for K in (2, 3, 4)}
+    rounds = {K: sum(greedy_sd_rounds(a.tolist(), K) for a in per_answer) for K in (2, 3, 4)}
+    sd = {K: n / max(r, 1) for K, r in rounds.items()}  # answers of one token take no round
     return {"agreement": agree / n, "kl": kl / n, "accept_t1_lower": overlap / n,
             "sd_tokens_per_round": sd, "positions": int(n)}
 
