@@ -512,6 +512,11 @@ def log(work: Path, line: str):
         f.write(line + "\n")
 
 
+def int_list(text: str) -> list[int]:
+    """"0,1,2" -> [0, 1, 2] (argparse names a bad value in a one-line error)."""
+    return [int(x) for x in text.split(",")]
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", required=True, help="any model run.py loads (alias, dir, GGUF)")
@@ -531,7 +536,7 @@ def parse_args(argv=None):
     g = ap.add_argument_group("draft")
     g.add_argument("--hidden", type=int, default=252,
                    help="the draft's residual width d (a multiple of the target's heads)")
-    g.add_argument("--layers", default="0,1,2,29",
+    g.add_argument("--layers", default=[0, 1, 2, 29], type=int_list,
                    help="target layers the draft's layers start from, in order (their count is "
                         "the draft's depth)")
     g.add_argument("--init-from", default=None,
@@ -560,9 +565,9 @@ def check_shape(args, target, tok):
     if args.hidden % cfg.num_attention_heads:  # transformers' Llama insists, even with head_dim
         raise SystemExit(f"error: --hidden {args.hidden}: give a multiple of the target's "
                          f"{cfg.num_attention_heads} attention heads")
-    layers = [int(x) for x in args.layers.split(",")]
-    if not layers or any(not 0 <= x < cfg.num_hidden_layers for x in layers):
-        raise SystemExit(f"error: --layers {args.layers}: give target layers in "
+    if any(not 0 <= x < cfg.num_hidden_layers for x in args.layers):
+        layers = ",".join(map(str, args.layers))
+        raise SystemExit(f"error: --layers {layers}: give target layers in "
                          f"[0, {cfg.num_hidden_layers})")
 
 
@@ -577,10 +582,9 @@ def new_draft(target, args):
         c = draft.config
         return draft.to(args.device), (f"hidden {c.hidden_size}, {c.num_hidden_layers} layers, "
                                        f"from {args.init_from}")
-    layers = [int(x) for x in args.layers.split(",")]
-    draft = LlamaForCausalLM(draft_config(target, args.hidden, len(layers))).to(args.device)
-    init_draft(draft, target_state(target), layers)
-    return draft, f"hidden {args.hidden}, layers from the target's {layers}"
+    draft = LlamaForCausalLM(draft_config(target, args.hidden, len(args.layers))).to(args.device)
+    init_draft(draft, target_state(target), args.layers)
+    return draft, f"hidden {args.hidden}, layers from the target's {args.layers}"
 
 
 def main(argv=None):

@@ -71,8 +71,9 @@ def test_init_from_continues_an_earlier_draft_on_new_answers(tmp_path):
     first = tmp_path / "first"
     dd.main(["--target", str(target), "--out", str(first), "--work-dir", str(tmp_path / "w1"),
              *ARGS])
-    args = [a if a not in ("32", "0,1") else {"32": "64", "0,1": "0"}[a] for a in ARGS]
-    common = ["--target", str(target), "--init-from", str(first), "--seed", "1", *args]
+    other_shape = ["--hidden", "64", "--layers", "0"]  # ignored: the first draft's shape wins
+    common = ["--target", str(target), "--init-from", str(first), "--seed", "1", *ARGS,
+              *other_shape]
     dd.main([*common, "--out", str(tmp_path / "same"), "--work-dir", str(tmp_path / "w2"),
              "--steps", "0"])
     hf_first, hf_same = hf_model(first), hf_model(tmp_path / "same")
