@@ -11,7 +11,9 @@ resumable from --work-dir (run the same command again after a kill; nothing done
   1. prompts   chat prompts built reproducibly from material every machine has offline: templates
                over a list of topics, and the first paragraph of docstrings from the running
                Python's standard library. A topic or a docstring is held out by a hash of its text,
-               so the held-out prompts ask about things the training prompts never mention.
+               so the held-out prompts ask about things the training prompts never mention. A
+               second set of templates (--template-set 1) asks about the same material in other
+               words: new prompts for a later sitting, measured on the same held-out prompts.
   2. answers   the target answers every prompt with this engine (model.Transformer, paged KV
                cache, batched): a --greedy-share of the answers greedy, the rest sampled at
                --sample-temp. At each answer position the logits that chose the next token ARE
@@ -136,6 +138,22 @@ TEMPLATES = [
 DOC_TEMPLATES = ["Explain this documentation in plain words:\n\n{}",
                  "Summarize the following text:\n\n{}",
                  "Rewrite this more simply:\n\n{}"]
+# A second set asks about the same material in other ways: new prompts, so new greedy answers, for
+# later sittings (--template-set 1) once the first set's prompts have all been answered.
+MORE_TEMPLATES = [
+    "How does {} work?", "Give me a step-by-step guide to {}.", "Explain {} with an example.",
+    "What should I know before getting started with {}?", "What is the history of {}?",
+    "What is the main idea behind {}? Answer briefly.", "Give me five facts about {}.",
+    "What are the benefits of {}?", "I am confused about {}. Can you help?",
+    "Write three quiz questions about {}, with answers.", "Write an email to a friend about {}.",
+    "What would the world be like without {}?", "Explain {} to a complete beginner.",
+    "What are the most important words to know about {}?", "How can I learn more about {}?",
+    "Give me a fun fact about {} and explain it.",
+]
+MORE_DOC_TEMPLATES = ["What is this text about?\n\n{}",
+                      "Explain the following to a beginner:\n\n{}",
+                      "List the key points of this text:\n\n{}"]
+TEMPLATE_SETS = [(TEMPLATES, DOC_TEMPLATES), (MORE_TEMPLATES, MORE_DOC_TEMPLATES)]
 
 
 def held_out(text: str, percent: int) -> bool:
@@ -162,18 +180,22 @@ def stdlib_docstrings(limit: int) -> list[str]:
     return out
 
 
-def build_prompts(n_train: int, n_heldout: int, seed: int, heldout_percent: int = 15):
+def build_prompts(n_train: int, n_heldout: int, seed: int, template_set: int = 0,
+                  heldout_percent: int = 15):
     """-> (train, heldout) lists of prompt strings; the same arguments give the same lists. Most
     are templates over topics, a few over docstrings (as many as the running Python's standard
-    library has); held-out topics and docstrings are never used in training prompts."""
+    library has); held-out topics and docstrings are never used in training prompts. Training
+    prompts come from TEMPLATE_SETS[template_set]; held-out ones always from the first set, so
+    that sittings on either set are measured on the same held-out prompts."""
     topics = [t.strip() for t in TOPICS.replace("\n", " ").split(";") if t.strip()]
     docs = stdlib_docstrings(400)
     pools = {}
-    for split, keep in (("train", False), ("heldout", True)):
+    for split, keep, (templates, doc_templates) in (
+            ("train", False, TEMPLATE_SETS[template_set]), ("heldout", True, TEMPLATE_SETS[0])):
         pools[split] = ([tpl.format(t) for t in topics if held_out(t, heldout_percent) == keep
-                         for tpl in TEMPLATES]
+                         for tpl in templates]
                         + [tpl.format(d) for d in docs if held_out(d, heldout_percent) == keep
-                           for tpl in DOC_TEMPLATES])
+                           for tpl in doc_templates])
     rng = random.Random(seed)
     train, heldout = pools["train"], pools["heldout"]
     rng.shuffle(train)
@@ -252,7 +274,10 @@ def make_answers(target, tok, prompts: list[str], split: str, args, work: Path) 
     examples = []
     for c in range(0, len(prompts), args.gen_batch):
         chunk = prompts[c:c + args.gen_batch]
-        path = folder / f"{split}_{c:05d}-{c + len(chunk):05d}.pt"  # which prompts it answers
+        # named by its place in the order and a hash of its prompts: a work dir reused with
+        # other prompts (another --template-set, a changed list) answers them, never mixes them up
+        digest = hashlib.md5("\n".join(chunk).encode()).hexdigest()[:8]
+        path = folder / f"{split}_{c:05d}-{c + len(chunk):05d}_{digest}.pt"
         if not path.exists():
             t0 = time.time()
             share = 1.0 if split == "heldout" else args.greedy_share
@@ -533,6 +558,9 @@ def parse_args(argv=None):
     g.add_argument("--sample-temp", type=float, default=0.7)
     g.add_argument("--topk", type=int, default=32)
     g.add_argument("--gen-batch", type=int, default=64)
+    g.add_argument("--template-set", type=int, default=0, choices=range(len(TEMPLATE_SETS)),
+                   help="which TEMPLATE_SETS entry makes the training prompts (1: new prompts "
+                        "for a later sitting; held-out prompts always come from set 0)")
     g = ap.add_argument_group("draft")
     g.add_argument("--hidden", type=int, default=252,
                    help="the draft's residual width d (a multiple of the target's heads)")
@@ -604,7 +632,8 @@ def main(argv=None):
     if tok is None:
         raise SystemExit(f"error: {args.target} has no tokenizer: a draft needs the target's")
     check_shape(args, target, tok)
-    train_prompts, heldout_prompts = build_prompts(args.prompts, args.heldout, args.seed)
+    train_prompts, heldout_prompts = build_prompts(args.prompts, args.heldout, args.seed,
+                                                     args.template_set)
     heldout_ex = make_answers(target, tok, heldout_prompts, "heldout", args, work)
     train_ex = make_answers(target, tok, train_prompts, "train", args, work)
     log(work, f"data: {len(train_ex)} answers, {sum(len(e['answer']) for e in train_ex)} tokens "

@@ -160,6 +160,25 @@ def test_prompts_are_reproducible_and_held_out_by_content():
     assert held_topics and not {tpl.format(t) for t in held_topics for tpl in dd.TEMPLATES} & set(train)
     with pytest.raises(ValueError, match="ask for fewer"):
         dd.build_prompts(10 ** 6, 4, seed=0)
+    # the second template set: other training prompts, none about held-out topics, and the same
+    # held-out prompts (sittings on either set are measured alike)
+    train_1, heldout_1 = dd.build_prompts(200, 40, seed=0, template_set=1)
+    assert heldout_1 == heldout and not set(train_1) & set(train)
+    assert not {tpl.format(t) for t in held_topics for tpl in dd.MORE_TEMPLATES} & set(train_1)
+
+
+def test_a_work_dir_reused_with_other_prompts_answers_them(tmp_path):
+    """Answer chunks are named by their prompts: the same work dir asked for the second template
+    set answers the new prompts instead of handing back the first set's answers."""
+    target = tiny_target(tmp_path / "target")
+    common = ["--target", str(target), "--out", str(tmp_path / "o"), "--work-dir",
+              str(tmp_path / "w"), *ARGS, "--steps", "0"]
+    dd.main(common)
+    dd.main(common + ["--template-set", "1"])
+    chunks = sorted((tmp_path / "w" / "answers").glob("train_*"))
+    assert len(chunks) == 4  # 12 prompts in chunks of 8, twice
+    prompts = [{json.dumps(ex["prompt"]) for ex in torch.load(f)} for f in chunks]
+    assert not (prompts[0] | prompts[1]) & (prompts[2] | prompts[3])
 
 
 def test_bad_arguments_are_one_line_errors(tmp_path):
