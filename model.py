@@ -10,6 +10,7 @@ are read and written through each sequence's block table in a `PagedKVCache`. Lo
 into it is checkpoint.py's job; static shapes and CUDA graphs are graphs.py's.
 """
 import math
+import time
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -158,21 +159,41 @@ def tp_split_dim(name: str) -> int | None:
 # Layers
 
 class Linear(nn.Linear):
-    """nn.Linear without bias (as every Llama / Qwen3 projection). For 2..16 rows on the CPU (a
-    verification) it computes y^T = W x^T, which MKL runs faster than y = x W^T: the same product,
-    summed in another order (docs/design.md section 10)."""
+    """nn.Linear without bias (as every Llama / Qwen3 projection). On the CPU, 2..16 rows (a
+    verification, a few branches) can go as y = x W^T or as y^T = W x^T: the same product summed in
+    another order, and which one the BLAS runs faster depends on the machine (W x^T: 24 against
+    27 ms for the tiny target's verification on a 2-core AMD EPYC; x W^T: 2-3x faster on an
+    AVX-512 Intel Xeon). So each module times both the first time it sees a row count and keeps
+    the faster one for that count (docs/design.md section 10)."""
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__(in_features, out_features, bias=False)
+        self.transposed = {}  # row count M -> W x^T was the faster form on this machine
 
     def forward(self, x):
         if x.device.type == "cpu" and x.shape[-1] < x.numel() <= 16 * x.shape[-1]:
             rows = x.reshape(-1, x.shape[-1])                           # [M, in], 1 < M <= 16
-            y = (self.weight @ rows.t()).t()                            # [out, M] -> [M, out]
-            return y.contiguous().reshape(*x.shape[:-1], -1)            # [..., out]
+            m = rows.shape[0]
+            if m not in self.transposed:
+                self.transposed[m] = transposed_is_faster(rows, self.weight)
+            if self.transposed[m]:
+                y = (self.weight @ rows.t()).t()                        # [out, M] -> [M, out]
+                return y.contiguous().reshape(*x.shape[:-1], -1)        # [..., out]
         return F.linear(x, self.weight)
 
 
+@torch.no_grad()
+def transposed_is_faster(x, w, reps: int = 5, clock=time.perf_counter) -> bool:
+    """Whether (W x^T)^T beats x W^T for these shapes here: `reps` timings of each, interleaved
+    (a slow moment hits both), the lower medians win; x W^T on a tie."""
+    plain, transposed = [], []
+    for _ in range(reps):
+        for form, times in ((lambda: F.linear(x, w), plain),
+                            (lambda: (w @ x.t()).t().contiguous(), transposed)):
+            t0 = clock()
+            form()
+            times.append(clock() - t0)
+    return sorted(transposed)[reps // 2] < sorted(plain)[reps // 2]
 
 
 def matmul_fp32(x, w):

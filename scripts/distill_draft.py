@@ -27,10 +27,13 @@ resumable from --work-dir (run the same command again after a kill; nothing done
                rest of its mass as one bucket) to the draft's, under bf16 autocast on a CPU.
                Logged every --eval-every steps: held-out greedy agreement (the draft's argmax is
                the target's, on the target's greedy answers), the KL, and the tokens per round
-               greedy SD would make on those answers. --init-from starts from an earlier draft
-               instead: a later sitting trains it further on more answers, so data answered in
-               separate sittings adds up (the prompt order is a function of --seed, so more
-               --prompts of the same seed in the same work dir answer only the new ones).
+               greedy SD would make on those answers; and the agreement on as many training
+               answers, whose gap to the held-out one tells a draft that has stopped
+               generalising (more of the same data will not move it) from one still learning.
+               --init-from starts from an earlier draft instead: a later sitting trains it
+               further on more answers, so data answered in separate sittings adds up (the
+               prompt order is a function of --seed, so more --prompts of the same seed in the
+               same work dir answer only the new ones).
                Held-out prompts are held out by content, so neither sitting trains on them.
   4. export    an HF directory (config.json, model.safetensors in bf16, the target's tokenizer
                files, distill.json with the command, data, steps, time and final metrics) that this
@@ -475,6 +478,17 @@ def train(draft, train_ex: list[dict], heldout_ex: list[dict], args, work: Path)
                     "epoch": epoch, "epoch_start": epoch_start, "seconds": spent}, tmp)
         os.replace(tmp, state_path)
 
+    # as many training answers as held-out ones, greedy where there are: agreement on text the
+    # draft trains on, beside the held-out one, says which limit it is at. A draft that agrees far
+    # more on its training answers than on held-out ones has stopped generalising (more of the
+    # same data moves it little; a larger draft or more varied prompts might); one that agrees as
+    # little on both is short of capacity or steps.
+    seen_ex = ([ex for ex in train_ex if ex["greedy"]] or train_ex)[:len(heldout_ex)]
+
+    def measure() -> dict:
+        m = evaluate(draft, heldout_ex, args.device, args.batch_tokens)
+        return {**m, "train_agreement": evaluate(draft, seen_ex, args.device,
+                                                 args.batch_tokens)["agreement"]}
     metrics = {}
     t_last = t_save = time.time()
     while step < args.steps:
@@ -497,9 +511,10 @@ def train(draft, train_ex: list[dict], heldout_ex: list[dict], args, work: Path)
             now = time.time()
             spent, t_last = spent + now - t_last, now
             if step % args.eval_every == 0 or step == args.steps:
-                metrics = evaluate(draft, heldout_ex, args.device, args.batch_tokens)
+                metrics = measure()
                 log(work, f"draft step {step}/{args.steps} epoch {epoch} loss {loss.item():.3f} "
-                          f"held-out agreement {metrics['agreement']:.3f} kl {metrics['kl']:.3f}"
+                          f"held-out agreement {metrics['agreement']:.3f} (training answers "
+                          f"{metrics['train_agreement']:.3f}) kl {metrics['kl']:.3f}"
                           f" accept_t1>= {metrics['accept_t1_lower']:.3f} sd tok/round K=3 "
                           f"{metrics['sd_tokens_per_round'][3]:.2f} ({spent:.0f}s)")
                 t_last = time.time()  # evaluation is not training time
@@ -510,7 +525,7 @@ def train(draft, train_ex: list[dict], heldout_ex: list[dict], args, work: Path)
             epoch, epoch_start = epoch + 1, step
             save()
     if not metrics:  # a resumed run that had already finished its steps
-        metrics = evaluate(draft, heldout_ex, args.device, args.batch_tokens)
+        metrics = measure()
     metrics["train_seconds"] = round(spent)
     return metrics
 

@@ -35,6 +35,8 @@ def test_end_to_end_export_loads_in_the_engine_and_in_transformers_and_resumes(t
     dd.main(["--target", str(target), "--out", str(out), "--work-dir", str(work), *ARGS])
     info = json.loads((out / "distill.json").read_text())
     assert info["steps"] == 6 and info["train_prompts"] == 12 and 0 <= info["agreement"] <= 1
+    assert 0 <= info["train_agreement"] <= 1  # on training answers, beside the held-out one
+    assert "(training answers 0." in (work / "log.txt").read_text()
     assert (out / "tokenizer.json").exists() and (out / "config.json").exists()
     heldout = [json.loads(x)["prompt"] for x in (out / "heldout_prompts.jsonl").open()]
     assert heldout == dd.build_prompts(12, 4, seed=0)[1]

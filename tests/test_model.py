@@ -8,6 +8,8 @@
 3. Rollback (truncate) and fork with copy on write keep every sequence's logits equal to a fresh
    forward of its own tokens; the allocator returns every block; exhaustion names kv_tokens.
 4. The loader refuses bad checkpoints with one-line errors naming the problem.
+5. model.Linear's CPU choice between x W^T and (W x^T)^T for 2..16 rows: the faster one, timed once
+   per row count, and the same product either way.
 All checkpoints are tiny random ones written by conftest.make_checkpoint.
 """
 import json
@@ -18,6 +20,7 @@ from conftest import hf_model, make_checkpoint, one_line
 from safetensors.torch import load_file, save_file
 
 from checkpoint import load_model
+import model
 from model import ModelConfig, rope_inv_freq
 from scripts.gpu_check import Allocations
 
@@ -543,3 +546,30 @@ def test_defaults_dtype_tokenizer_and_device(ckpts):
         with pytest.raises(ValueError) as e:
             load_model(ckpts["llama"], device="cuda:7")
         one_line(e, "cuda:7")
+
+
+def test_linear_keeps_the_faster_form_per_row_count_and_computes_the_same_product(monkeypatch):
+    def clock_of(plain_s, transposed_s):  # clock() readings: a (start, end) pair per timed call
+        ticks, now = [], 0.0
+        for _ in range(5):
+            for spent in (plain_s, transposed_s):
+                ticks += [now, now + spent]
+                now += spent
+        return iter(ticks).__next__
+
+    x, w = torch.randn(3, 8), torch.randn(16, 8)
+    assert model.transposed_is_faster(x, w, clock=clock_of(2.0, 1.0))
+    assert not model.transposed_is_faster(x, w, clock=clock_of(1.0, 2.0))
+    assert not model.transposed_is_faster(x, w, clock=clock_of(1.0, 1.0))  # a tie: x W^T
+
+    lin = model.Linear(8, 16)
+    calls = []
+    for choice in (True, False):
+        monkeypatch.setattr(model, "transposed_is_faster",
+                            lambda x, w, choice=choice: calls.append(len(x)) or choice)
+        lin.transposed.clear()
+        for rows in (3, 3, 4, 1, 32):  # timed once per count in 2..16; 1 and 32 rows never
+            xs = torch.randn(rows, 8)
+            torch.testing.assert_close(lin(xs), xs @ lin.weight.t(), atol=1e-5, rtol=1e-5)
+        assert lin.transposed == {3: choice, 4: choice}
+    assert calls == [3, 4, 3, 4]
