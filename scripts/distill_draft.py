@@ -489,6 +489,7 @@ def train(draft, train_ex: list[dict], heldout_ex: list[dict], args, work: Path)
         m = evaluate(draft, heldout_ex, args.device, args.batch_tokens)
         return {**m, "train_agreement": evaluate(draft, seen_ex, args.device,
                                                  args.batch_tokens)["agreement"]}
+
     metrics = {}
     t_last = t_save = time.time()
     while step < args.steps:
