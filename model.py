@@ -161,37 +161,41 @@ def tp_split_dim(name: str) -> int | None:
 class Linear(nn.Linear):
     """nn.Linear without bias (as every Llama / Qwen3 projection). On the CPU, 2..16 rows (a
     verification, a few branches) can go as y = x W^T or as y^T = W x^T: the same product summed in
-    another order, and which one the BLAS runs faster depends on the machine (W x^T: 24 against
-    27 ms for the tiny target's verification on a 2-core AMD EPYC; x W^T: 2-3x faster on an
-    AVX-512 Intel Xeon). So each module times both the first time it sees a row count and keeps
-    the faster one for that count (docs/design.md section 10)."""
+    another order, and which one the BLAS runs faster depends on the machine, the row count and
+    the threads (W x^T: 24 against 27 ms for the tiny target's verification on a 2-core AMD EPYC;
+    x W^T: 2-3x faster on an AVX-512 Intel Xeon). So both are timed the first time a row count
+    comes with a thread count, and the faster is kept (docs/design.md section 10). Transformer
+    hands the layers of one weight shape one shared `transposed`, so each shape is timed once."""
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__(in_features, out_features, bias=False)
-        self.transposed = {}  # row count M -> W x^T was the faster form on this machine
+        self.transposed = {}  # (row count M, threads) -> W x^T was the faster form here
 
     def forward(self, x):
         if x.device.type == "cpu" and x.shape[-1] < x.numel() <= 16 * x.shape[-1]:
             rows = x.reshape(-1, x.shape[-1])                           # [M, in], 1 < M <= 16
-            m = rows.shape[0]
-            if m not in self.transposed:
-                self.transposed[m] = transposed_is_faster(rows, self.weight)
-            if self.transposed[m]:
-                y = (self.weight @ rows.t()).t()                        # [out, M] -> [M, out]
-                return y.contiguous().reshape(*x.shape[:-1], -1)        # [..., out]
+            key = (rows.shape[0], torch.get_num_threads())
+            if key not in self.transposed:
+                self.transposed[key] = transposed_is_faster(rows, self.weight)
+            if self.transposed[key]:
+                return linear_transposed(rows, self.weight).reshape(*x.shape[:-1], -1)
         return F.linear(x, self.weight)
+
+
+def linear_transposed(x, w):
+    """x [M, in] @ w [out, in]^T computed as (W x^T)^T -> [M, out], contiguous."""
+    return (w @ x.t()).t().contiguous()  # [out, M] -> [M, out]
 
 
 @torch.no_grad()
 def transposed_is_faster(x, w, reps: int = 5, clock=time.perf_counter) -> bool:
-    """Whether (W x^T)^T beats x W^T for these shapes here: `reps` timings of each, interleaved
-    (a slow moment hits both), the lower medians win; x W^T on a tie."""
+    """Whether linear_transposed beats F.linear for these shapes here: `reps` timings of each,
+    interleaved (a slow moment hits both), the lower medians win; F.linear on a tie."""
     plain, transposed = [], []
     for _ in range(reps):
-        for form, times in ((lambda: F.linear(x, w), plain),
-                            (lambda: (w @ x.t()).t().contiguous(), transposed)):
+        for form, times in ((F.linear, plain), (linear_transposed, transposed)):
             t0 = clock()
-            form()
+            form(x, w)
             times.append(clock() - t0)
     return sorted(transposed)[reps // 2] < sorted(plain)[reps // 2]
 
@@ -359,6 +363,10 @@ class Transformer(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, vocab)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        forms = {}  # weight shape -> the Linear choices all layers of that shape share
+        for mod in self.modules():
+            if isinstance(mod, Linear):
+                mod.transposed = forms.setdefault(tuple(mod.weight.shape), {})
         self.static: StaticSteps | None = None  # set by use_graphs
         self.kv_pool: PagedKVCache | None = None  # the cache new_cache(reuse=True) hands back
         self.init_rope()

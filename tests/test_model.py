@@ -9,7 +9,8 @@
    forward of its own tokens; the allocator returns every block; exhaustion names kv_tokens.
 4. The loader refuses bad checkpoints with one-line errors naming the problem.
 5. model.Linear's CPU choice between x W^T and (W x^T)^T for 2..16 rows: the faster one, timed once
-   per row count, and the same product either way.
+   per row count and thread count and shared by a model's layers of one shape, and the same
+   product either way.
 All checkpoints are tiny random ones written by conftest.make_checkpoint.
 """
 import json
@@ -571,5 +572,24 @@ def test_linear_keeps_the_faster_form_per_row_count_and_computes_the_same_produc
         for rows in (3, 3, 4, 1, 32):  # timed once per count in 2..16; 1 and 32 rows never
             xs = torch.randn(rows, 8)
             torch.testing.assert_close(lin(xs), xs @ lin.weight.t(), atol=1e-5, rtol=1e-5)
-        assert lin.transposed == {3: choice, 4: choice}
+        threads = torch.get_num_threads()
+        assert lin.transposed == {(3, threads): choice, (4, threads): choice}
     assert calls == [3, 4, 3, 4]
+    # another thread count is timed again: the faster form can differ with the threads
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        lin(torch.randn(3, 8))
+    finally:
+        torch.set_num_threads(threads)
+    assert calls == [3, 4, 3, 4, 3]
+
+
+def test_layers_of_one_weight_shape_share_one_timing(ckpts):
+    m, _ = load_model(ckpts["llama"])
+    linears = [mod for mod in m.modules() if isinstance(mod, model.Linear)]
+    by_shape = {}
+    for mod in linears:
+        by_shape.setdefault(tuple(mod.weight.shape), set()).add(id(mod.transposed))
+    assert len(linears) > len(by_shape) and all(len(ids) == 1 for ids in by_shape.values())
+    assert len({id(mod.transposed) for mod in linears}) == len(by_shape)
