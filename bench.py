@@ -45,7 +45,7 @@ from tqdm import tqdm
 
 from bench_report import (add_counters, add_speedups, add_theory, counters, hardware, plot,
                           print_grid, print_tables, summarize)
-from checkpoint import load_config, load_model, load_tokenizer, resolve
+from checkpoint import hf_over_target_vocab, load_config, load_model, load_tokenizer, resolve
 from devices import DTYPES
 from draft import PRE_SPEC
 from fallback import POLICIES
@@ -246,6 +246,7 @@ class HF:
             kw = dict(gguf_file=path.name) if path.is_file() else {}
             m = AutoModelForCausalLM.from_pretrained(path.parent if path.is_file() else path,
                                                      dtype=dtype, **kw).to(self.device).eval()
+            m = hf_over_target_vocab(m)  # a draft with its own vocabulary speaks the target's
             self.models[name] = m
         return self.models[name]
 

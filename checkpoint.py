@@ -196,7 +196,7 @@ def load_model(name_or_path, device="cpu", dtype=None, tp: TP | None = None,
         load_gguf_weights(model, gguf_file)
     else:
         load_weights(model, path)
-    model.init_rope()
+    model.init_buffers()
     model.eval().requires_grad_(False)
     # tokenizer=False skips it (and the seconds transformers takes to import) where ids suffice
     return model, load_tokenizer(path, gguf_file) if tokenizer else None
@@ -229,6 +229,40 @@ def load_tokenizer(name_or_path, gguf_file: "GGUFFile | None" = None):
     if gguf_name is None:
         return AutoTokenizer.from_pretrained(folder)
     return AutoTokenizer.from_pretrained(folder, gguf_file=gguf_name)
+
+
+def hf_over_target_vocab(m):
+    """A transformers model of a draft with its own vocabulary (config target_token_ids, see
+    model.ModelConfig.token_ids) made to speak the target's, as this engine runs it: token ids in
+    become its rows, logits out are scattered over the target's vocabulary (-inf on the tokens it
+    never writes). By forward hooks, so generate() and assisted generation use it unchanged; its
+    config.vocab_size becomes the target's, as assisted generation compares them. Any other model
+    is returned as it is."""
+    cfg = m.config
+    token_ids = getattr(cfg, "target_token_ids", None)
+    if token_ids is None:
+        return m
+    token_of = torch.tensor(token_ids, device=m.device)
+    row_of = torch.full((cfg.target_vocab_size,), len(token_ids), device=m.device)
+    row_of[token_of] = torch.arange(len(token_ids), device=m.device)
+
+    def rows_in(module, args, kwargs):
+        if args:
+            return (row_of[args[0]], *args[1:]), kwargs
+        if kwargs.get("input_ids") is not None:
+            kwargs["input_ids"] = row_of[kwargs["input_ids"]]
+        return args, kwargs
+
+    def logits_out(module, args, kwargs, out):
+        own = out.logits  # [..., rows]
+        out.logits = own.new_full((*own.shape[:-1], cfg.target_vocab_size), -math.inf)
+        out.logits[..., token_of] = own[..., :-1]  # [..., V]
+        return out
+
+    m.register_forward_pre_hook(rows_in, with_kwargs=True)
+    m.register_forward_hook(logits_out, with_kwargs=True)
+    cfg.vocab_size = cfg.target_vocab_size
+    return m
 
 
 # --------------------------------------------------------------------------------------------------

@@ -44,10 +44,21 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    # A draft with its own, smaller vocabulary (scripts/distill_draft.py --vocab): row r of its
+    # embedding and head is token token_ids[r] of the target's vocabulary (vocab_size tokens), and
+    # one more row reads every other token. Its logits come out over the target's vocabulary, -inf
+    # on the tokens it never writes (probability 0: speculative decoding stays exact, as with any
+    # draft law). The head over a 49k vocabulary is most of a small draft; this frees it for layers.
+    token_ids: list[int] | None = None
 
     @property
     def qk_norm(self) -> bool:  # Qwen3 normalises each head of q and k before RoPE
         return self.model_type == "qwen3"
+
+    @property
+    def rows(self) -> int:
+        """Rows of the embedding and the head: the vocabulary, or a draft's own (token_ids)."""
+        return self.vocab_size if self.token_ids is None else len(self.token_ids) + 1
 
     @classmethod
     def from_hf(cls, hf: dict) -> "ModelConfig":
@@ -78,9 +89,17 @@ class ModelConfig:
                              f"'llama3'")
         eos = hf.get("eos_token_id")
         heads = hf["num_attention_heads"]
+        token_ids, vocab = hf.get("target_token_ids"), hf["vocab_size"]
+        if token_ids is not None:  # a draft's own vocabulary (see token_ids above)
+            vocab = hf.get("target_vocab_size", 0)
+            if (hf["vocab_size"] != len(token_ids) + 1 or len(set(token_ids)) != len(token_ids)
+                    or not all(0 <= t < vocab for t in token_ids)):
+                raise ValueError(f"config: target_token_ids must be vocab_size - 1 = "
+                                 f"{hf['vocab_size'] - 1} distinct ids in [0, target_vocab_size="
+                                 f"{vocab}), got {len(token_ids)}: re-export the draft")
         return cls(
             model_type=mt,
-            vocab_size=hf["vocab_size"],
+            vocab_size=vocab,
             hidden_size=hf["hidden_size"],
             intermediate_size=hf["intermediate_size"],
             num_hidden_layers=hf["num_hidden_layers"],
@@ -94,6 +113,7 @@ class ModelConfig:
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+            token_ids=None if token_ids is None else list(token_ids),
         )
 
 
@@ -351,7 +371,10 @@ class Transformer(nn.Module):
         self.tp = tp if tp is not None and tp.world > 1 else None
         if self.tp:
             check_tp(cfg, self.tp.world)
-        vocab = cfg.vocab_size // (self.tp.world if self.tp else 1)  # TP: this rank's vocab rows
+            if cfg.token_ids is not None:
+                raise ValueError("a draft with its own vocabulary (target_token_ids) is not "
+                                 "implemented with tensor parallelism: run it on one device")
+        vocab = cfg.rows // (self.tp.world if self.tp else 1)  # TP: this rank's vocab rows
         self.model = nn.Module()  # HF nests the body under "model."; keep its parameter names
         # no random init (weights are always loaded): normal_ on the meta device imports
         # torch._dynamo, seconds in every freshly spawned process (speculator, TP ranks)
@@ -369,7 +392,7 @@ class Transformer(nn.Module):
                 mod.transposed = forms.setdefault(tuple(mod.weight.shape), {})
         self.static: StaticSteps | None = None  # set by use_graphs
         self.kv_pool: PagedKVCache | None = None  # the cache new_cache(reuse=True) hands back
-        self.init_rope()
+        self.init_buffers()
 
     def use_graphs(self, graphs: bool | None):
         """graphs=None: CUDA graphs where the model is on CUDA (and not tensor parallel), the
@@ -390,13 +413,21 @@ class Transformer(nn.Module):
             # sweep) replays the graphs captured on its reused KV pool (new_cache(reuse=True))
             self.static.keep(self.kv_pool)
 
-    def init_rope(self):
-        # not a parameter: recomputed after loading (a model built on the meta device holds no
+    def init_buffers(self):
+        # not parameters: recomputed after loading (a model built on the meta device holds no
         # data), on the CPU: arithmetic on the meta device imports torch._dynamo (seconds)
+        cfg, device = self.config, self.lm_head.weight.device
         with torch.device("cpu"):
-            inv_freq = rope_inv_freq(self.config)
-        self.register_buffer("inv_freq", inv_freq.to(self.lm_head.weight.device),
-                             persistent=False)
+            inv_freq = rope_inv_freq(cfg)
+            if cfg.token_ids is not None:  # token id -> row [V] (the last row: every other
+                # token), and row -> token id [rows - 1]
+                token_of = torch.tensor(cfg.token_ids, dtype=torch.long)
+                row_of = torch.full((cfg.vocab_size,), len(token_of), dtype=torch.long)
+                row_of[token_of] = torch.arange(len(token_of))
+        self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
+        if cfg.token_ids is not None:
+            self.register_buffer("row_of", row_of.to(device), persistent=False)
+            self.register_buffer("token_of", token_of.to(device), persistent=False)
 
     @property
     def device(self):
@@ -446,6 +477,8 @@ class Transformer(nn.Module):
         return PagedKVCache(cfg, num_tokens, block_size, self.device, self.lm_head.weight.dtype)
 
     def embed(self, tokens):
+        if self.config.token_ids is not None:  # a draft's own vocabulary: its rows
+            return self.model.embed_tokens(self.row_of[tokens])
         if self.tp is None:
             return self.model.embed_tokens(tokens)
         # vocabulary parallel: this rank holds rows [rank * V/world, (rank+1) * V/world). Tokens
@@ -471,6 +504,10 @@ class Transformer(nn.Module):
             parts = [torch.empty_like(logits) for _ in range(self.tp.world)]
             dist.all_gather(parts, logits.contiguous(), group=self.tp.group)
             logits = torch.cat(parts, -1)  # [..., V], rank order = vocabulary order
+        if self.config.token_ids is not None:  # a draft's own rows, back over the vocabulary
+            own = logits
+            logits = own.new_full((*own.shape[:-1], self.config.vocab_size), -math.inf)
+            logits[..., self.token_of] = own[..., :-1]  # [..., rows] -> [..., V]
         return logits.float()
 
     def forward(self, tokens):

@@ -12,8 +12,9 @@ resumable from --work-dir (run the same command again after a kill; nothing done
                over a list of topics, and the first paragraph of docstrings from the running
                Python's standard library. A topic or a docstring is held out by a hash of its text,
                so the held-out prompts ask about things the training prompts never mention. A
-               second set of templates (--template-set 1) asks about the same material in other
-               words: new prompts for a later sitting, measured on the same held-out prompts.
+               second set of templates (--template-set 1; 0,1 for both) asks about the same
+               material in other words: new prompts for a later sitting, measured on the same
+               held-out prompts.
   2. answers   the target answers every prompt with this engine (model.Transformer, paged KV
                cache, batched): a --greedy-share of the answers greedy, the rest sampled at
                --sample-temp. At each answer position the logits that chose the next token ARE
@@ -23,6 +24,11 @@ resumable from --work-dir (run the same command again after a kill; nothing done
   3. draft     a small Llama (--hidden, --layers: which target layers to start from), initialised
                from the target: the embedding projected onto its top --hidden principal directions
                (P, [D, d]) and each listed target layer mapped into that subspace (init_draft).
+               --vocab N gives it a vocabulary of its own: the N - 1 target tokens its answers use
+               most, and one row that reads every other token (draft_vocabulary): the head and
+               embedding over all 49k tokens are two thirds of a 252-wide draft, and a few
+               thousand tokens carry nearly all of the target's text, so the size goes to layers
+               instead (the engine maps ids in and logits out: model.ModelConfig.token_ids).
                Trained on the answer positions with the KL from the target's top-k law (plus the
                rest of its mass as one bucket) to the draft's, under bf16 autocast on a CPU.
                Logged every --eval-every steps: held-out greedy agreement (the draft's argmax is
@@ -308,15 +314,23 @@ def target_state(target) -> dict:
     return {k: v.detach().float().cpu() for k, v in target.checkpoint_params().items()}
 
 
-def draft_config(target, hidden: int, n_layers: int):
+def draft_config(target, hidden: int, n_layers: int, token_ids: list[int] | None = None):
     """An HF LlamaConfig for the draft: the target's heads, head size, MLP width, RoPE, vocabulary
-    and special tokens; only the residual width (hidden) and the depth are smaller."""
+    and special tokens; only the residual width (hidden) and the depth are smaller. token_ids: a
+    draft vocabulary (draft_vocabulary), stored in the config as target_token_ids (row r is target
+    token target_token_ids[r]; one more row reads every other token) and target_vocab_size, which
+    the engine reads (model.ModelConfig); transformers keeps them and sees a Llama of
+    len(token_ids) + 1 rows."""
     from transformers import LlamaConfig
     c = target.config
+    vocab = {"vocab_size": c.vocab_size}
+    if token_ids is not None:
+        vocab = {"vocab_size": len(token_ids) + 1, "target_token_ids": list(token_ids),
+                 "target_vocab_size": c.vocab_size}
     rope = {"rope_type": "default", "rope_theta": c.rope_theta}
     if c.rope_scaling and c.rope_scaling.get("rope_type") == "llama3":
         rope = dict(c.rope_scaling, rope_theta=c.rope_theta)
-    return LlamaConfig(vocab_size=c.vocab_size, hidden_size=hidden,
+    return LlamaConfig(**vocab, hidden_size=hidden,
                        intermediate_size=c.intermediate_size, num_hidden_layers=n_layers,
                        num_attention_heads=c.num_attention_heads,
                        num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim,
@@ -340,8 +354,15 @@ def init_draft(draft, tsd: dict, layers: list[int]):
     Draft layer i starts as target layer layers[i]; training fixes what the projection loses."""
     E = tsd["model.embed_tokens.weight"]  # [V, D]
     D, d = E.shape[1], draft.config.hidden_size
-    P = torch.linalg.svd(E, full_matrices=False).Vh[:d].T  # [D, d], orthonormal columns
+    # at full width no projection (P = I): the final norm's fold below is then exact too
+    P = torch.eye(D) if d == D else torch.linalg.svd(E, full_matrices=False).Vh[:d].T  # [D, d]
     scale = math.sqrt(D / d)
+    token_ids = getattr(draft.config, "target_token_ids", None)
+    if token_ids is not None:  # a draft vocabulary: its rows, and the mean of the others for the
+        # last row, which reads every token outside it
+        inside = torch.zeros(len(E), dtype=torch.bool)
+        inside[token_ids] = True
+        E = torch.cat([E[token_ids], E[~inside].mean(0, keepdim=True)])  # [rows, D]
     new = {"model.embed_tokens.weight": E @ P,
            "model.norm.weight": scale * (P * tsd["model.norm.weight"][:, None] * P).sum(0)}
     for i, src in enumerate(layers):
@@ -360,6 +381,31 @@ def init_draft(draft, tsd: dict, layers: list[int]):
     assert set(missing) <= {"lm_head.weight"}, missing  # the head is tied to the embedding
 
 
+def draft_vocabulary(examples: list[dict], size: int, V: int, keep: set[int]) -> list[int]:
+    """The size - 1 target tokens a draft of `size` rows writes (its last row reads the others):
+    the tokens in keep (EOS, so that it can end an answer), then the most frequent in the target's
+    answers (ties: the lower id, in a BPE vocabulary the earlier, commoner merge); sorted. Most of
+    the target's text is a few thousand tokens, and the head and embedding over all V are most of
+    a small draft's size and time: a smaller vocabulary frees both for layers."""
+    count = torch.zeros(V, dtype=torch.float64)
+    for ex in examples:
+        count += torch.bincount(torch.tensor(ex["answer"]), minlength=V)
+    score = count * V - torch.arange(V, dtype=torch.float64)
+    score[sorted(keep)] = math.inf
+    return sorted(score.argsort(descending=True)[:size - 1].tolist())
+
+
+def row_map(config) -> torch.Tensor | None:
+    """Target token id -> draft row [V] for a draft with its own vocabulary (the last row for every
+    token outside it); None for a draft over the target's whole vocabulary."""
+    token_ids = getattr(config, "target_token_ids", None)
+    if token_ids is None:
+        return None
+    rows = torch.full((config.target_vocab_size,), len(token_ids), dtype=torch.long)
+    rows[token_ids] = torch.arange(len(token_ids))
+    return rows
+
+
 def batches(examples: list[dict], batch_tokens: int, rng: random.Random):
     """Shuffled batches of examples whose padded size stays within batch_tokens."""
     order = list(range(len(examples)))
@@ -376,10 +422,12 @@ def batches(examples: list[dict], batch_tokens: int, rng: random.Random):
         yield batch
 
 
-def collate(batch: list[dict], device):
+def collate(batch: list[dict], device, rows: torch.Tensor | None = None):
     """-> input ids [B, T] (right-padded with 0: causal attention never lets a real position see
     the padding), the flat indices of the answer positions in [B * T] (position t predicts token
-    t + 1: the last prompt token predicts answer token 0), and the top-k labels at them."""
+    t + 1: the last prompt token predicts answer token 0), and the top-k labels at them. rows
+    (row_map): ids become draft rows, and a label outside the draft's vocabulary gets log-prob
+    -inf, so that its mass counts in topk_kl's rest bucket (the draft can never write it)."""
     T = max(len(ex["prompt"]) + len(ex["answer"]) - 1 for ex in batch)
     x = torch.zeros(len(batch), T, dtype=torch.long)
     where, ids, logp = [], [], []
@@ -390,8 +438,11 @@ def collate(batch: list[dict], device):
         where.append(r * T + torch.arange(start, start + len(ex["answer"])))
         ids.append(ex["top_ids"])
         logp.append(ex["top_logp"])
-    return (x.to(device), torch.cat(where).to(device), torch.cat(ids).long().to(device),
-            torch.cat(logp).float().to(device))
+    ids, logp = torch.cat(ids).long(), torch.cat(logp).float()
+    if rows is not None:
+        x, ids = rows[x], rows[ids]
+        logp = logp.masked_fill(ids == rows.max(), -math.inf)  # the last row: outside
+    return x.to(device), torch.cat(where).to(device), ids.to(device), logp.to(device)
 
 
 def topk_kl(draft_logits, top_ids, top_logp):
@@ -402,14 +453,21 @@ def topk_kl(draft_logits, top_ids, top_logp):
     p_top = top_logp.exp()
     p_rest = (1 - p_top.sum(-1)).clamp_min(1e-8)
     q_rest = (1 - logq_top.exp().sum(-1)).clamp_min(1e-8)
-    return (p_top * (top_logp - logq_top)).sum(-1) + p_rest * (p_rest.log() - q_rest.log())
+    # a label of probability 0 (collate: outside a draft's vocabulary) adds nothing, not 0 * inf
+    top = torch.where(p_top > 0, p_top * (top_logp - logq_top), 0.0)
+    return top.sum(-1) + p_rest * (p_rest.log() - q_rest.log())
 
 
 def draft_logits(draft, x, where):
     """The draft's logits at the answer positions only: the LM head over 49k tokens is most of the
-    work, and prompt positions carry no label."""
+    work, and prompt positions carry no label. A draft with its own vocabulary never writes its
+    last row (it stands for every other token): -inf there, as the engine does."""
     h = draft.model(input_ids=x).last_hidden_state  # [B, T, d]
-    return draft.lm_head(h.flatten(0, 1)[where])  # [N, V]
+    logits = draft.lm_head(h.flatten(0, 1)[where])  # [N, V] (draft rows)
+    if getattr(draft.config, "target_token_ids", None) is not None:
+        logits = logits.index_fill(-1, torch.tensor([logits.shape[-1] - 1],
+                                                    device=logits.device), -math.inf)
+    return logits
 
 
 def greedy_sd_rounds(agree: list[bool], K: int) -> int:
@@ -436,8 +494,9 @@ def evaluate(draft, examples: list[dict], device, batch_tokens: int) -> dict:
     draft.eval()
     agree = kl = overlap = n = 0.0
     per_answer = []  # the agreement at each position, one list per answer
+    rows = row_map(draft.config)
     for batch in batches(examples, batch_tokens, random.Random(0)):
-        x, where, ids, logp = collate(batch, device)
+        x, where, ids, logp = collate(batch, device, rows)
         with autocast(device):
             logits = draft_logits(draft, x, where).float()
         hit = logits.argmax(-1) == ids[:, 0]
@@ -490,6 +549,7 @@ def train(draft, train_ex: list[dict], heldout_ex: list[dict], args, work: Path)
         return {**m, "train_agreement": evaluate(draft, seen_ex, args.device,
                                                  args.batch_tokens)["agreement"]}
 
+    rows = row_map(draft.config)
     metrics = {}
     t_last = t_save = time.time()
     while step < args.steps:
@@ -500,7 +560,7 @@ def train(draft, train_ex: list[dict], heldout_ex: list[dict], args, work: Path)
                 break
             for group in opt.param_groups:
                 group["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
-            x, where, ids, logp = collate(batch, args.device)
+            x, where, ids, logp = collate(batch, args.device, rows)
             with autocast(args.device):
                 logits = draft_logits(draft, x, where)
             loss = topk_kl(logits, ids, logp).mean()
@@ -558,6 +618,14 @@ def int_list(text: str) -> list[int]:
     return [int(x) for x in text.split(",")]
 
 
+def template_sets(text: str) -> list[int]:
+    """"0,1" -> [0, 1], each an index of TEMPLATE_SETS (argparse names a bad one in one line)."""
+    sets = int_list(text)
+    if not sets or any(not 0 <= x < len(TEMPLATE_SETS) for x in sets) or len(set(sets)) < len(sets):
+        raise argparse.ArgumentTypeError(f"give distinct sets in 0..{len(TEMPLATE_SETS) - 1}")
+    return sets
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", required=True, help="any model run.py loads (alias, dir, GGUF)")
@@ -574,15 +642,19 @@ def parse_args(argv=None):
     g.add_argument("--sample-temp", type=float, default=0.7)
     g.add_argument("--topk", type=int, default=32)
     g.add_argument("--gen-batch", type=int, default=64)
-    g.add_argument("--template-set", type=int, default=0, choices=range(len(TEMPLATE_SETS)),
-                   help="which TEMPLATE_SETS entry makes the training prompts (1: new prompts "
-                        "for a later sitting; held-out prompts always come from set 0)")
+    g.add_argument("--template-set", type=template_sets, default=[0],
+                   help="which TEMPLATE_SETS entries make the training prompts, --prompts of "
+                        "each (0,1: both sets' answers; held-out prompts always come from set 0)")
     g = ap.add_argument_group("draft")
     g.add_argument("--hidden", type=int, default=252,
                    help="the draft's residual width d (a multiple of the target's heads)")
     g.add_argument("--layers", default=[0, 1, 2, 29], type=int_list,
                    help="target layers the draft's layers start from, in order (their count is "
                         "the draft's depth)")
+    g.add_argument("--vocab", type=int, default=0,
+                   help="rows of a draft vocabulary: the target's most frequent answer tokens, "
+                        "plus one row that reads every other token (0: the target's whole "
+                        "vocabulary)")
     g.add_argument("--init-from", default=None,
                    help="start from this draft's HF directory instead of the target (its shape "
                         "wins over --hidden and --layers): train a draft further on new answers")
@@ -609,16 +681,20 @@ def check_shape(args, target, tok):
     if args.hidden % cfg.num_attention_heads:  # transformers' Llama insists, even with head_dim
         raise SystemExit(f"error: --hidden {args.hidden}: give a multiple of the target's "
                          f"{cfg.num_attention_heads} attention heads")
+    if args.vocab and not len(cfg.eos_token_ids) + 2 <= args.vocab <= cfg.vocab_size:
+        raise SystemExit(f"error: --vocab {args.vocab}: give 0 (the target's vocabulary) or "
+                         f"{len(cfg.eos_token_ids) + 2}..{cfg.vocab_size} rows")
     if any(not 0 <= x < cfg.num_hidden_layers for x in args.layers):
         layers = ",".join(map(str, args.layers))
         raise SystemExit(f"error: --layers {layers}: give target layers in "
                          f"[0, {cfg.num_hidden_layers})")
 
 
-def new_draft(target, args):
+def new_draft(target, args, train_ex: list[dict]):
     """-> (the draft to train, where it came from). From the target (init_draft), or with
     --init-from from an earlier draft: a later sitting trains the shipped draft further on new
-    answers, so data answered in different sessions adds up in the weights."""
+    answers, so data answered in different sessions adds up in the weights. --vocab: the draft's
+    vocabulary is chosen from the training answers (draft_vocabulary)."""
     from transformers import LlamaForCausalLM
     torch.manual_seed(args.seed)
     if args.init_from:
@@ -626,9 +702,14 @@ def new_draft(target, args):
         c = draft.config
         return draft.to(args.device), (f"hidden {c.hidden_size}, {c.num_hidden_layers} layers, "
                                        f"from {args.init_from}")
-    draft = LlamaForCausalLM(draft_config(target, args.hidden, len(args.layers))).to(args.device)
+    c = target.config
+    token_ids = draft_vocabulary(train_ex, args.vocab, c.vocab_size, set(c.eos_token_ids)) \
+        if args.vocab else None
+    draft = LlamaForCausalLM(draft_config(target, args.hidden, len(args.layers), token_ids))
     init_draft(draft, target_state(target), args.layers)
-    return draft, f"hidden {args.hidden}, layers from the target's {args.layers}"
+    vocab = f", a vocabulary of {args.vocab} rows" if args.vocab else ""
+    return draft.to(args.device), (f"hidden {args.hidden}, layers from the target's "
+                                   f"{args.layers}{vocab}")
 
 
 def main(argv=None):
@@ -648,14 +729,16 @@ def main(argv=None):
     if tok is None:
         raise SystemExit(f"error: {args.target} has no tokenizer: a draft needs the target's")
     check_shape(args, target, tok)
-    train_prompts, heldout_prompts = build_prompts(args.prompts, args.heldout, args.seed,
-                                                     args.template_set)
+    heldout_prompts = build_prompts(args.prompts, args.heldout, args.seed)[1]
     heldout_ex = make_answers(target, tok, heldout_prompts, "heldout", args, work)
-    train_ex = make_answers(target, tok, train_prompts, "train", args, work)
+    train_ex = []  # --prompts of each template set, answered set by set (a set's chunks keep the
+    for ts in args.template_set:  # names they have when it is asked for alone)
+        train_ex += make_answers(target, tok, build_prompts(args.prompts, args.heldout, args.seed,
+                                                            ts)[0], "train", args, work)
     log(work, f"data: {len(train_ex)} answers, {sum(len(e['answer']) for e in train_ex)} tokens "
               f"to train on; {sum(len(e['answer']) for e in heldout_ex)} held-out")
 
-    draft, origin = new_draft(target, args)
+    draft, origin = new_draft(target, args, train_ex)
     draft.train()
     n_params = sum(p.numel() for p in draft.parameters())
     del target  # training needs the memory, not the target: its labels are on disk

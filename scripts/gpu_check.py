@@ -109,7 +109,7 @@ def random_model(fields: dict, device, dtype=torch.bfloat16, seed=0) -> Transfor
             p.fill_(1.0)
         else:
             p.normal_(0, p.shape[1] ** -0.5, generator=g)
-    model.init_rope()
+    model.init_buffers()
     return model.eval().requires_grad_(False)
 
 

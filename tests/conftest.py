@@ -72,9 +72,12 @@ def one_line(excinfo, *needles) -> str:
 
 
 def hf_model(path):
-    """The transformers reference model for a checkpoint directory, float32, eval mode."""
+    """The transformers reference model for a checkpoint directory, float32, eval mode (a draft
+    with its own vocabulary over the target's, as the engine runs it)."""
     from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    from checkpoint import hf_over_target_vocab
+    return hf_over_target_vocab(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+                                .eval())
 
 
 @pytest.fixture

@@ -1,6 +1,7 @@
 """scripts/distill_draft.py: the draft distillation, end to end on a tiny random target, and its pure
 parts (the target-to-draft projection, the top-k KL, the prompt split)."""
 import json
+import math
 import re
 import shutil
 from pathlib import Path
@@ -181,6 +182,12 @@ def test_a_work_dir_reused_with_other_prompts_answers_them(tmp_path):
     assert len(chunks) == 4  # 12 prompts in chunks of 8, twice
     prompts = [{json.dumps(ex["prompt"]) for ex in torch.load(f)} for f in chunks]
     assert not (prompts[0] | prompts[1]) & (prompts[2] | prompts[3])
+    dd.main(common + ["--template-set", "0,1"])  # both sets' answers, none answered again
+    assert sorted((tmp_path / "w" / "answers").glob("train_*")) == chunks
+    assert "data: 24 answers" in (tmp_path / "w" / "log.txt").read_text()
+    for bad in ("2", "0,0"):
+        with pytest.raises(Exception, match="give distinct sets in 0..1"):
+            dd.template_sets(bad)
 
 
 def test_bad_arguments_are_one_line_errors(tmp_path):
@@ -188,6 +195,8 @@ def test_bad_arguments_are_one_line_errors(tmp_path):
     make_checkpoint(tmp_path / "other", "llama", vocab_size=1000)
     for bad, needle in ((["--hidden", "30"], "multiple of the target's 4 attention heads"),
                         (["--layers", "0,5"], "give target layers in [0, 2)"),
+                        (["--vocab", "2"], "--vocab 2: give 0 (the target's vocabulary) or "
+                                           "3..4096 rows"),
                         (["--init-from", str(tmp_path / "none")], "not found"),
                         (["--init-from", str(tmp_path / "other")], "draft vocabulary (1000) "
                                                                    "differs from the target's "
@@ -195,3 +204,62 @@ def test_bad_arguments_are_one_line_errors(tmp_path):
         with pytest.raises(SystemExit, match=re.escape(needle)):
             dd.main(["--target", str(target), "--out", str(tmp_path / "o"), "--work-dir",
                      str(tmp_path / "w"), *ARGS, *bad])
+
+
+# ----------------------------------------------------------------------------------------------------
+# A draft with its own vocabulary (--vocab)
+
+def test_a_draft_of_its_own_vocabulary_end_to_end(tmp_path):
+    """--vocab 64: a draft of 64 rows (EOS and the 62 commonest answer tokens, and one for every
+    other token) that the engine and transformers load alike, over the target's 4096 ids."""
+    target = tiny_target(tmp_path / "target")
+    out = tmp_path / "draft"
+    dd.main(["--target", str(target), "--out", str(out), "--work-dir", str(tmp_path / "w"),
+             *ARGS, "--vocab", "64"])
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["vocab_size"] == 64 and cfg["target_vocab_size"] == 4096
+    assert len(cfg["target_token_ids"]) == 63 and 1 in cfg["target_token_ids"]  # EOS
+    assert "a vocabulary of 64 rows" in json.loads((out / "distill.json").read_text())["init"]
+    engine, tok = load_model(out)
+    x = torch.tensor([tok("def f(x): return x")["input_ids"]])
+    logits = engine(x)  # [1, T, 4096]
+    assert torch.isfinite(logits).sum() == 63 * x.shape[1]  # only its own tokens are written
+    torch.testing.assert_close(logits, hf_model(out)(x).logits.float(), atol=1e-4, rtol=1e-4)
+
+
+def test_draft_vocabulary_keeps_eos_then_the_commonest_answer_tokens():
+    examples = [{"prompt": [50, 50, 50], "answer": [9, 9, 9, 4, 4, 7, 6, 1]},
+                {"prompt": [50], "answer": [9, 4, 8, 1]}]
+    # EOS (3) always; then by count in the answers (9: 4, 4: 3, 1: 2), ties by the lower id (6 of
+    # 6, 7, 8); prompt tokens do not count (the draft reads them through its last row)
+    assert dd.draft_vocabulary(examples, 6, 60, keep={3}) == [1, 3, 4, 6, 9]
+    assert dd.draft_vocabulary(examples, 3, 60, keep={3}) == [3, 9]
+
+
+def test_collate_maps_ids_to_rows_and_labels_outside_to_probability_zero():
+    from types import SimpleNamespace
+    rows = dd.row_map(SimpleNamespace(target_token_ids=[1, 3, 7], target_vocab_size=10))
+    assert rows.tolist() == [3, 0, 3, 1, 3, 3, 3, 2, 3, 3]  # the last row (3): every other token
+    ex = {"prompt": [7, 5], "answer": [3, 1],
+          "top_ids": torch.tensor([[3, 9], [1, 7]], dtype=torch.int32),
+          "top_logp": torch.tensor([[-0.5, -1.5], [-0.2, -2.0]], dtype=torch.float16)}
+    x, where, ids, logp = dd.collate([ex], "cpu", rows)
+    assert x.tolist() == [[2, 3, 1]] and where.tolist() == [1, 2]
+    assert ids.tolist() == [[1, 3], [0, 2]]
+    assert logp[0, 1] == -float("inf") and torch.isfinite(logp[1]).all()  # 9 is outside
+
+
+def test_topk_kl_puts_a_label_outside_the_draft_vocabulary_in_the_rest_bucket():
+    """The target's law: 0.5 and 0.2 on the tokens of draft rows 0 and 1, 0.1 on row 2's, 0.2 on a
+    token outside the draft's vocabulary (row 3 reads it, and is never written); labels: rows 0, 1
+    and that token. The KL is the one of (0.5, 0.2, rest 0.3) against (q0, q1, q2), finite, with
+    finite gradients (no 0 * inf), though the draft can never write that token."""
+    q_logits = torch.tensor([[0.3, -0.2, 0.5, -math.inf]], requires_grad=True)
+    ids = torch.tensor([[0, 1, 3]])
+    logp = torch.tensor([[math.log(0.5), math.log(0.2), -math.inf]])  # collate's outside label
+    kl = dd.topk_kl(q_logits, ids, logp)
+    q = F.softmax(q_logits.detach(), -1)[0]
+    want = 0.5 * math.log(0.5 / q[0]) + 0.2 * math.log(0.2 / q[1]) + 0.3 * math.log(0.3 / q[2])
+    torch.testing.assert_close(kl, torch.tensor([want]), atol=1e-5, rtol=1e-5)
+    kl.sum().backward()
+    assert torch.isfinite(q_logits.grad).all()

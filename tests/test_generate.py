@@ -146,6 +146,16 @@ def make_small_vocab_pair(root: Path, V: int = 4, head_scale: float = 2.5):
     return tgt, dft
 
 
+def make_own_vocab_draft(root: Path, token_ids: list[int], V: int = 4, head_scale: float = 2.5):
+    """A draft for make_small_vocab_pair's target that writes only token_ids of its V tokens (its own
+    vocabulary, model.ModelConfig.token_ids: one row per token, and a last row for every other)."""
+    kw = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, bos_token_id=None,
+              eos_token_id=None, max_position_embeddings=32)
+    path = make_checkpoint(root, "llama", seed=12, vocab_size=len(token_ids) + 1,
+                           target_token_ids=token_ids, target_vocab_size=V, **kw)
+    return edit_weights(path, lambda k, w: w * head_scale if k == "lm_head.weight" else w)
+
+
 # ----------------------------------------------------------------------------------------------------
 # Fixtures
 
@@ -217,6 +227,24 @@ def test_ar_greedy_matches_transformers(ckpts, batch):
     assert res.stats["new_tokens"] == NEW * batch and res.stats["mode"] == "ar"
 
 
+def test_greedy_sd_and_ssd_with_a_draft_of_its_own_vocabulary(ckpts, tmp_path):
+    """A draft that writes 40 of the target's 100 tokens: where the target's token is outside them
+    every proposal is rejected, and SD and SSD still emit exactly the target's greedy tokens."""
+    own = make_checkpoint(tmp_path / "own", "llama", seed=4, vocab_size=41,
+                          target_token_ids=list(range(0, 80, 2)), target_vocab_size=100,
+                          **RANDOM_DRAFT_KW)
+    for mode, extra in (("sd", {}), ("ssd", {"parallel": False})):
+        res = gen(PROMPTS, ckpts["target"], own, mode=mode, k=3, max_new_tokens=NEW, **extra)
+        assert res.tokens == ckpts["ref"], mode
+    # transformers' assisted generation runs it too (bench.py's hf-assisted), through
+    # checkpoint.hf_over_target_vocab: the target's greedy tokens again
+    x = torch.tensor([PROMPTS[0]])
+    with torch.no_grad():
+        out = hf_model(ckpts["target"]).generate(x, assistant_model=hf_model(own), do_sample=False,
+                                                 max_new_tokens=NEW, pad_token_id=0)
+    assert out[0, x.shape[1]:].tolist() == ckpts["ref"][0]
+
+
 @pytest.mark.parametrize("draft", ["random", "perturbed", "copy"])
 @pytest.mark.parametrize("K", [1, 3, 7])
 @pytest.mark.parametrize("batch", [1, 3])
@@ -249,6 +277,17 @@ def test_sd_law_matches_target(small_vocab):
     emp = empirical_law(res.tokens, 3)
     assert 0.1 < res.stats["acceptance_rate"] < 0.9, res.stats  # both branches of the test are exercised
     assert tv(emp, law) < tv_bound(law, N_LAW), (tv(emp, law), tv_bound(law, N_LAW))
+
+
+def test_sd_law_with_a_draft_of_its_own_vocabulary(small_vocab, tmp_path):
+    """A draft that writes only tokens 0 and 2 of the target's 4: tokens 1 and 3 come only from the
+    residual after a rejection, and the output law is still the target's."""
+    tgt, _, prompt, law = small_vocab
+    dft = make_own_vocab_draft(tmp_path / "own", [0, 2])
+    res = gen([prompt] * N_LAW, tgt, dft, mode="sd", k=2, temperature=1.0, max_new_tokens=3, seed=5)
+    assert 0.1 < res.stats["acceptance_rate"] < 0.9, res.stats
+    assert {1, 3} <= {t for row in res.tokens for t in row[1:]}  # written by the residual
+    assert tv(empirical_law(res.tokens, 3), law) < tv_bound(law, N_LAW)
 
 
 def test_sd_law_negative_control_wrong_q(small_vocab, monkeypatch):

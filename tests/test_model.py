@@ -593,3 +593,67 @@ def test_layers_of_one_weight_shape_share_one_timing(ckpts):
         by_shape.setdefault(tuple(mod.weight.shape), set()).add(id(mod.transposed))
     assert len(linears) > len(by_shape) and all(len(ids) == 1 for ids in by_shape.values())
     assert len({id(mod.transposed) for mod in linears}) == len(by_shape)
+
+
+# --------------------------------------------------------------------------------------------------
+# 6. A draft with its own vocabulary (ModelConfig.token_ids): rows of the target's token ids
+
+OWN = [2, 5, 7, 11, 13, 40, 41, 42, 99]  # the target token behind each row but the last
+
+
+@pytest.fixture(scope="module")
+def own_vocab(tmp_path_factory):
+    """A draft of len(OWN) + 1 rows over the V-token vocabulary of the tiny checkpoints."""
+    return make_checkpoint(tmp_path_factory.mktemp("own"), "llama", vocab_size=len(OWN) + 1,
+                           target_token_ids=OWN, target_vocab_size=V)
+
+
+def test_a_draft_of_its_own_vocabulary_reads_and_writes_the_targets_ids(own_vocab):
+    engine = load_model(own_vocab)[0]
+    assert engine.config.vocab_size == V and engine.config.rows == len(OWN) + 1
+    x = torch.tensor([[2, 99, 3, 40, 60, 7]])  # 3 and 60 are outside OWN
+    logits = engine(x)  # [1, 6, V]
+    with torch.no_grad():  # transformers' own model, in its rows: ids in as rows, logits per row
+        rows = torch.tensor([[0, 8, 9, 5, 9, 2]])
+        own = raw_hf(own_vocab)(rows).logits  # [1, 6, rows]
+    outside = torch.ones(V, dtype=torch.bool)
+    outside[OWN] = False
+    assert torch.isneginf(logits[..., outside]).all()  # never written: probability 0
+    torch.testing.assert_close(logits[..., OWN], own[..., :-1], atol=TOL, rtol=TOL)
+    # every token outside reads the last row: 3 and 60 are the same input
+    torch.testing.assert_close(engine(torch.tensor([[2, 99, 60, 40, 3, 7]])), logits)
+    # and transformers made to speak the target's ids (checkpoint.hf_over_target_vocab) agrees
+    torch.testing.assert_close(hf_logits(own_vocab, x), logits, atol=TOL, rtol=TOL)
+    # the cached path: a prefill then single tokens equal the full forward
+    cache = engine.new_cache(64)
+    sid = cache.new_seq()
+    first = engine.prefill(cache, [sid], [x[0, :3].tolist()])
+    steps = [engine.forward_cached(cache, [sid], [t], [1]) for t in x[0, 3:].tolist()]
+    torch.testing.assert_close(torch.cat([first] + steps), logits[0, 2:], atol=TOL, rtol=TOL)
+
+
+def raw_hf(path):
+    """transformers' model of a checkpoint as stored (a draft of its own vocabulary: in its rows)."""
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("changes,needle", [
+    (dict(target_token_ids=OWN[:-1]), "vocab_size - 1 = 9"),
+    (dict(target_token_ids=OWN[:-1] + [2]), "distinct"),
+    (dict(target_token_ids=OWN[:-1] + [V]), "target_vocab_size=100"),
+])
+def test_a_bad_vocabulary_map_is_one_line(make_ckpt, changes, needle):
+    path = make_ckpt("llama", num_hidden_layers=1, vocab_size=len(OWN) + 1,
+                     target_token_ids=OWN, target_vocab_size=V)
+    rewrite_config(path, **changes)
+    with pytest.raises(ValueError) as e:
+        load_model(path)
+    one_line(e, needle, "re-export the draft")
+
+
+def test_a_draft_of_its_own_vocabulary_refuses_tensor_parallelism(own_vocab):
+    cfg = load_model(own_vocab)[0].config
+    with pytest.raises(ValueError) as e:
+        model.Transformer(cfg, model.TP(rank=0, world=2))
+    one_line(e, "own vocabulary", "one device")

@@ -19,8 +19,8 @@ import torch
 import draft as draft_module
 from fallback import critical_batch_size, default_critical_batch_size
 from conftest import make_checkpoint
-from test_generate import (copy_checkpoint, empirical_law, exact_law, gen, hf_greedy, make_small_vocab_pair,
-                           perturbed_copy, tv, tv_bound)
+from test_generate import (copy_checkpoint, empirical_law, exact_law, gen, hf_greedy, make_own_vocab_draft,
+                           make_small_vocab_pair, perturbed_copy, tv, tv_bound)
 
 torch.set_num_threads(1)
 
@@ -314,6 +314,17 @@ def test_ssd_law_matches_target(small_vocab, T, C, fallback):
     # row-rounds beyond the first round of each row: rows whose token 3 came from round 2
     assert sum(s["accept_len_histogram"]) - N_LAW > N_LAW / 5, s["accept_len_histogram"]
     assert d < bound, (d, bound)
+
+
+def test_ssd_law_with_a_draft_of_its_own_vocabulary(small_vocab, tmp_path):
+    """The draft writes tokens 0 and 2 of 4 only: Saguaro's fan-out still guesses the others (the
+    target's bonus can be any token), and the output law is the target's."""
+    tgt, _, prompt, laws = small_vocab
+    dft = make_own_vocab_draft(tmp_path / "own", [0, 2])
+    res = gen([prompt] * N_LAW, tgt, dft, mode="ssd", k=2, budget=3, saguaro_c=0.5,
+              temperature=1.0, max_new_tokens=3, seed=7, parallel=False)
+    assert res.stats["hits"] > 0 and res.stats["misses"] > 0, res.stats
+    assert tv(empirical_law(res.tokens, 3), laws[1.0]) < tv_bound(laws[1.0], N_LAW)
 
 
 @pytest.mark.parametrize("pattern,fallback", [([False, True], "neural"), ([True, False], "ngram"),
