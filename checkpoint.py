@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from devices import check_device, resolve_dtype
-from model import TP, ModelConfig, Transformer, tp_split_dim
+from model import TP, ModelConfig, Transformer, over_vocab, tp_split_dim, vocab_maps
 
 REPO = Path(__file__).resolve().parent
 
@@ -242,9 +242,7 @@ def hf_over_target_vocab(m):
     token_ids = getattr(cfg, "target_token_ids", None)
     if token_ids is None:
         return m
-    token_of = torch.tensor(token_ids, device=m.device)
-    row_of = torch.full((cfg.target_vocab_size,), len(token_ids), device=m.device)
-    row_of[token_of] = torch.arange(len(token_ids), device=m.device)
+    token_of, row_of = vocab_maps(token_ids, cfg.target_vocab_size, m.device)
 
     def rows_in(module, args, kwargs):
         if args:
@@ -254,9 +252,7 @@ def hf_over_target_vocab(m):
         return args, kwargs
 
     def logits_out(module, args, kwargs, out):
-        own = out.logits  # [..., rows]
-        out.logits = own.new_full((*own.shape[:-1], cfg.target_vocab_size), -math.inf)
-        out.logits[..., token_of] = own[..., :-1]  # [..., V]
+        out.logits = over_vocab(out.logits, token_of, cfg.target_vocab_size)  # [..., V]
         return out
 
     m.register_forward_pre_hook(rows_in, with_kwargs=True)

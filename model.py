@@ -357,6 +357,26 @@ class Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+# A draft's own vocabulary (ModelConfig.token_ids): ids in as rows, logits out over the vocabulary
+
+def vocab_maps(token_ids: list[int], V: int, device=None):
+    """-> (token_of [rows - 1]: row -> token id, row_of [V]: token id -> row, the last row for every
+    token outside token_ids)."""
+    token_of = torch.tensor(token_ids, dtype=torch.long, device=device)
+    row_of = torch.full((V,), len(token_ids), dtype=torch.long, device=device)
+    row_of[token_of] = torch.arange(len(token_ids), device=device)
+    return token_of, row_of
+
+
+def over_vocab(own, token_of, V: int):
+    """A draft's logits over its rows [..., rows] -> over the V-token vocabulary [..., V]: row r's
+    at token token_of[r], -inf (never written) elsewhere; the last row, which only reads, drops."""
+    logits = own.new_full((*own.shape[:-1], V), -math.inf)
+    logits[..., token_of] = own[..., :-1]
+    return logits
+
+
+# --------------------------------------------------------------------------------------------------
 # Tokens per prefill forward (Transformer.prefill): long prompts go in pieces of this size
 PREFILL_CHUNK = 2048
 
@@ -419,11 +439,8 @@ class Transformer(nn.Module):
         cfg, device = self.config, self.lm_head.weight.device
         with torch.device("cpu"):
             inv_freq = rope_inv_freq(cfg)
-            if cfg.token_ids is not None:  # token id -> row [V] (the last row: every other
-                # token), and row -> token id [rows - 1]
-                token_of = torch.tensor(cfg.token_ids, dtype=torch.long)
-                row_of = torch.full((cfg.vocab_size,), len(token_of), dtype=torch.long)
-                row_of[token_of] = torch.arange(len(token_of))
+            if cfg.token_ids is not None:
+                token_of, row_of = vocab_maps(cfg.token_ids, cfg.vocab_size)
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
         if cfg.token_ids is not None:
             self.register_buffer("row_of", row_of.to(device), persistent=False)
@@ -505,9 +522,7 @@ class Transformer(nn.Module):
             dist.all_gather(parts, logits.contiguous(), group=self.tp.group)
             logits = torch.cat(parts, -1)  # [..., V], rank order = vocabulary order
         if self.config.token_ids is not None:  # a draft's own rows, back over the vocabulary
-            own = logits
-            logits = own.new_full((*own.shape[:-1], self.config.vocab_size), -math.inf)
-            logits[..., self.token_of] = own[..., :-1]  # [..., rows] -> [..., V]
+            logits = over_vocab(logits, self.token_of, self.config.vocab_size)
         return logits.float()
 
     def forward(self, tokens):

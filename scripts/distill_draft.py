@@ -67,6 +67,7 @@ if str(REPO) not in sys.path:  # so `python scripts/distill_draft.py` imports th
     sys.path.insert(0, str(REPO))
 
 from checkpoint import load_model, resolve  # noqa: E402  (after the path is set)
+from model import vocab_maps  # noqa: E402
 from run import check_pair  # noqa: E402  (the pairing run.py checks)
 from scripts.train_tiny import lr_at  # noqa: E402  (warm-up, then cosine to a tenth of the peak)
 
@@ -399,11 +400,7 @@ def row_map(config) -> torch.Tensor | None:
     """Target token id -> draft row [V] for a draft with its own vocabulary (the last row for every
     token outside it); None for a draft over the target's whole vocabulary."""
     token_ids = getattr(config, "target_token_ids", None)
-    if token_ids is None:
-        return None
-    rows = torch.full((config.target_vocab_size,), len(token_ids), dtype=torch.long)
-    rows[token_ids] = torch.arange(len(token_ids))
-    return rows
+    return None if token_ids is None else vocab_maps(token_ids, config.target_vocab_size)[1]
 
 
 def batches(examples: list[dict], batch_tokens: int, rng: random.Random):
@@ -729,12 +726,12 @@ def main(argv=None):
     if tok is None:
         raise SystemExit(f"error: {args.target} has no tokenizer: a draft needs the target's")
     check_shape(args, target, tok)
-    heldout_prompts = build_prompts(args.prompts, args.heldout, args.seed)[1]
+    sets = [build_prompts(args.prompts, args.heldout, args.seed, ts) for ts in args.template_set]
+    heldout_prompts = sets[0][1]  # set 0's, whichever sets train
     heldout_ex = make_answers(target, tok, heldout_prompts, "heldout", args, work)
     train_ex = []  # --prompts of each template set, answered set by set (a set's chunks keep the
-    for ts in args.template_set:  # names they have when it is asked for alone)
-        train_ex += make_answers(target, tok, build_prompts(args.prompts, args.heldout, args.seed,
-                                                            ts)[0], "train", args, work)
+    for train_prompts, _ in sets:  # names they have when it is asked for alone)
+        train_ex += make_answers(target, tok, train_prompts, "train", args, work)
     log(work, f"data: {len(train_ex)} answers, {sum(len(e['answer']) for e in train_ex)} tokens "
               f"to train on; {sum(len(e['answer']) for e in heldout_ex)} held-out")
 
