@@ -163,7 +163,22 @@ MORE_TEMPLATES = [
 MORE_DOC_TEMPLATES = ["What is this text about?\n\n{}",
                       "Explain the following to a beginner:\n\n{}",
                       "List the key points of this text:\n\n{}"]
-TEMPLATE_SETS = [(TEMPLATES, DOC_TEMPLATES), (MORE_TEMPLATES, MORE_DOC_TEMPLATES)]
+# A third set, for a third sitting's worth of new greedy answers (--template-set 2).
+THIRD_TEMPLATES = [
+    "Can you explain {}?", "Write a short story that involves {}.", "What is a good analogy for {}?",
+    "What do experts disagree about when it comes to {}?", "Give me a checklist for {}.",
+    "What are three myths about {}?", "Explain {} in one paragraph.", "Who needs to know about {}?",
+    "Write a short poem about {}.", "What changed about {} in the last hundred years?",
+    "What is the difference between a beginner and an expert in {}?",
+    "Give me two examples of {} from daily life.", "Write a short news report about {}.",
+    "What are the first three things to learn about {}?", "How would you describe {} in a tweet?",
+    "What is one thing most people get wrong about {}?",
+]
+THIRD_DOC_TEMPLATES = ["Explain what this is for:\n\n{}",
+                       "Give a one-sentence summary of this text:\n\n{}",
+                       "Turn this into a short list of facts:\n\n{}"]
+TEMPLATE_SETS = [(TEMPLATES, DOC_TEMPLATES), (MORE_TEMPLATES, MORE_DOC_TEMPLATES),
+                 (THIRD_TEMPLATES, THIRD_DOC_TEMPLATES)]
 
 
 def held_out(text: str, percent: int) -> bool:

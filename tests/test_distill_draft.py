@@ -168,6 +168,9 @@ def test_prompts_are_reproducible_and_held_out_by_content():
     train_1, heldout_1 = dd.build_prompts(200, 40, seed=0, template_set=1)
     assert heldout_1 == heldout and not set(train_1) & set(train)
     assert not {tpl.format(t) for t in held_topics for tpl in dd.MORE_TEMPLATES} & set(train_1)
+    train_2, heldout_2 = dd.build_prompts(200, 40, seed=0, template_set=2)
+    assert heldout_2 == heldout and not set(train_2) & (set(train) | set(train_1))
+    assert not {tpl.format(t) for t in held_topics for tpl in dd.THIRD_TEMPLATES} & set(train_2)
 
 
 def test_a_work_dir_reused_with_other_prompts_answers_them(tmp_path):
@@ -185,8 +188,8 @@ def test_a_work_dir_reused_with_other_prompts_answers_them(tmp_path):
     dd.main(common + ["--template-set", "0,1"])  # both sets' answers, none answered again
     assert sorted((tmp_path / "w" / "answers").glob("train_*")) == chunks
     assert "data: 24 answers" in (tmp_path / "w" / "log.txt").read_text()
-    for bad in ("2", "0,0"):
-        with pytest.raises(Exception, match="give distinct sets in 0..1"):
+    for bad in ("3", "0,0"):
+        with pytest.raises(Exception, match="give distinct sets in 0..2"):
             dd.template_sets(bad)
 
 
