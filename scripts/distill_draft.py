@@ -11,10 +11,10 @@ resumable from --work-dir (run the same command again after a kill; nothing done
   1. prompts   chat prompts built reproducibly from material every machine has offline: templates
                over a list of topics, and the first paragraph of docstrings from the running
                Python's standard library. A topic or a docstring is held out by a hash of its text,
-               so the held-out prompts ask about things the training prompts never mention. A
-               second set of templates (--template-set 1; 0,1 for both) asks about the same
-               material in other words: new prompts for a later sitting, measured on the same
-               held-out prompts.
+               so the held-out prompts ask about things the training prompts never mention. Two
+               more sets of templates (--template-set 1 or 2; 0,1,2 for all three) ask about the
+               same material in other words: new prompts for later sittings, measured on the
+               same held-out prompts.
   2. answers   the target answers every prompt with this engine (model.Transformer, paged KV
                cache, batched): a --greedy-share of the answers greedy, the rest sampled at
                --sample-temp. At each answer position the logits that chose the next token ARE
