@@ -40,7 +40,7 @@ def test_greedy_sd_and_ssd_emit_the_targets_tokens_for_a_chat_answer(tok):
     for mode, extra in (("sd", {}), ("ssd", {"parallel": False}), ("ssd", {})):
         res = run.generate([PROMPT], mode=mode, **kw, **extra)
         assert res.tokens == ar.tokens, (mode, extra)
-        # a draft, not noise: an untrained one accepts ~0 of 49k tokens; the shipped one 0.39 here
+        # a draft, not noise: an untrained one accepts ~0 of 49k tokens; the shipped one 0.47 here
         assert res.stats["acceptance_rate"] > 0.1, res.stats
 
 
