@@ -297,16 +297,21 @@ def make_answers(target, tok, prompts: list[str], split: str, args, work: Path) 
     folder = work / "answers"
     folder.mkdir(exist_ok=True)
     examples = []
+    share = 1.0 if split == "heldout" else args.greedy_share
     for c in range(0, len(prompts), args.gen_batch):
         chunk = prompts[c:c + args.gen_batch]
-        # named by its place in the order and a hash of its prompts: a work dir reused with
-        # other prompts (another --template-set, a changed list) answers them, never mixes them up
-        digest = hashlib.md5("\n".join(chunk).encode()).hexdigest()[:8]
+        greedy = [math.floor((i + 1) * share) > math.floor(i * share) for i in range(len(chunk))]
+        # named by its place in the order and a hash of what decides its answers: its prompts,
+        # and where some rows are sampled, which rows, at what temperature, from what seed. A work
+        # dir reused with other prompts (another --template-set) or another --greedy-share answers
+        # them, never hands back answers of another kind
+        key = "\n".join(chunk)
+        if not all(greedy):
+            key += f"\n{greedy} T={args.sample_temp} seed={args.seed}"
+        digest = hashlib.md5(key.encode()).hexdigest()[:8]
         path = folder / f"{split}_{c:05d}-{c + len(chunk):05d}_{digest}.pt"
         if not path.exists():
             t0 = time.time()
-            share = 1.0 if split == "heldout" else args.greedy_share
-            greedy = [math.floor((i + 1) * share) > math.floor(i * share) for i in range(len(chunk))]
             gen = torch.Generator().manual_seed(args.seed * 100_003 + c)
             part = answer(target, [encode_prompt(tok, p) for p in chunk],
                           [0.0 if g else args.sample_temp for g in greedy], args.max_new_tokens,

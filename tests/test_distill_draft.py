@@ -193,6 +193,28 @@ def test_a_work_dir_reused_with_other_prompts_answers_them(tmp_path):
             dd.template_sets(bad)
 
 
+def test_a_work_dir_reused_with_another_greedy_share_answers_again(tmp_path):
+    """Chunks with sampled rows are named by the share, the temperature and the seed as well: a
+    work dir of greedy answers asked for sampled ones answers them (it used to hand back the greedy
+    chunks, named by their prompts alone), and greedy chunks keep their names."""
+    target = tiny_target(tmp_path / "target")
+    common = ["--target", str(target), "--out", str(tmp_path / "o"), "--work-dir",
+              str(tmp_path / "w"), *ARGS, "--steps", "0"]
+    folder = tmp_path / "w" / "answers"
+    dd.main(common + ["--greedy-share", "1"])
+    greedy = set(folder.glob("train_*"))
+    assert len(greedy) == 2 and all(ex["greedy"] for f in greedy for ex in torch.load(f))
+    dd.main(common + ["--greedy-share", "0.5"])
+    mixed = set(folder.glob("train_*")) - greedy
+    assert len(mixed) == 2
+    assert sorted(ex["greedy"] for f in mixed for ex in torch.load(f)) == [False] * 6 + [True] * 6
+    dd.main(common + ["--greedy-share", "1"])  # nothing new
+    dd.main(common + ["--greedy-share", "0.5"])
+    assert set(folder.glob("train_*")) == greedy | mixed
+    dd.main(common + ["--greedy-share", "0.5", "--sample-temp", "1.0"])
+    assert len(set(folder.glob("train_*")) - greedy - mixed) == 2
+
+
 def test_bad_arguments_are_one_line_errors(tmp_path):
     target = tiny_target(tmp_path / "target")
     make_checkpoint(tmp_path / "other", "llama", vocab_size=1000)
