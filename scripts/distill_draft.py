@@ -165,7 +165,8 @@ MORE_DOC_TEMPLATES = ["What is this text about?\n\n{}",
                       "List the key points of this text:\n\n{}"]
 # A third set, for a third sitting's worth of new greedy answers (--template-set 2).
 THIRD_TEMPLATES = [
-    "Can you explain {}?", "Write a short story that involves {}.", "What is a good analogy for {}?",
+    "Can you explain {}?", "Write a short story that involves {}.",
+    "What is a good analogy for {}?",
     "What do experts disagree about when it comes to {}?", "Give me a checklist for {}.",
     "What are three myths about {}?", "Explain {} in one paragraph.", "Who needs to know about {}?",
     "Write a short poem about {}.", "What changed about {} in the last hundred years?",
