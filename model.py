@@ -180,26 +180,62 @@ def tp_split_dim(name: str) -> int | None:
 
 class Linear(nn.Linear):
     """nn.Linear without bias (as every Llama / Qwen3 projection). On the CPU, 2..16 rows (a
-    verification, a few branches) can go as y = x W^T or as y^T = W x^T: the same product summed in
-    another order, and which one the BLAS runs faster depends on the machine, the row count and
-    the threads (W x^T: 24 against 27 ms for the tiny target's verification on a 2-core AMD EPYC;
-    x W^T: 2-3x faster on an AVX-512 Intel Xeon). So both are timed the first time a row count
-    comes with a thread count, and the faster is kept (docs/design.md section 10). Transformer
-    hands the layers of one weight shape one shared `transposed`, so each shape is timed once."""
+    verification, a few branches) can go three ways, the same product summed in other orders:
+    "plain" y = x W^T; "transposed" y^T = W x^T; "packed", MKL's GEMM on a copy of W laid out
+    once for that row count (mkl_pack). Which is fastest depends on the machine, the row count and
+    the threads: W x^T won on a 2-core AMD EPYC for the tiny target's verification (24 against
+    27 ms) and is 2-3x slower on an AVX-512 Intel Xeon, whose BLAS multiplies 4-8 rows in 1.7-2.5x
+    the time of 1-3 unless W is packed (SmolLM2-135M's 1536 x 576 weight, one thread: 0.28 ms
+    plain, 0.17 packed, for 4 rows). So the forms are timed the first time a row count comes with
+    a thread count, and the fastest is kept (docs/design.md section 10). Transformer hands the
+    layers of one weight shape one shared `forms`, so each shape is timed once; each layer packs
+    its own weight when it first runs a row count that chose "packed"."""
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__(in_features, out_features, bias=False)
-        self.transposed = {}  # (row count M, threads) -> W x^T was the faster form here
+        self.forms = {}  # (row count M, threads) -> the fastest form's name here
+        self.peers = [self]  # the layers sharing `forms` (Transformer: all of one weight shape)
+        self.packs = {}  # M -> (the weight's identity when packed, its packed copy or None)
 
     def forward(self, x):
         if x.device.type == "cpu" and x.shape[-1] < x.numel() <= 16 * x.shape[-1]:
             rows = x.reshape(-1, x.shape[-1])                           # [M, in], 1 < M <= 16
             key = (rows.shape[0], torch.get_num_threads())
-            if key not in self.transposed:
-                self.transposed[key] = transposed_is_faster(rows, self.weight)
-            if self.transposed[key]:
+            if key not in self.forms:
+                self.forms[key] = self.fastest_form(rows)
+            form = self.forms[key]
+            if form == "packed" and (pack := self.pack(rows.shape[0])) is not None:
+                return mkl_linear(rows, pack, self.weight).reshape(*x.shape[:-1], -1)
+            if form == "transposed":
                 return linear_transposed(rows, self.weight).reshape(*x.shape[:-1], -1)
         return F.linear(x, self.weight)
+
+    def fastest_form(self, rows) -> str:
+        """Each form timed over the peers' weights in turn, as a forward streams them from memory:
+        one weight timed alone stays in the CPU's cache and can rank the forms otherwise."""
+        M = rows.shape[0]
+        forms = {"plain": lambda layer: F.linear(rows, layer.weight),
+                 "transposed": lambda layer: linear_transposed(rows, layer.weight)}
+        if all(layer.pack(M) is not None for layer in self.peers):
+            forms["packed"] = lambda layer: mkl_linear(rows, layer.pack(M), layer.weight)
+        name = fastest(forms, self.peers[:TIMED_PEERS])
+        if name != "packed":  # copies of the weights that no row count uses: dropped
+            for layer in self.peers:
+                layer.packs.pop(M, None)
+        return name
+
+    def pack(self, M: int):
+        """This layer's weight packed by MKL for M rows, made on first use and again after the
+        weight changed (loaded, trained); None where it cannot be: no MKL, not float32, a weight
+        that is training (the packed GEMM has no backward), or no room for the copy."""
+        w = self.weight
+        if not MKL_PACK or w.dtype != torch.float32 or (w.requires_grad
+                                                        and torch.is_grad_enabled()):
+            return None
+        identity = (w.data_ptr(), w._version)  # _version counts in-place writes (copy_, optimisers)
+        if self.packs.get(M, (None,))[0] != identity:
+            self.packs[M] = (identity, mkl_pack(w, M) if room_for(w.nbytes) else None)
+        return self.packs[M][1]
 
 
 def linear_transposed(x, w):
@@ -207,17 +243,51 @@ def linear_transposed(x, w):
     return (w @ x.t()).t().contiguous()  # [out, M] -> [M, out]
 
 
+# Linear.fastest_form times each form over this many layers of a shape: enough weights to
+# overflow a core's cache (8 x 576 x 576 floats, SmolLM2-135M's smallest, are 10 MB), few enough
+# that the timing stays a fraction of a second in a process's first verification
+TIMED_PEERS = 8
+
+# MKL's packed GEMM (cblas_sgemm_pack, the kernel torch.compile's CPU backend uses for frozen fp32
+# linears), in torch builds with MKL: x86 wheels, not Apple silicon
+MKL_PACK = torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
+
+
+def mkl_pack(w, M: int):
+    """w [out, in] float32 copied into MKL's layout for products with M rows."""
+    return torch.ops.mkl._mkl_reorder_linear_weight(w.detach(), M)
+
+
+def mkl_linear(x, packed, w):
+    """x [M, in] @ w^T through w packed for M rows (mkl_pack) -> [M, out]."""
+    return torch.ops.mkl._mkl_linear(x, packed, w, None, x.shape[0])
+
+
+def room_for(nbytes: int) -> bool:
+    """Whether this machine keeps a quarter of its memory available after allocating nbytes
+    (Linux's /proc/meminfo; False where it cannot tell): a packed copy per row count must never
+    be what makes a large model run out of memory on a CPU."""
+    try:
+        info = dict(line.split(":") for line in open("/proc/meminfo"))
+        available, total = (int(info[k].split()[0]) * 1024 for k in ("MemAvailable", "MemTotal"))
+    except (OSError, KeyError, ValueError):
+        return False
+    return available - nbytes >= total // 4
+
+
 @torch.no_grad()
-def transposed_is_faster(x, w, reps: int = 5, clock=time.perf_counter) -> bool:
-    """Whether linear_transposed beats F.linear for these shapes here: `reps` timings of each,
-    interleaved (a slow moment hits both), the lower medians win; F.linear on a tie."""
-    plain, transposed = [], []
+def fastest(forms: dict, layers: list, reps: int = 5, clock=time.perf_counter) -> str:
+    """The name of the fastest of `forms` (name -> f(layer)), each run over all `layers` per
+    timing: `reps` timings of each, interleaved (a slow moment hits all), the lowest median wins;
+    the first form on a tie."""
+    times = {name: [] for name in forms}
     for _ in range(reps):
-        for form, times in ((F.linear, plain), (linear_transposed, transposed)):
+        for name, form in forms.items():
             t0 = clock()
-            form(x, w)
-            times.append(clock() - t0)
-    return sorted(transposed)[reps // 2] < sorted(plain)[reps // 2]
+            for layer in layers:
+                form(layer)
+            times[name].append(clock() - t0)
+    return min(forms, key=lambda name: sorted(times[name])[reps // 2])
 
 
 def matmul_fp32(x, w):
@@ -406,10 +476,12 @@ class Transformer(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, vocab)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        forms = {}  # weight shape -> the Linear choices all layers of that shape share
+        forms, peers = {}, {}  # weight shape -> the choices and the layers that share them
         for mod in self.modules():
             if isinstance(mod, Linear):
-                mod.transposed = forms.setdefault(tuple(mod.weight.shape), {})
+                mod.forms = forms.setdefault(tuple(mod.weight.shape), {})
+                mod.peers = peers.setdefault(tuple(mod.weight.shape), [])
+                mod.peers.append(mod)
         self.static: StaticSteps | None = None  # set by use_graphs
         self.kv_pool: PagedKVCache | None = None  # the cache new_cache(reuse=True) hands back
         self.init_buffers()

@@ -549,50 +549,90 @@ def test_defaults_dtype_tokenizer_and_device(ckpts):
         one_line(e, "cuda:7")
 
 
-def test_linear_keeps_the_faster_form_per_row_count_and_computes_the_same_product(monkeypatch):
-    def clock_of(plain_s, transposed_s):  # clock() readings: a (start, end) pair per timed call
+def test_fastest_form_is_the_lowest_median_over_all_layers():
+    def clock_of(*spent_s):  # clock() readings: a (start, end) pair per timed form, 5 rounds
         ticks, now = [], 0.0
         for _ in range(5):
-            for spent in (plain_s, transposed_s):
+            for spent in spent_s:
                 ticks += [now, now + spent]
                 now += spent
         return iter(ticks).__next__
 
-    x, w = torch.randn(3, 8), torch.randn(16, 8)
-    assert model.transposed_is_faster(x, w, clock=clock_of(2.0, 1.0))
-    assert not model.transposed_is_faster(x, w, clock=clock_of(1.0, 2.0))
-    assert not model.transposed_is_faster(x, w, clock=clock_of(1.0, 1.0))  # a tie: x W^T
-
-    lin = model.Linear(8, 16)
     calls = []
-    for choice in (True, False):
-        monkeypatch.setattr(model, "transposed_is_faster",
-                            lambda x, w, choice=choice: calls.append(len(x)) or choice)
-        lin.transposed.clear()
-        for rows in (3, 3, 4, 1, 32):  # timed once per count in 2..16; 1 and 32 rows never
-            xs = torch.randn(rows, 8)
-            torch.testing.assert_close(lin(xs), xs @ lin.weight.t(), atol=1e-5, rtol=1e-5)
-        threads = torch.get_num_threads()
-        assert lin.transposed == {(3, threads): choice, (4, threads): choice}
-    assert calls == [3, 4, 3, 4]
-    # another thread count is timed again: the faster form can differ with the threads
+    forms = {name: (lambda layer, name=name: calls.append((name, layer)))
+             for name in ("plain", "transposed", "packed")}
+    assert model.fastest(forms, ["a", "b"], clock=clock_of(2.0, 1.0, 3.0)) == "transposed"
+    assert calls[:6] == [(n, l) for n in forms for l in "ab"]  # each timing runs every layer
+    assert len(calls) == 5 * 3 * 2
+    assert model.fastest(forms, ["a"], clock=clock_of(2.0, 3.0, 1.0)) == "packed"
+    assert model.fastest(forms, ["a"], clock=clock_of(1.0, 1.0, 1.0)) == "plain"  # a tie
+
+
+FORMS = ("plain", "transposed") + (("packed",) if model.MKL_PACK else ())
+
+
+@pytest.mark.parametrize("choice", FORMS)
+def test_linear_keeps_the_fastest_form_per_row_count_and_computes_the_same_product(monkeypatch,
+                                                                                   choice):
+    lin = model.Linear(8, 16).requires_grad_(False)  # a loaded model's: packing allowed
+    timed = []
+    monkeypatch.setattr(model, "fastest",
+                        lambda forms, layers: timed.append(sorted(forms)) or choice)
+    for rows in (3, 3, 4, 1, 32):  # timed once per count in 2..16; 1 and 32 rows never
+        xs = torch.randn(rows, 8)
+        torch.testing.assert_close(lin(xs), xs @ lin.weight.t(), atol=1e-5, rtol=1e-5)
     threads = torch.get_num_threads()
+    assert lin.forms == {(3, threads): choice, (4, threads): choice}
+    assert timed == [sorted(FORMS)] * 2
+    # a packed copy is kept only for the row counts that chose it
+    assert sorted(lin.packs) == ([3, 4] if choice == "packed" else [])
+    # another thread count is timed again: the fastest form can differ with the threads
     try:
         torch.set_num_threads(threads + 1)
         lin(torch.randn(3, 8))
     finally:
         torch.set_num_threads(threads)
-    assert calls == [3, 4, 3, 4, 3]
+    assert len(timed) == 3
 
 
-def test_layers_of_one_weight_shape_share_one_timing(ckpts):
+@pytest.mark.skipif(not model.MKL_PACK, reason="this torch build has no MKL packed GEMM")
+def test_a_packed_weight_follows_the_weight_and_steps_aside_for_training(monkeypatch):
+    lin = model.Linear(8, 16)  # requires_grad: packed only under no_grad
+    lin.forms[(4, torch.get_num_threads())] = "packed"
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(lin(x), x @ lin.weight.t(), atol=1e-5, rtol=1e-5)
+        packed = lin.packs[4][1]
+        lin.weight.copy_(torch.randn(16, 8))  # a new checkpoint loaded in place, an optimiser step
+        torch.testing.assert_close(lin(x), x @ lin.weight.t(), atol=1e-5, rtol=1e-5)
+        assert lin.packs[4][1] is not packed
+    # training: the packed GEMM has no backward, so a weight that needs a gradient gets F.linear
+    lin(x).sum().backward()
+    torch.testing.assert_close(lin.weight.grad, x.sum(0).expand(16, 8))
+    # no room for a copy of the weight: the product is still computed, without one
+    monkeypatch.setattr(model, "room_for", lambda nbytes: False)
+    lin.packs.clear()
+    with torch.no_grad():
+        torch.testing.assert_close(lin(x), x @ lin.weight.t(), atol=1e-5, rtol=1e-5)
+    assert lin.packs[4][1] is None
+
+
+def test_layers_of_one_weight_shape_share_one_timing(ckpts, monkeypatch):
     m, _ = load_model(ckpts["llama"])
     linears = [mod for mod in m.modules() if isinstance(mod, model.Linear)]
     by_shape = {}
     for mod in linears:
-        by_shape.setdefault(tuple(mod.weight.shape), set()).add(id(mod.transposed))
+        by_shape.setdefault(tuple(mod.weight.shape), set()).add(id(mod.forms))
     assert len(linears) > len(by_shape) and all(len(ids) == 1 for ids in by_shape.values())
-    assert len({id(mod.transposed) for mod in linears}) == len(by_shape)
+    assert len({id(mod.forms) for mod in linears}) == len(by_shape)
+    # the peers are the layers of that shape, and a timing runs over all of them
+    for mod in linears:
+        assert mod.peers == [p for p in linears if p.weight.shape == mod.weight.shape]
+    timed = []
+    monkeypatch.setattr(model, "fastest", lambda forms, layers: timed.append(layers) or "plain")
+    mod = m.model.layers[0].mlp.down_proj
+    mod(torch.randn(3, mod.in_features))
+    assert timed == [mod.peers] and len(mod.peers) == m.config.num_hidden_layers
 
 
 # --------------------------------------------------------------------------------------------------
