@@ -17,7 +17,9 @@ resumable from --work-dir (run the same command again after a kill; nothing done
                same held-out prompts.
   2. answers   the target answers every prompt with this engine (model.Transformer, paged KV
                cache, batched): a --greedy-share of the answers greedy, the rest sampled at
-               --sample-temp. At each answer position the logits that chose the next token ARE
+               --sample-temp (one share for all template sets, or one per set: "--template-set
+               0,0 --greedy-share 1,0" trains on set 0's greedy and its sampled answers). At
+               each answer position the logits that chose the next token ARE
                the target's distribution there, so its top --topk log-probabilities are kept as
                the label (a full 49k-entry row per token would not fit in memory); no second
                target pass is needed.
@@ -289,16 +291,18 @@ def answer(target, prompts: list[list[int]], temps: list[float], max_new: int, t
     return out
 
 
-def make_answers(target, tok, prompts: list[str], split: str, args, work: Path) -> list[dict]:
+def make_answers(target, tok, prompts: list[str], share: float | None, args, work: Path
+                 ) -> list[dict]:
     """All answers of one split, in chunk files of --gen-batch prompts (a kill loses at most the
-    chunk in progress). Training prompts: a --greedy-share of each chunk's rows (spread evenly)
-    greedy, the others sampled at --sample-temp; held-out prompts: all greedy (agreement is
+    chunk in progress). Training prompts: a `share` of each chunk's rows (spread evenly) greedy,
+    the others sampled at --sample-temp; held-out prompts (share None): all greedy (agreement is
     measured on the target's greedy text)."""
+    split = "heldout" if share is None else "train"
     eos = set(target.config.eos_token_ids) | ({tok.eos_token_id} - {None})
     folder = work / "answers"
     folder.mkdir(exist_ok=True)
     examples = []
-    share = 1.0 if split == "heldout" else args.greedy_share
+    share = 1.0 if share is None else share
     for c in range(0, len(prompts), args.gen_batch):
         chunk = prompts[c:c + args.gen_batch]
         greedy = [math.floor((i + 1) * share) > math.floor(i * share) for i in range(len(chunk))]
@@ -637,11 +641,26 @@ def int_list(text: str) -> list[int]:
 
 
 def template_sets(text: str) -> list[int]:
-    """"0,1" -> [0, 1], each an index of TEMPLATE_SETS (argparse names a bad one in one line)."""
-    sets = int_list(text)
-    if not sets or any(not 0 <= x < len(TEMPLATE_SETS) for x in sets) or len(set(sets)) < len(sets):
-        raise argparse.ArgumentTypeError(f"give distinct sets in 0..{len(TEMPLATE_SETS) - 1}")
+    """"0,1" -> [0, 1], each an index of TEMPLATE_SETS (argparse names a bad one in one line). A
+    set may come twice, with two --greedy-share values: its greedy and its sampled answers."""
+    try:
+        sets = int_list(text)
+    except ValueError:
+        sets = []
+    if not sets or any(not 0 <= x < len(TEMPLATE_SETS) for x in sets):
+        raise argparse.ArgumentTypeError(f"give sets in 0..{len(TEMPLATE_SETS) - 1}")
     return sets
+
+
+def shares(text: str) -> list[float]:
+    """"1,0" -> [1.0, 0.0]: --greedy-share, one for all template sets or one per set."""
+    try:
+        values = [float(x) for x in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or any(not 0 <= x <= 1 for x in values):
+        raise argparse.ArgumentTypeError("give shares in [0, 1], one or one per --template-set")
+    return values
 
 
 def parse_args(argv=None):
@@ -656,7 +675,8 @@ def parse_args(argv=None):
     g.add_argument("--prompts", type=int, default=800, help="training prompts")
     g.add_argument("--heldout", type=int, default=60, help="held-out prompts")
     g.add_argument("--max-new-tokens", type=int, default=192)
-    g.add_argument("--greedy-share", type=float, default=0.5)
+    g.add_argument("--greedy-share", type=shares, default=[0.5],
+                   help="the greedy share of the answers: one for all sets or one per set")
     g.add_argument("--sample-temp", type=float, default=0.7)
     g.add_argument("--topk", type=int, default=32)
     g.add_argument("--gen-batch", type=int, default=64)
@@ -683,7 +703,14 @@ def parse_args(argv=None):
     g.add_argument("--eval-every", type=int, default=200)
     g.add_argument("--save-every-s", type=float, default=120)
     g.add_argument("--seed", type=int, default=0)
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if len(args.greedy_share) == 1:
+        args.greedy_share *= len(args.template_set)
+    pairs = list(zip(args.template_set, args.greedy_share))
+    if len(args.greedy_share) != len(args.template_set) or len(set(pairs)) < len(pairs):
+        ap.error(f"--template-set {args.template_set} with --greedy-share {args.greedy_share}: "
+                 f"give one share or one per set, and each (set, share) once")
+    return args
 
 
 def check_shape(args, target, tok):
@@ -749,10 +776,10 @@ def main(argv=None):
     check_shape(args, target, tok)
     sets = [build_prompts(args.prompts, args.heldout, args.seed, ts) for ts in args.template_set]
     heldout_prompts = sets[0][1]  # set 0's, whichever sets train
-    heldout_ex = make_answers(target, tok, heldout_prompts, "heldout", args, work)
+    heldout_ex = make_answers(target, tok, heldout_prompts, None, args, work)
     train_ex = []  # --prompts of each template set, answered set by set (a set's chunks keep the
-    for train_prompts, _ in sets:  # names they have when it is asked for alone)
-        train_ex += make_answers(target, tok, train_prompts, "train", args, work)
+    for (train_prompts, _), share in zip(sets, args.greedy_share):  # names they have alone)
+        train_ex += make_answers(target, tok, train_prompts, share, args, work)
     log(work, f"data: {len(train_ex)} answers, {sum(len(e['answer']) for e in train_ex)} tokens "
               f"to train on; {sum(len(e['answer']) for e in heldout_ex)} held-out")
 

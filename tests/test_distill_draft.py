@@ -188,8 +188,8 @@ def test_a_work_dir_reused_with_other_prompts_answers_them(tmp_path):
     dd.main(common + ["--template-set", "0,1"])  # both sets' answers, none answered again
     assert sorted((tmp_path / "w" / "answers").glob("train_*")) == chunks
     assert "data: 24 answers" in (tmp_path / "w" / "log.txt").read_text()
-    for bad in ("3", "0,0"):
-        with pytest.raises(Exception, match="give distinct sets in 0..2"):
+    for bad in ("3", "-1", ""):
+        with pytest.raises(Exception, match="give sets in 0..2"):
             dd.template_sets(bad)
 
 
@@ -213,6 +213,15 @@ def test_a_work_dir_reused_with_another_greedy_share_answers_again(tmp_path):
     assert set(folder.glob("train_*")) == greedy | mixed
     dd.main(common + ["--greedy-share", "0.5", "--sample-temp", "1.0"])
     assert len(set(folder.glob("train_*")) - greedy - mixed) == 2
+    # a share per set: one set's greedy and sampled answers together, all answered already
+    before, log = set(folder.glob("train_*")), tmp_path / "w" / "log.txt"
+    logged = len(log.read_text().splitlines())
+    dd.main(common + ["--template-set", "0,0", "--greedy-share", "1,0.5"])
+    assert set(folder.glob("train_*")) == before
+    assert "data: 24 answers" in "".join(log.read_text().splitlines()[logged:])  # 12 + 12
+    for sets, share in (("0,0", "1"), ("0,1", "1,0.5,0"), ("0", "2")):
+        with pytest.raises(SystemExit):
+            dd.parse_args(common + ["--template-set", sets, "--greedy-share", share])
 
 
 def test_bad_arguments_are_one_line_errors(tmp_path):
