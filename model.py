@@ -184,10 +184,10 @@ class Linear(nn.Linear):
     "plain" y = x W^T; "transposed" y^T = W x^T; "packed", MKL's GEMM on a copy of W laid out
     once for that row count (mkl_pack). Which is fastest depends on the machine, the row count and
     the threads: W x^T won on a 2-core AMD EPYC for the tiny target's verification (24 against
-    27 ms) and is 2-3x slower on an AVX-512 Intel Xeon, whose BLAS multiplies 4-8 rows in 1.7-2.5x
-    the time of 1-3 unless W is packed (SmolLM2-135M's 1536 x 576 weight, one thread: 0.28 ms
-    plain, 0.17 packed, for 4 rows). So the forms are timed the first time a row count comes with
-    a thread count, and the fastest is kept (docs/design.md section 10). Transformer hands the
+    27 ms) and is 2-3x slower on an AVX-512 Intel Xeon, whose BLAS multiplies 4 rows in 1.6x the
+    time of 3 unless W is packed (SmolLM2-135M's 3072 x 576 weights, one thread: 0.71 ms for 3
+    rows; 1.15 plain, 0.76 packed for 4). So the forms are timed the first time a row count comes
+    with a thread count, and the fastest is kept (docs/design.md section 10). Transformer hands the
     layers of one weight shape one shared `forms`, so each shape is timed once; each layer packs
     its own weight when it first runs a row count that chose "packed"."""
 
@@ -213,14 +213,14 @@ class Linear(nn.Linear):
     def fastest_form(self, rows) -> str:
         """Each form timed over the peers' weights in turn, as a forward streams them from memory:
         one weight timed alone stays in the CPU's cache and can rank the forms otherwise."""
-        M = rows.shape[0]
+        M, timed = rows.shape[0], self.peers[:TIMED_PEERS]
         forms = {"plain": lambda layer: F.linear(rows, layer.weight),
                  "transposed": lambda layer: linear_transposed(rows, layer.weight)}
-        if all(layer.pack(M) is not None for layer in self.peers):
+        if all(layer.pack(M) is not None for layer in timed):  # the others pack on first use
             forms["packed"] = lambda layer: mkl_linear(rows, layer.pack(M), layer.weight)
-        name = fastest(forms, self.peers[:TIMED_PEERS])
+        name = fastest(forms, timed)
         if name != "packed":  # copies of the weights that no row count uses: dropped
-            for layer in self.peers:
+            for layer in timed:
                 layer.packs.pop(M, None)
         return name
 
