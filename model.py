@@ -232,7 +232,9 @@ class Linear(nn.Linear):
         if not MKL_PACK or w.dtype != torch.float32 or (w.requires_grad
                                                         and torch.is_grad_enabled()):
             return None
-        identity = (w.data_ptr(), w._version)  # _version counts in-place writes (copy_, optimisers)
+        # _version counts in-place writes (copy_, optimisers); a tensor made under
+        # torch.inference_mode keeps none, and is not written after loading
+        identity = (w.data_ptr(), None if w.is_inference() else w._version)
         if self.packs.get(M, (None,))[0] != identity:
             self.packs[M] = (identity, mkl_pack(w, M) if room_for(w.nbytes) else None)
         return self.packs[M][1]

@@ -615,6 +615,13 @@ def test_a_packed_weight_follows_the_weight_and_steps_aside_for_training(monkeyp
     with torch.no_grad():
         torch.testing.assert_close(lin(x), x @ lin.weight.t(), atol=1e-5, rtol=1e-5)
     assert lin.packs[4][1] is None
+    # a model loaded under torch.inference_mode: its weights keep no version counter
+    monkeypatch.undo()
+    with torch.inference_mode():
+        lin = model.Linear(8, 16)
+        lin.forms[(4, torch.get_num_threads())] = "packed"
+        torch.testing.assert_close(lin(x), x @ lin.weight.t(), atol=1e-5, rtol=1e-5)
+        assert lin.packs[4][1] is not None
 
 
 def test_layers_of_one_weight_shape_share_one_timing(ckpts, monkeypatch):
