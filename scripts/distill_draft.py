@@ -774,7 +774,9 @@ def main(argv=None):
     if tok is None:
         raise SystemExit(f"error: {args.target} has no tokenizer: a draft needs the target's")
     check_shape(args, target, tok)
-    sets = [build_prompts(args.prompts, args.heldout, args.seed, ts) for ts in args.template_set]
+    built = {ts: build_prompts(args.prompts, args.heldout, args.seed, ts)  # a set asked for
+             for ts in dict.fromkeys(args.template_set)}                    # twice is built once
+    sets = [built[ts] for ts in args.template_set]
     heldout_prompts = sets[0][1]  # set 0's, whichever sets train
     heldout_ex = make_answers(target, tok, heldout_prompts, None, args, work)
     train_ex = []  # --prompts of each template set, answered set by set (a set's chunks keep the
