@@ -184,17 +184,18 @@ class Linear(nn.Linear):
     "plain" y = x W^T; "transposed" y^T = W x^T; "packed", MKL's GEMM on a copy of W laid out
     once for that row count (mkl_pack). Which is fastest depends on the machine, the row count and
     the threads: W x^T won on a 2-core AMD EPYC for the tiny target's verification (24 against
-    27 ms) and is 2-3x slower on an AVX-512 Intel Xeon, whose BLAS multiplies 4 rows in 1.6x the
-    time of 3 unless W is packed (SmolLM2-135M's 3072 x 576 weights, one thread: 0.71 ms for 3
-    rows; 1.15 plain, 0.76 packed for 4). So the forms are timed the first time a row count comes
-    with a thread count, and the fastest is kept (docs/design.md section 10). Transformer hands the
-    layers of one weight shape one shared `forms`, so each shape is timed once; each layer packs
-    its own weight when it first runs a row count that chose "packed"."""
+    27 ms) and is 2-3x slower on an AVX-512 Intel Xeon, whose BLAS multiplies 4 rows from memory in
+    1.6x the time of 3 unless W is packed (SmolLM2-135M's 3072 x 576 weights, one thread: 0.72 ms
+    for 3 rows; 1.08 plain, 0.74 packed for 4). So the forms are timed the first time a row count
+    comes with a thread count (choose_forms, over the whole model at once) and the fastest is kept
+    per weight shape: Transformer hands the layers of one shape one shared `forms`, and every
+    layer the list of all of them (`sweep`); each layer packs its own weight when it first runs a
+    row count that chose "packed"."""
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__(in_features, out_features, bias=False)
-        self.forms = {}  # (row count M, threads) -> the fastest form's name here
-        self.peers = [self]  # the layers sharing `forms` (Transformer: all of one weight shape)
+        self.forms = {}  # (row count M, threads) -> the fastest form's name for this weight shape
+        self.sweep = [self]  # the layers timed together (Transformer: all its Linears, in order)
         self.packs = {}  # M -> (the weight's identity when packed, its packed copy or None)
 
     def forward(self, x):
@@ -202,27 +203,17 @@ class Linear(nn.Linear):
             rows = x.reshape(-1, x.shape[-1])                           # [M, in], 1 < M <= 16
             key = (rows.shape[0], torch.get_num_threads())
             if key not in self.forms:
-                self.forms[key] = self.fastest_form(rows)
-            form = self.forms[key]
-            if form == "packed" and (pack := self.pack(rows.shape[0])) is not None:
-                return mkl_linear(rows, pack, self.weight).reshape(*x.shape[:-1], -1)
-            if form == "transposed":
-                return linear_transposed(rows, self.weight).reshape(*x.shape[:-1], -1)
+                choose_forms(self.sweep, rows.shape[0])
+            return self.product(rows, self.forms[key]).reshape(*x.shape[:-1], -1)
         return F.linear(x, self.weight)
 
-    def fastest_form(self, rows) -> str:
-        """Each form timed over the peers' weights in turn, as a forward streams them from memory:
-        one weight timed alone stays in the CPU's cache and can rank the forms otherwise."""
-        M, timed = rows.shape[0], self.peers[:TIMED_PEERS]
-        forms = {"plain": lambda layer: F.linear(rows, layer.weight),
-                 "transposed": lambda layer: linear_transposed(rows, layer.weight)}
-        if all(layer.pack(M) is not None for layer in timed):  # the others pack on first use
-            forms["packed"] = lambda layer: mkl_linear(rows, layer.pack(M), layer.weight)
-        name = fastest(forms, timed)
-        if name != "packed":  # copies of the weights that no row count uses: dropped
-            for layer in timed:
-                layer.packs.pop(M, None)
-        return name
+    def product(self, rows, form: str):
+        """rows [M, in] @ W^T -> [M, out] in `form` (plain where a pack cannot be made)."""
+        if form == "packed" and (pack := self.pack(rows.shape[0])) is not None:
+            return mkl_linear(rows, pack, self.weight)
+        if form == "transposed":
+            return linear_transposed(rows, self.weight)
+        return F.linear(rows, self.weight)
 
     def pack(self, M: int):
         """This layer's weight packed by MKL for M rows, made on first use and again after the
@@ -244,11 +235,6 @@ def linear_transposed(x, w):
     """x [M, in] @ w [out, in]^T computed as (W x^T)^T -> [M, out], contiguous."""
     return (w @ x.t()).t().contiguous()  # [out, M] -> [M, out]
 
-
-# Linear.fastest_form times each form over this many layers of a shape: enough weights to
-# overflow a core's cache (8 x 576 x 576 floats, SmolLM2-135M's smallest, are 10 MB), few enough
-# that the timing stays a fraction of a second in a process's first verification
-TIMED_PEERS = 8
 
 # MKL's packed GEMM (cblas_sgemm_pack, the kernel torch.compile's CPU backend uses for frozen fp32
 # linears), in torch builds with MKL: x86 wheels, not Apple silicon
@@ -277,19 +263,63 @@ def room_for(nbytes: int) -> bool:
     return available - nbytes >= total // 4
 
 
+# A timing sweep streams at most about this many bytes of weights (then one layer of each shape
+# not reached yet, the head): more than any CPU cache, so a model too large to sweep whole is timed
+# from memory as its forward runs, in a second or two (an 8B model in float32: 1 GiB of its 32)
+SWEEP_BYTES = 1 << 30
+
+
+def sweep_of(layers: list, budget: int = SWEEP_BYTES) -> list:
+    """The layers a timing sweep runs: `layers` (a model's Linears in forward order) while their
+    weights come to less than `budget` bytes, then the first layer of each weight shape (`forms`)
+    not reached yet."""
+    out, nbytes, shapes = [], 0, set()
+    for layer in layers:
+        if nbytes < budget or id(layer.forms) not in shapes:
+            out.append(layer)
+            nbytes += layer.weight.nbytes
+            shapes.add(id(layer.forms))
+    return out
+
+
 @torch.no_grad()
-def fastest(forms: dict, layers: list, reps: int = 5, clock=time.perf_counter) -> str:
-    """The name of the fastest of `forms` (name -> f(layer)), each run over all `layers` per
-    timing: `reps` timings of each, interleaved (a slow moment hits all), the lowest median wins;
-    the first form on a tie."""
-    times = {name: [] for name in forms}
+def choose_forms(layers: list, M: int, reps: int = 3, clock=time.perf_counter):
+    """Time the forms for M rows and store each weight shape's fastest in its `forms`, under (M,
+    threads). A timing is a sweep: every layer of sweep_of(layers) in turn, all in one form, as a
+    forward streams them, so each product finds its weight where a forward finds it (in memory, or
+    in the cache when the whole model fits). Timing each shape's layers alone, over and over, kept
+    them in this Xeon's large cache: 8 of SmolLM2-135M's 3072 x 576 weights (56 MB) timed plain and
+    packed equal for 4 rows, which cost 1.08 and 0.74 ms a weight in a forward, and the choice
+    flipped from run to run (a 4-token verification 1.25 or 1.66 AR steps). `reps` sweeps per form,
+    interleaved (a slow moment hits all); per shape the lowest median wins (fastest)."""
+    sweep = sweep_of(layers)
+    forms = ("plain", "transposed")
+    if all(layer.pack(M) is not None for layer in sweep):  # the others pack on first use
+        forms += ("packed",)
+    w = sweep[0].weight
+    x = {n: torch.randn(M, n, dtype=w.dtype, device=w.device)
+         for n in {layer.in_features for layer in sweep}}
+    times = {(id(layer.forms), form): [] for layer in sweep for form in forms}  # per sweep
     for _ in range(reps):
-        for name, form in forms.items():
-            t0 = clock()
-            for layer in layers:
-                form(layer)
-            times[name].append(clock() - t0)
-    return min(forms, key=lambda name: sorted(times[name])[reps // 2])
+        for form in forms:
+            spent = dict.fromkeys({id(layer.forms) for layer in sweep}, 0.0)
+            for layer in sweep:
+                t0 = clock()
+                layer.product(x[layer.in_features], form)
+                spent[id(layer.forms)] += clock() - t0
+            for shape, s in spent.items():
+                times[shape, form].append(s)
+    key = (M, torch.get_num_threads())
+    for layer in sweep:
+        layer.forms[key] = fastest({form: times[id(layer.forms), form] for form in forms})
+    for layer in layers:
+        if layer.forms.get(key) != "packed":  # copies of the weights that no row count uses
+            layer.packs.pop(M, None)
+
+
+def fastest(times: dict) -> str:
+    """The form (name -> its timings) with the lowest median; the first one on a tie."""
+    return min(times, key=lambda name: sorted(times[name])[len(times[name]) // 2])
 
 
 def matmul_fp32(x, w):
@@ -478,12 +508,12 @@ class Transformer(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, vocab)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        forms, peers = {}, {}  # weight shape -> the choices and the layers that share them
+        forms, sweep = {}, []  # weight shape -> its layers' choices; all layers, in order
         for mod in self.modules():
             if isinstance(mod, Linear):
                 mod.forms = forms.setdefault(tuple(mod.weight.shape), {})
-                mod.peers = peers.setdefault(tuple(mod.weight.shape), [])
-                mod.peers.append(mod)
+                mod.sweep = sweep
+                sweep.append(mod)
         self.static: StaticSteps | None = None  # set by use_graphs
         self.kv_pool: PagedKVCache | None = None  # the cache new_cache(reuse=True) hands back
         self.init_buffers()

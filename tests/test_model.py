@@ -549,23 +549,57 @@ def test_defaults_dtype_tokenizer_and_device(ckpts):
         one_line(e, "cuda:7")
 
 
-def test_fastest_form_is_the_lowest_median_over_all_layers():
-    def clock_of(*spent_s):  # clock() readings: a (start, end) pair per timed form, 5 rounds
-        ticks, now = [], 0.0
-        for _ in range(5):
-            for spent in spent_s:
-                ticks += [now, now + spent]
-                now += spent
-        return iter(ticks).__next__
+def test_fastest_form_is_the_lowest_median():
+    assert model.fastest({"plain": [2, 9, 2], "transposed": [1, 1, 9], "packed": [3, 3, 0]}) \
+        == "transposed"
+    assert model.fastest({"plain": [1.0] * 3, "transposed": [1.0] * 3}) == "plain"  # a tie
 
-    calls = []
-    forms = {name: (lambda layer, name=name: calls.append((name, layer)))
-             for name in ("plain", "transposed", "packed")}
-    assert model.fastest(forms, ["a", "b"], clock=clock_of(2.0, 1.0, 3.0)) == "transposed"
-    assert calls[:6] == [(n, l) for n in forms for l in "ab"]  # each timing runs every layer
-    assert len(calls) == 5 * 3 * 2
-    assert model.fastest(forms, ["a"], clock=clock_of(2.0, 3.0, 1.0)) == "packed"
-    assert model.fastest(forms, ["a"], clock=clock_of(1.0, 1.0, 1.0)) == "plain"  # a tie
+
+class FakeLinear:
+    """What choose_forms reads of a layer: its shape's `forms`, in_features, weight, packs, and a
+    product that records its call and spends `cost` of a fake clock (`now`)."""
+
+    def __init__(self, name, forms, in_features, mb, calls, cost=None, now=None):
+        self.name, self.forms, self.in_features = name, forms, in_features
+        self.calls, self.cost, self.now = calls, cost, now
+        self.weight = torch.empty(mb << 18)  # mb MiB of float32
+        self.packs = {3: "stale"}
+
+    def pack(self, M):
+        return "a pack"
+
+    def product(self, x, form):
+        self.calls.append((self.name, form, tuple(x.shape)))
+        if self.cost:
+            self.now[0] += self.cost[self.name[0], form]
+
+
+def test_forms_are_timed_in_sweeps_over_the_model_as_a_forward_streams_it(monkeypatch):
+    # two weight shapes, A and B, in forward order a1 b1 a2 b2: every timing runs all four in one
+    # form, and each shape's choice comes from its own layers' time in those sweeps
+    cost = {("a", "plain"): 2, ("a", "transposed"): 3, ("a", "packed"): 1,  # A: packed
+            ("b", "plain"): 1, ("b", "transposed"): 3, ("b", "packed"): 2}  # B: plain
+    calls, A, B, now = [], {}, {}, [0.0]
+    layers = [FakeLinear(n, f, d, 1, calls, cost, now)
+              for n, f, d in (("a1", A, 4), ("b1", B, 6), ("a2", A, 4), ("b2", B, 6))]
+    model.choose_forms(layers, 3, reps=2, clock=lambda: now[0])
+    threads = torch.get_num_threads()
+    assert A == {(3, threads): "packed"} and B == {(3, threads): "plain"}
+    forms = ("plain", "transposed", "packed")
+    assert [(n, f) for n, f, _ in calls] == [(n, f) for _ in range(2) for f in forms
+                                             for n in ("a1", "b1", "a2", "b2")]
+    assert {(n[0], s) for n, _, s in calls} == {("a", (3, 4)), ("b", (3, 6))}
+    # a shape that chose another form drops its packed copies for that row count
+    assert [layer.packs for layer in layers] == [{3: "stale"}, {}, {3: "stale"}, {}]
+
+
+def test_a_sweep_stops_after_its_byte_budget_but_times_every_shape():
+    calls, A, B, H = [], {}, {}, {}
+    layers = [FakeLinear(n, f, 4, 1, calls) for n, f in
+              (("a1", A), ("b1", B), ("a2", A), ("b2", B), ("a3", A), ("b3", B), ("h", H))]
+    names = [layer.name for layer in model.sweep_of(layers, budget=3 << 20)]
+    assert names == ["a1", "b1", "a2", "h"]  # 3 MiB of weights, then the head's shape
+    assert [layer.name for layer in model.sweep_of(layers)] == [layer.name for layer in layers]
 
 
 FORMS = ("plain", "transposed") + (("packed",) if model.MKL_PACK else ())
@@ -576,8 +610,7 @@ def test_linear_keeps_the_fastest_form_per_row_count_and_computes_the_same_produ
                                                                                    choice):
     lin = model.Linear(8, 16).requires_grad_(False)  # a loaded model's: packing allowed
     timed = []
-    monkeypatch.setattr(model, "fastest",
-                        lambda forms, layers: timed.append(sorted(forms)) or choice)
+    monkeypatch.setattr(model, "fastest", lambda times: timed.append(sorted(times)) or choice)
     for rows in (3, 3, 4, 1, 32):  # timed once per count in 2..16; 1 and 32 rows never
         xs = torch.randn(rows, 8)
         torch.testing.assert_close(lin(xs), xs @ lin.weight.t(), atol=1e-5, rtol=1e-5)
@@ -632,14 +665,19 @@ def test_layers_of_one_weight_shape_share_one_timing(ckpts, monkeypatch):
         by_shape.setdefault(tuple(mod.weight.shape), set()).add(id(mod.forms))
     assert len(linears) > len(by_shape) and all(len(ids) == 1 for ids in by_shape.values())
     assert len({id(mod.forms) for mod in linears}) == len(by_shape)
-    # the peers are the layers of that shape, and a timing runs over all of them
-    for mod in linears:
-        assert mod.peers == [p for p in linears if p.weight.shape == mod.weight.shape]
+    # every layer sweeps the whole model in forward order: the first row count any layer sees
+    # chooses the form of every shape, once
+    block = [m.model.layers[0].self_attn.qkv_proj, m.model.layers[0].self_attn.o_proj,
+             m.model.layers[0].mlp.gate_up_proj, m.model.layers[0].mlp.down_proj]
+    assert len({id(mod.sweep) for mod in linears}) == 1 and linears[0].sweep == linears
+    assert linears[:4] == block and linears[-1] is m.lm_head
     timed = []
-    monkeypatch.setattr(model, "fastest", lambda forms, layers: timed.append(layers) or "plain")
+    monkeypatch.setattr(model, "fastest", lambda times: timed.append(times) or "plain")
     mod = m.model.layers[0].mlp.down_proj
     mod(torch.randn(3, mod.in_features))
-    assert timed == [mod.peers] and len(mod.peers) == m.config.num_hidden_layers
+    m.lm_head(torch.randn(3, m.lm_head.in_features))
+    assert len(timed) == len(linears)  # one choice per layer, from one sweep
+    assert all(mod.forms == {(3, torch.get_num_threads()): "plain"} for mod in linears)
 
 
 # --------------------------------------------------------------------------------------------------
