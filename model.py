@@ -282,7 +282,6 @@ def sweep_of(layers: list, budget: int = SWEEP_BYTES) -> list:
     return out
 
 
-@torch.no_grad()
 def choose_forms(layers: list, M: int, reps: int = 3, clock=time.perf_counter):
     """Time the forms for M rows and store each weight shape's fastest in its `forms`, under (M,
     threads). A timing is a sweep: every layer of sweep_of(layers) in turn, all in one form, as a
@@ -294,21 +293,24 @@ def choose_forms(layers: list, M: int, reps: int = 3, clock=time.perf_counter):
     interleaved (a slow moment hits all); per shape the lowest median wins (fastest)."""
     sweep = sweep_of(layers)
     forms = ("plain", "transposed")
-    if all(layer.pack(M) is not None for layer in sweep):  # the others pack on first use
+    # asked as the caller runs (a training weight under autograd gets no pack); the others
+    # pack on first use
+    if all(layer.pack(M) is not None for layer in sweep):
         forms += ("packed",)
     w = sweep[0].weight
     x = {n: torch.randn(M, n, dtype=w.dtype, device=w.device)
          for n in {layer.in_features for layer in sweep}}
     times = {(id(layer.forms), form): [] for layer in sweep for form in forms}  # per sweep
-    for _ in range(reps):
-        for form in forms:
-            spent = dict.fromkeys({id(layer.forms) for layer in sweep}, 0.0)
-            for layer in sweep:
-                t0 = clock()
-                layer.product(x[layer.in_features], form)
-                spent[id(layer.forms)] += clock() - t0
-            for shape, s in spent.items():
-                times[shape, form].append(s)
+    with torch.no_grad():
+        for _ in range(reps):
+            for form in forms:
+                spent = dict.fromkeys({id(layer.forms) for layer in sweep}, 0.0)
+                for layer in sweep:
+                    t0 = clock()
+                    layer.product(x[layer.in_features], form)
+                    spent[id(layer.forms)] += clock() - t0
+                for shape, seconds in spent.items():
+                    times[shape, form].append(seconds)
     key = (M, torch.get_num_threads())
     for layer in sweep:
         layer.forms[key] = fastest({form: times[id(layer.forms), form] for form in forms})

@@ -628,6 +628,18 @@ def test_linear_keeps_the_fastest_form_per_row_count_and_computes_the_same_produ
     assert len(timed) == 3
 
 
+def test_a_weight_in_training_is_timed_without_the_packed_form(monkeypatch):
+    lin = model.Linear(8, 16)  # requires_grad, grad enabled: the packed GEMM has no backward
+    timed = []
+    monkeypatch.setattr(model, "fastest", lambda times: timed.append(sorted(times)) or "plain")
+    x = torch.randn(3, 8)
+    lin(x).sum().backward()
+    assert timed == [["plain", "transposed"]] and lin.packs == {}
+    with torch.no_grad():  # the same weight, not training: packing allowed where MKL has it
+        lin(torch.randn(4, 8))
+    assert timed[1] == sorted(FORMS)
+
+
 @pytest.mark.skipif(not model.MKL_PACK, reason="this torch build has no MKL packed GEMM")
 def test_a_packed_weight_follows_the_weight_and_steps_aside_for_training(monkeypatch):
     lin = model.Linear(8, 16)  # requires_grad: packed only under no_grad
