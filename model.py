@@ -297,9 +297,9 @@ def choose_forms(layers: list, M: int, reps: int = 3, clock=time.perf_counter):
     # pack on first use
     if all(layer.pack(M) is not None for layer in sweep):
         forms += ("packed",)
-    w = sweep[0].weight
-    x = {n: torch.randn(M, n, dtype=w.dtype, device=w.device)
-         for n in {layer.in_features for layer in sweep}}
+    w, gen = sweep[0].weight, torch.Generator(device=sweep[0].weight.device).manual_seed(0)
+    x = {n: torch.randn(M, n, generator=gen, device=w.device).to(w.dtype)  # not the global RNG
+         for n in sorted({layer.in_features for layer in sweep})}
     times = {(id(layer.forms), form): [] for layer in sweep for form in forms}  # per sweep
     with torch.no_grad():
         for _ in range(reps):

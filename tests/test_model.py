@@ -638,6 +638,9 @@ def test_a_weight_in_training_is_timed_without_the_packed_form(monkeypatch):
     with torch.no_grad():  # the same weight, not training: packing allowed where MKL has it
         lin(torch.randn(4, 8))
     assert timed[1] == sorted(FORMS)
+    state = torch.get_rng_state()
+    model.choose_forms(lin.sweep, 5)  # the timing's inputs leave the caller's random stream alone
+    assert torch.equal(torch.get_rng_state(), state)
 
 
 @pytest.mark.skipif(not model.MKL_PACK, reason="this torch build has no MKL packed GEMM")
