@@ -265,7 +265,8 @@ def room_for(nbytes: int) -> bool:
 
 # A timing sweep streams at most about this many bytes of weights (then one layer of each shape
 # not reached yet, the head): more than any CPU cache, so a model too large to sweep whole is timed
-# from memory as its forward runs, in a second or two (an 8B model in float32: 1 GiB of its 32)
+# from memory as its forward runs (an 8B model in float32: its first 1 GiB and its 2 GB head, 9
+# sweeps in about the time of one 32 GB forward)
 SWEEP_BYTES = 1 << 30
 
 
