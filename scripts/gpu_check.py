@@ -149,13 +149,20 @@ class Allocations(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         inputs = {x.untyped_storage().data_ptr() for x in tree_leaves((args, kwargs))
-                  if isinstance(x, torch.Tensor) and x.device.type != "meta"}
+                  if self.counted(x)}
         for x in tree_leaves(out):
-            if isinstance(x, torch.Tensor) and x.device.type != "meta":
+            if self.counted(x):
                 s = x.untyped_storage()
                 if s.nbytes() and s.data_ptr() not in inputs:
                     self.log.append((str(func), x.dtype, x.numel(), s.nbytes()))
         return out
+
+    @staticmethod
+    def counted(x) -> bool:
+        """A tensor with storage of its own: not on the meta device, and strided (an MKL packed
+        weight, model.mkl_pack, is opaque: made once per row count, not per forward)."""
+        return (isinstance(x, torch.Tensor) and x.device.type != "meta"
+                and x.layout == torch.strided)
 
     @property
     def total(self) -> int:

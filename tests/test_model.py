@@ -672,6 +672,18 @@ def test_a_packed_weight_follows_the_weight_and_steps_aside_for_training(monkeyp
         assert lin.packs[4][1] is not None
 
 
+@pytest.mark.skipif(not model.MKL_PACK, reason="this torch build has no MKL packed GEMM")
+def test_the_allocation_log_reads_a_packed_product():
+    # a packed weight is an opaque tensor (no storage): scripts/gpu_check.Allocations, which
+    # tests use to bound what a forward allocates, must skip it, not fail on it
+    lin = model.Linear(8, 16).requires_grad_(False)
+    lin.forms[(4, torch.get_num_threads())] = "packed"
+    with Allocations() as log:
+        y = lin(torch.randn(4, 8))
+    assert lin.packs[4][1] is not None and y.shape == (4, 16)
+    assert ("mkl._mkl_linear.default", torch.float32, 64, 256) in log.log
+
+
 def test_layers_of_one_weight_shape_share_one_timing(ckpts, monkeypatch):
     m, _ = load_model(ckpts["llama"])
     linears = [mod for mod in m.modules() if isinstance(mod, model.Linear)]
