@@ -298,14 +298,16 @@ def choose_forms(layers: list, M: int, reps: int = 3, clock=time.perf_counter):
     # pack on first use
     if all(layer.pack(M) is not None for layer in sweep):
         forms += ("packed",)
-    w, gen = sweep[0].weight, torch.Generator(device=sweep[0].weight.device).manual_seed(0)
-    x = {n: torch.randn(M, n, generator=gen, device=w.device).to(w.dtype)  # not the global RNG
+    w = sweep[0].weight
+    gen = torch.Generator(device=w.device).manual_seed(0)  # the caller's global RNG untouched
+    x = {n: torch.randn(M, n, generator=gen, device=w.device).to(w.dtype)
          for n in sorted({layer.in_features for layer in sweep})}
-    times = {(id(layer.forms), form): [] for layer in sweep for form in forms}  # per sweep
+    shapes = {id(layer.forms): layer.forms for layer in sweep}  # one shared `forms` per shape
+    times = {(shape, form): [] for shape in shapes for form in forms}  # seconds per sweep
     with torch.no_grad():
         for _ in range(reps):
             for form in forms:
-                spent = dict.fromkeys({id(layer.forms) for layer in sweep}, 0.0)
+                spent = dict.fromkeys(shapes, 0.0)
                 for layer in sweep:
                     t0 = clock()
                     layer.product(x[layer.in_features], form)
@@ -313,8 +315,8 @@ def choose_forms(layers: list, M: int, reps: int = 3, clock=time.perf_counter):
                 for shape, seconds in spent.items():
                     times[shape, form].append(seconds)
     key = (M, torch.get_num_threads())
-    for layer in sweep:
-        layer.forms[key] = fastest({form: times[id(layer.forms), form] for form in forms})
+    for shape, shared in shapes.items():
+        shared[key] = fastest({form: times[shape, form] for form in forms})
     for layer in layers:
         if layer.forms.get(key) != "packed":  # copies of the weights that no row count uses
             layer.packs.pop(M, None)

@@ -703,7 +703,7 @@ def test_layers_of_one_weight_shape_share_one_timing(ckpts, monkeypatch):
     mod = m.model.layers[0].mlp.down_proj
     mod(torch.randn(3, mod.in_features))
     m.lm_head(torch.randn(3, m.lm_head.in_features))
-    assert len(timed) == len(linears)  # one choice per layer, from one sweep
+    assert len(timed) == len(by_shape)  # one choice per weight shape, from one sweep
     assert all(mod.forms == {(3, torch.get_num_threads()): "plain"} for mod in linears)
 
 
