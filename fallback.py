@@ -18,10 +18,10 @@ from devices import to_device
 from spec_cache import DEFAULT_A, expected_tokens
 
 # Defaults for b* before anything is measured (assumptions, times normalised to one verification):
-# T_p: the draft's time to build a round's cache; also the neural backup's time on a miss (T_n) until
-#   that is measured (the paper charges T_p for both). From the
-#   paper's SD speed-up at greedy (161.8 / 54.7 = 2.96 tok/s ratio, K = 6) and a = 0.8: E_SD = 3.95,
-#   so T_SD = 3.95 / 2.96 - 1 = 0.34 for 6 tokens, about 0.4 for K = 7.
+# T_p: the draft's time to build a round's cache; also the neural backup's time on a miss (T_n)
+#   until that is measured (the paper charges T_p for both). From the paper's SD speed-up at greedy
+#   (161.8 / 54.7 = 2.96 tok/s ratio, K = 6) and a = 0.8: E_SD = 3.95, so T_SD = 3.95 / 2.96 - 1 =
+#   0.34 for 6 tokens, about 0.4 for K = 7.
 DEFAULT_T_P = 0.4
 # T_f: an n-gram lookup or random draw on the host: near zero beside a verification.
 DEFAULT_T_F = 0.01
@@ -186,8 +186,8 @@ class Backup:
 
 def propose(kind, histories, K, V, generator, neural) -> Backup:
     """Proposals from backup `kind` for the rows that missed, one committed token list per row in
-    `histories`. `neural()` runs the draft model just in time and returns (tokens, q, guess_probs). The
-    fast backups are deterministic (tested with a one-hot q)."""
+    `histories`. `neural()` runs the draft model just in time and returns (tokens, q,
+    guess_probs). The fast backups are deterministic (tested with a one-hot q)."""
     if kind == "neural":
         return Backup(kind, *neural())
     if kind == "ngram":  # on the host, then one copy to the draft's device

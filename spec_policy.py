@@ -274,4 +274,6 @@ class SpecPolicy:
                 "fixed_budget": not self.adaptive, "fan_out": self.prior(),
                 # F_j per row-round guessed, round 0's rows (all of B at depth 0) included
                 "fan_out_used": [s / rows for s in self.guesses_per_depth],
+                "guesses_per_depth": list(self.guesses_per_depth),
+                "rows_guessed": self.rows_guessed,
                 "acceptance_estimate": self.accept.a()}
