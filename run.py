@@ -85,11 +85,10 @@ def generate(prompts, target="tiny", draft="tiny-draft", mode="sd", max_new_toke
     """Generate up to max_new_tokens for each prompt (strings, or lists of token ids).
 
     mode: "ar" (target only), "sd" (speculative decoding, k draft tokens per round) or "ssd"
-    (speculative speculative decoding with Saguaro: fan_out, budget B, saguaro_c C, fallback policy;
-    pre_spec "always" pre-speculates every round, "auto" only while that measures faster than not,
-    "never" not at all (SD's schedule across the two processes: what the split alone costs);
-    fixed_budget: B stays `budget` (it adapts to the measured time otherwise);
-    parallel=False runs the speculator interleaved in this process, same tokens for the same seed).
+    (speculative speculative decoding with Saguaro: fan_out, budget B, fixed_budget (B kept, not
+    adapted to the time), saguaro_c C, fallback policy; pre_spec "always" every round, "auto" only
+    while that measures faster, "never" not at all (SD's schedule across two processes: what the
+    split alone costs); parallel=False: the speculator in this process, same tokens for a seed).
     target_devices: two or more devices (["cuda:0", ..., "cuda:3"]) run the target tensor parallel,
     one rank per device (it replaces target_device); torchrun=True: this process is rank 0 of a
     torchrun world and the target runs over all its ranks, on every node (the others run
