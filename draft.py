@@ -4,7 +4,9 @@ Read in this order: `draft_k` (the draft's inner loop), `Drafter` (plain SD: pre
 the verifier's outcome), then `Speculator`, which adds SSD: while the target verifies a round, guess
 its likely outcomes (n, t) and draft the next round for each of them (`pre_speculate`); when the
 real outcome arrives, answer from the speculation cache (a hit) or from a fallback (a miss)
-(`respond`).
+(`respond`: `look_up`, `roll_back`, `adopt`, `propose_on_miss`). What the speculator measures and
+decides from that (clocks, the gate, the budget B, b*, each row's fan-out) is
+spec_policy.SpecPolicy's.
 
 Invariant: a row's KV cache holds every committed token except its `pending` ones, then the
 proposals under verification that the draft has fed. In SD that is the committed tokens but the last
@@ -112,8 +114,8 @@ class Row:
     """One sequence on the draft side: everything the draft keeps about it (so a row can join or
     leave the batch alone). docs/design.md section 3 traces one row through the phases.
 
-    The cache holds history minus pending, then the proposals already fed; q_j below is the draft's
-    guess_probs after history + x_1..x_j, the law of the bonus guessed at depth j."""
+    The cache holds history minus pending, then the proposals already fed; q_j below is
+    guess_probs_from_logits after history + x_1..x_j: what the bonus guesses at depth j rank by."""
     seq: int | None        # its sequence in the draft's KV cache (None once finished)
     history: list[int]     # committed tokens: prompt + output
     # what the next forward feeds first: committed tokens the cache lacks (t; x_K after an

@@ -135,6 +135,20 @@ def test_parallel_matches_serial_at_temperature_1(ckpts):
     assert other.tokens != ser.tokens
 
 
+def test_fixed_budget_repeats_tokens_in_one_process_and_two(ckpts):
+    """--fixed-budget: B stays the user's in every round, so a geometric fan-out at temperature 1 (each
+    row's vector decided from the measured acceptance alone) repeats its tokens and hits from run to run,
+    and in two processes (with pre-speculation stopped whenever the outcome arrives first)."""
+    kw = dict(mode="ssd", k=3, fan_out="geometric", budget=5, fixed_budget=True, fallback="neural",
+              saguaro_c=0.5, temperature=1.0, seed=4, max_new_tokens=2 * NEW)
+    runs = [gen(PROMPTS, ckpts["target"], ckpts["different"], parallel=p, **kw) for p in (False, False, True)]
+    assert runs[0].tokens == runs[1].tokens == runs[2].tokens
+    for r in runs:
+        assert r.stats["mean_budget"] == 5 and r.stats["fixed_budget"] and r.stats["hits"] > 0
+        assert sum(r.stats["fan_out_used"]) == pytest.approx(5)
+    assert runs[0].stats["hits"] == runs[2].stats["hits"]
+
+
 # ----------------------------------------------------------------------------------------------------
 # Pre-speculation stopped early (the outcome arrives before the branches are drafted): the same tokens
 
