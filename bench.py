@@ -49,6 +49,7 @@ from checkpoint import hf_over_target_vocab, load_config, load_model, load_token
 from devices import DTYPES
 from draft import PRE_SPEC
 from fallback import POLICIES
+from spec_cache import FAN_OUTS
 from run import default_devices, encode, generate, split_cores
 
 MODES = ("ar", "sd", "ssd", "hf", "hf-assisted")
@@ -176,6 +177,7 @@ class Config:
     saguaro_c: float = RUN["saguaro_c"]
     fallback: str = RUN["fallback"]
     pre_spec: str = RUN["pre_spec"]
+    fixed_budget: bool = RUN["fixed_budget"]
     label: str = ""
 
 
@@ -200,7 +202,7 @@ def make_configs(a, cores):
                                tag("C=", a.saguaro_c, c), tag("", a.fallback, fb),
                                tag("B=", a.budget, B), tag("", a.pre_spec, pre)])
                 out.append(Config("ssd", T, b, K, ts, td, fan, B, c, fb, pre,
-                                  f"ssd{var}@{ts}+{td}t"))
+                                  a.fixed_budget, f"ssd{var}@{ts}+{td}t"))
         else:
             for K, th in product(a.k if mode in ("sd", "hf-assisted") else [0], threads):
                 label = f"{mode}{tag('k=', a.k, K) if K else ''}@{th}t"
@@ -220,6 +222,7 @@ def run_engine(cfg: Config, batches, a, first=0, target=None):
                      seed=a.seed + first + i, ignore_eos=True, fan_out=cfg.fan_out,
                      budget=cfg.budget,
                      saguaro_c=cfg.saguaro_c, fallback=cfg.fallback, pre_spec=cfg.pre_spec,
+                     fixed_budget=cfg.fixed_budget,
                      target_threads=cfg.threads,
                      draft_threads=cfg.draft_threads, dtype=a.dtype,
                      graphs=False if a.no_graphs else None).stats
@@ -365,7 +368,7 @@ def tune(a, batches, hf, target=None):
     T = a.temperatures[0]
     ts, td = split_cores(a.cores)
     base = Config("ssd", T, 1, threads=ts, draft_threads=td, fan_out=a.fan_out[0],
-                  saguaro_c=a.saguaro_c[0])
+                  saguaro_c=a.saguaro_c[0], fixed_budget=a.fixed_budget)
     grid = [replace(base, k=K, budget=B, fallback=f, label=f"ssd k={K} B={B} {f}")
             for K in TUNE_K for B in TUNE_BUDGET for f in TUNE_FALLBACK]
     rows = measure(grid, batches, a, hf, target)
@@ -374,6 +377,7 @@ def tune(a, batches, hf, target=None):
     flags = (f"--mode ssd --k {best['k']} --budget {best['budget']} --fallback {best['fallback']} "
              f"--temperature {T:g}"
              + (f" --fan-out {best['fan_out']}" if best["fan_out"] != RUN["fan_out"] else "")
+             + (" --fixed-budget" if a.fixed_budget else "")
              + (f" --saguaro-c {best['saguaro_c']:g}"
                 if best["saguaro_c"] != RUN["saguaro_c"] else ""))
     print(f"\ntune (temperature {T:g}, batch 1, median of {a.repeats} runs, decode tok/s):")
@@ -457,8 +461,9 @@ def add_ssd_args(ap):
     """The axes only ssd sweeps."""
     ap.add_argument("--fan-out", type=csv(str), default=[RUN["fan_out"]],
                     metavar="KIND[,KIND...]",
-                    help="ssd: how the budget of guesses is spread over depths: geometric (the "
-                         "paper's Theorem 12) and/or uniform, comma-separated "
+                    help="ssd: how the budget of guesses is spread over depths, comma-separated "
+                         f"rules of {', '.join(FAN_OUTS)} (geometric: the paper's Theorem 12; "
+                         "run.py also takes explicit F_0..F_K) "
                          f"(default: {RUN['fan_out']})")
     ap.add_argument("--saguaro-c", type=csv(float), default=[RUN["saguaro_c"]],
                     metavar="C[,C...]",
@@ -478,6 +483,9 @@ def add_ssd_args(ap):
     ap.add_argument("--budget", type=csv(int), default=[RUN["budget"]], metavar="B[,B...]",
                     help="ssd: fan-out budget B, in branches pre-speculated per sequence per "
                          f"round, comma-separated (default: {RUN['budget']})")
+    ap.add_argument("--fixed-budget", action="store_true",
+                    help="ssd: keep B at --budget every round instead of adapting it to the "
+                         "measured time, so that fan-out rules compare at equal B (default: off)")
 
 
 def add_machine_args(ap):
@@ -515,7 +523,7 @@ def check_args(a):
             ("mode", a.modes, MODES, "a subset of " + ",".join(MODES)),
             ("fallback", a.fallback, POLICIES, ", ".join(POLICIES)),
             ("pre-spec", a.pre_spec, PRE_SPEC, ", ".join(PRE_SPEC)),
-            ("fan-out", a.fan_out, ("uniform", "geometric"), "uniform or geometric")):
+            ("fan-out", a.fan_out, FAN_OUTS, ", ".join(FAN_OUTS))):
         bad = [x for x in given if x not in known]
         if bad:
             raise ValueError(f"unknown {what}(s) {','.join(bad)}: use {use}")

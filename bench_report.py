@@ -37,7 +37,7 @@ def counters(cfg, s: dict) -> dict:
              trials=sum(h * acceptance_trials(j, K) for j, h in enumerate(hist)), hist=list(hist),
              hits=0, misses=0, tok_hit=0.0, tok_miss=0.0, wait_s=0.0, busy_s=0.0,
              fallback_rounds={}, b_star=None, hits_per_depth=[], lookups_per_depth=[], stopped=0,
-             skipped=0, budget_rounds=0.0)
+             skipped=0, budget_rounds=0.0, guesses_per_depth=[], rows_guessed=0)
     if cfg.engine == "ssd":
         c.update(hits=s["hits"], misses=s["misses"],
                  tok_hit=s["tokens_per_round_hit"] * s["hits"],  # one lookup per row-round
@@ -47,7 +47,8 @@ def counters(cfg, s: dict) -> dict:
                  hits_per_depth=list(s["hits_per_depth"]),
                  lookups_per_depth=list(s["lookups_per_depth"]),
                  stopped=s["pre_speculation_stopped"], skipped=s["pre_speculation_skipped"],
-                 budget_rounds=s["mean_budget"] * s["rounds"])
+                 budget_rounds=s["mean_budget"] * s["rounds"],
+                 guesses_per_depth=list(s["guesses_per_depth"]), rows_guessed=s["rows_guessed"])
     return c
 
 
@@ -100,7 +101,9 @@ def summarize(cfg, runs):
                    stopped_pct=100 * m["stopped"] / m["rounds"] if m["rounds"] else 0.0,
                    skipped_pct=100 * m["skipped"] / m["rounds"] if m["rounds"] else 0.0,
                    mean_budget=m["budget_rounds"] / m["rounds"] if m["rounds"] else 0.0,
-                   hits_per_depth=m["hits_per_depth"], lookups_per_depth=m["lookups_per_depth"])
+                   hits_per_depth=m["hits_per_depth"], lookups_per_depth=m["lookups_per_depth"],
+                   # the fan-out actually used: mean F_j per row-round guessed (round 0 included)
+                   fan_out_used=[g / max(m["rows_guessed"], 1) for g in m["guesses_per_depth"]])
     return row
 
 
@@ -300,6 +303,20 @@ def print_tables(rows, a, n_prompts):
                       f"{fmt(t['b_star'], 'd'):>4} {fmt(t['sd_bound']):>10} "
                       f"{r['mean_budget']:>4.1f} {r['stopped_pct']:>5.0f} "
                       f"{r['skipped_pct']:>5.0f}")
+        print_depths([r for r in g if r["engine"] == "ssd"], w)
+
+
+def print_depths(rows, w):
+    """Per depth j = 0..K of each ssd row: the mean fan-out F_j used, and the hits over the
+    lookups whose real accepted count was j."""
+    if not rows:
+        return
+    print("per depth j = 0..K: mean F_j used; hits / lookups at n = j")
+    for r in rows:
+        F = " ".join(f"{f:.1f}" for f in r["fan_out_used"])
+        hits = " ".join(f"{h}/{n}" for h, n in zip(r["hits_per_depth"], r["lookups_per_depth"]))
+        fixed = " (fixed B)" if r.get("fixed_budget") else ""
+        print(f"{r['label']:<{w}}  F {F}{fixed}  hits {hits}")
 
 
 def print_grid(rows):

@@ -4,10 +4,15 @@ Read in this order: `draft_k` (the draft's inner loop), `Drafter` (plain SD: pre
 the verifier's outcome), then `Speculator`, which adds SSD: while the target verifies a round, guess
 its likely outcomes (n, t) and draft the next round for each of them (`pre_speculate`); when the
 real outcome arrives, answer from the speculation cache (a hit) or from a fallback (a miss)
-(`respond`).
+(`respond`: `look_up`, `roll_back`, `adopt`, `propose_on_miss`). What the speculator measures and
+decides from that (clocks, the gate, the budget B, b*, each row's fan-out) is
+spec_policy.SpecPolicy's.
 
-Invariant (the verifier's too): a row's KV cache holds every committed token except its `pending`
-ones (the last bonus token t, plus x_K when all K drafted tokens were accepted).
+Invariant: a row's KV cache holds every committed token except its `pending` ones, then the
+proposals under verification that the draft has fed. In SD that is the committed tokens but the last
+bonus t (and x_K after an all-accepted round), then x_1..x_{K-1}; in SSD, pending also holds
+proposals not fed yet: x_K, all of a fast backup's (`Row` says what each field holds, phase by
+phase).
 """
 import time
 from dataclasses import dataclass, field
@@ -15,15 +20,14 @@ from dataclasses import dataclass, field
 import torch
 
 import fallback
-from fallback import BACKUPS, POLICIES, critical_batch_size
+from fallback import POLICIES
 from checkpoint import load_model
 from devices import device_index, to_device, to_host
 from kv_cache import PagedKVCache
 from model import Transformer
 from saguaro_sample import exp_noise, probs_from_logits, sample, saguaro
-from spec_cache import (DEFAULT_A, DEFAULT_R, AcceptanceTracker, PreSpecGate, SpecCache,
-                        expected_tokens, fan_out, guess_triples, next_budget,
-                        select_guesses_batch)
+from spec_cache import SpecCache, check_fan_out, guess_triples, select_guesses_batch
+from spec_policy import SpecPolicy
 
 
 @dataclass
@@ -36,25 +40,28 @@ class Proposals:
     hit: torch.Tensor            # [b] bool: answered from the speculation cache
 
 
-def draft_probs(logits, temperature):
-    """The draft's own law q. At temperature 0 the draft is greedy, but guesses still need a
-    ranking of the tokens: use the temperature-1 softmax."""
+def guess_probs_from_logits(logits, temperature):
+    """The probabilities SSD's guesses rank the tokens by (and SD's prefill returns): at
+    temperature T > 0 the draft's own law q. At T = 0 the draft is greedy, its law one-hot, which
+    ranks nothing after the top token: the temperature-1 softmax then, a ranking, not a law any
+    token is drawn from."""
     return probs_from_logits(logits, temperature if temperature > 0 else 1.0)
 
 
 def draw(logits, temperature, generator, f=None, c=1.0, of_batch=None):
-    """One draft token per row: (token [b], q_drawn [b, V], q_raw [b, V]). q_raw is the draft's
-    own law; q_drawn the one the token was drawn from (Saguaro's q' when f is set and C < 1).
+    """One draft token per row: (token [b], q_drawn [b, V], guess_probs [b, V]). q_drawn is the law
+    the token was drawn from (Saguaro's q' when f is set and C < 1; at T = 0 the token is the
+    argmax and q_drawn unused), guess_probs what the guesses rank by (guess_probs_from_logits).
     of_batch (M, rows): these rows are `rows` of a batch of M drawn with `generator`: draw the
     batch's noise and keep theirs."""
-    q_raw = draft_probs(logits, temperature)
+    probs = guess_probs_from_logits(logits, temperature)
     if temperature == 0:
-        return q_raw.argmax(-1), q_raw, q_raw
-    q = saguaro(q_raw, f, c) if f is not None and c < 1 else q_raw
+        return probs.argmax(-1), probs, probs
+    q = saguaro(probs, f, c) if f is not None and c < 1 else probs
     noise = None
     if of_batch is not None:
         noise = exp_noise((of_batch[0], q.shape[-1]), generator)[of_batch[1]]
-    return sample(q, generator, noise), q, q_raw
+    return sample(q, generator, noise), q, probs
 
 
 @dataclass
@@ -65,27 +72,29 @@ class Drafted:
     later."""
     tokens: list = field(default_factory=list)  # per step i < K: x_{i+1} [b]
     q: list = field(default_factory=list)       # per step i < K: the law x_{i+1} came from [b, V]
-    q_raw: list = field(default_factory=list)   # per step i < K: the draft's law at depth i [b, V]
+    guess_probs: list = field(default_factory=list)  # per step i < K: `draw`'s guess_probs [b, V]
 
     @property
     def steps(self) -> int:
-        return len(self.q_raw)
+        return len(self.tokens)
 
     def rows(self, idx) -> "Drafted":
         return Drafted([x[idx] for x in self.tokens], [x[idx] for x in self.q],
-                       [x[idx] for x in self.q_raw])
+                       [x[idx] for x in self.guess_probs])
 
     def stack(self):
-        """-> tokens [b, K], q [b, K, V], q_raw [b, steps, V]."""
-        return torch.stack(self.tokens, 1), torch.stack(self.q, 1), torch.stack(self.q_raw, 1)
+        """-> tokens [b, K], q [b, K, V], guess_probs [b, steps, V]."""
+        return (torch.stack(self.tokens, 1), torch.stack(self.q, 1),
+                torch.stack(self.guess_probs, 1))
 
 
 def draft_k(model: Transformer, cache: PagedKVCache, seqs, first, K, temperature, generator,
             F=None, c=1.0, stop=None, done: Drafted | None = None, of_batch=None) -> Drafted:
     """Feed each sequence its `first` tokens (a list per row, e.g. [t] or [x_K, t]), then draft K
-    tokens one step at a time, all rows together. F (K ints) and C select Saguaro sampling at each
-    stop(step) -> True ends the drafting before that step (SSD: the verifier's outcome arrived);
-    done continues an earlier call's steps; of_batch: see `draw`."""
+    tokens one step at a time, all rows together. With F (K ints) and C < 1, step i samples from
+    Saguaro's q' (its set: the top F[i] + 1 tokens); stop(step) -> True ends the drafting before
+    that step (SSD: the verifier's outcome arrived); done continues an earlier call's steps;
+    of_batch: see `draw`."""
     d = done if done is not None else Drafted()
     while d.steps < K and not (stop is not None and stop(d.steps)):
         i = d.steps
@@ -94,26 +103,30 @@ def draft_k(model: Transformer, cache: PagedKVCache, seqs, first, K, temperature
         else:
             step_in, counts = d.tokens[i - 1], [1] * len(seqs)
         logits = model.forward_cached(cache, seqs, step_in, counts, last_only=True)  # [b, V]
-        x, q, q_raw = draw(logits, temperature, generator, None if F is None else F[i], c,
+        x, q, probs = draw(logits, temperature, generator, None if F is None else F[i], c,
                            of_batch)
-        d.tokens.append(x), d.q.append(q), d.q_raw.append(q_raw)
+        d.tokens.append(x), d.q.append(q), d.guess_probs.append(probs)
     return d
 
 
 @dataclass
 class Row:
-    """One sequence on the draft side."""
+    """One sequence on the draft side: everything the draft keeps about it (so a row can join or
+    leave the batch alone). docs/design.md section 3 traces one row through the phases.
+
+    The cache holds history minus pending, then the proposals already fed; q_j below is
+    guess_probs_from_logits after history + x_1..x_j: what the bonus guesses at depth j rank by."""
     seq: int | None        # its sequence in the draft's KV cache (None once finished)
     history: list[int]     # committed tokens: prompt + output
-    # fed first by the next forward: committed tokens not in the cache (SSD: also proposals the
-    # draft has not fed, a fast backup's or x_K)
+    # what the next forward feeds first: committed tokens the cache lacks (t; x_K after an
+    # all-accepted SD round); in SSD also proposals not fed yet (x_K; all of a fast backup's)
     pending: list[int] = field(default_factory=list)
-    proposed: list[int] = field(default_factory=list)  # x_1..x_K now being verified
-    # SSD only: what the guesses for the round being verified come from
-    q_raw: torch.Tensor | None = None  # [K+1, V] the draft's own laws after 0..K proposed tokens
-                                       #   (until feed_pending: [K, V] or None)
-    F: list[int] = field(default_factory=list)         # F_0..F_K: guesses per depth this round
-    fast: bool = False     # the proposals came from a fast backup (n-gram, random)
+    proposed: list[int] = field(default_factory=list)  # x_1..x_K being verified; [] at first
+    # SSD only: q_0..q_{d-1} [d, V], one per prefix the cache has fed: d = 1 after the prefill
+    # (no proposals), K after drafting (x_K not fed), None after a fast backup (t not fed
+    # either), K + 1 once pre-speculation feeds the pending tokens: what its guesses rank by
+    guess_probs: torch.Tensor | None = None
+    fast_backup: bool = False  # a fast backup (n-gram, random) proposed: it sets a for the fan-out
 
 
 class Drafter:
@@ -132,7 +145,7 @@ class Drafter:
         """Cache every prompt token; returns the draft's own next-token law [b, V]."""
         self.rows = [Row(self.cache.new_seq(), list(p)) for p in prompts]
         logits = self.model.prefill(self.cache, [row.seq for row in self.rows], prompts)
-        return draft_probs(logits, self.temperature)
+        return guess_probs_from_logits(logits, self.temperature)
 
     def draft(self, rows: list[int]) -> Proposals:
         """Draft K tokens for the given rows (in SD the verifier waits for this)."""
@@ -179,13 +192,14 @@ PRE_SPEC = ("always", "auto", "never")  # never: the control that prices the pro
 class SSDConfig:
     """SSD's knobs, checked once here (the names are generate()'s parameters)."""
     K: int = 4                          # draft tokens per round
-    fan_out: str | list = "geometric"   # "geometric" (Theorem 12), "uniform", or F_0..F_K
+    fan_out: str | list = "geometric"   # a rule of spec_cache.FAN_OUTS, or F_0..F_K
     budget: int = 8                     # B = sum_j F_j: branches per sequence per round
     saguaro_c: float = 1.0              # C: Saguaro's down-weighting of the likely bonus tokens
     fallback: str = "auto"              # on a miss: "neural", "ngram", "random" or "auto" (by b*)
     fast_fallback: str = "ngram"        # the backup "auto" switches to at batch sizes >= b*
     pre_spec: str = "always"            # "auto": only while it measures faster (PreSpecGate);
                                         # "never": SD's schedule across the two processes
+    fixed_budget: bool = False          # B stays `budget` (experiments); else it adapts to time
 
     def __post_init__(self):
         if self.budget < 1:
@@ -196,57 +210,39 @@ class SSDConfig:
             raise ValueError(f"fallback={self.fallback!r}: use {', '.join(POLICIES)}")
         if self.pre_spec not in PRE_SPEC:
             raise ValueError(f"pre_spec={self.pre_spec!r}: use {', '.join(PRE_SPEC)}")
-        if isinstance(self.fan_out, (list, tuple)):
-            if len(self.fan_out) != self.K + 1 or min(self.fan_out) < 0:
-                raise ValueError(f"fan_out={list(self.fan_out)}: give K+1 = {self.K + 1} "
-                                 f"non-negative integers F_0..F_K")
+        self.fan_out = check_fan_out(self.fan_out, self.K)
+        if isinstance(self.fan_out, list):
             self.budget = sum(self.fan_out)  # an explicit fan-out is its own budget
-        elif self.fan_out not in ("geometric", "uniform"):
-            raise ValueError(f"fan_out={self.fan_out!r}: use geometric, uniform or K+1 integers")
 
 
 @dataclass
 class Branches:
     """One round's pre-speculated branches, batched: branch m drafts the next round for one
-    guess."""
+    guess (its key in the SpecCache is (row, j, guess[m]))."""
     seqs: list[int]       # [M] forked KV sequences
     guess: list[int]      # [M] the bonus token each one guessed (its first input)
     drafted: Drafted      # their draft steps: K, or fewer if the outcome arrived first
-    F: list[int]          # the fan-out the next round's guesses will use
-
-
-def recent_median(xs, window=64):
-    """Median of the last `window` measurements: robust to outliers, constant cost per round."""
-    recent = sorted(xs[-window:])
-    return recent[len(recent) // 2]
+    prior: list[int]      # the F whose Saguaro sets they were drafted with (SpecPolicy.prior)
+    fan_outs: dict        # row -> the F_0..F_K its guesses used (the power-law fit reads F_n)
 
 
 class Speculator(Drafter):
-    """SSD's draft side. Per round: `respond` to the verifier's outcome (n, t) from the speculation
-    cache or a fallback, then `pre_speculate` the next round's outcomes while the verifier works."""
+    """SSD's draft side. Per round: `respond` to the verifier's outcome (n, t): look it up in the
+    speculation cache, adopt the branches that hit, roll back the rows that missed and let a
+    fallback propose for them; then `pre_speculate` the next round's outcomes while the verifier
+    works. What is measured and what it decides (timers, the gate, the budget B, b*, each row's
+    fan-out) is the SpecPolicy's (spec_policy.py)."""
 
     def __init__(self, model, ssd: SSDConfig, temperature, seed, kv_tokens, block_size=16):
         super().__init__(model, ssd.K, temperature, seed, kv_tokens, block_size)
         self.ssd = ssd
-        self.spec_cache = SpecCache(ssd.K)        # (row, n, t) -> branch index
+        self.policy = SpecPolicy(ssd, ssd.K)
+        self.spec_cache = SpecCache(ssd.K)        # (row, n, t) -> branch index m
         self.branches: Branches | None = None     # set by pre_speculate, used up by respond
-        self.accept = AcceptanceTracker()         # a and r of the neural draft's proposals
-        self.accept_fast = AcceptanceTracker()    # a of the fast backup's proposals
-        # B of the next pre-speculation: the user's budget is its ceiling, the measured time its
-        # limit (spec_cache.next_budget); an explicit fan-out is fixed
-        self.B = ssd.budget
-        self.adaptive = not isinstance(ssd.fan_out, (list, tuple))
-        # B = 0 too: skip pre-speculation in rounds where measuring says it does not pay
-        self.gate = PreSpecGate() if ssd.pre_spec == "auto" else None
         # branch noise: a generator reseeded each round from a host-side one (no device sync)
         self.seeds = torch.Generator().manual_seed(seed)
         self.branch_gen = torch.Generator(device=model.device)
-        self.busy_seconds = 0.0
-        self.pre_seconds, self.neural_seconds, self.fast_seconds = [], [], []
-        self.round_seconds = []
-        self.fallback_used = dict.fromkeys(BACKUPS, 0)
-        self.b_star, self.b_star_terms = None, {}  # b* and what it was computed from (stats)
-        self.stopped = self.finished = self.skipped = self.budget_sum = self.pre_rounds = 0
+        self.finished = 0                         # branches finished alone after a stop
 
     def arrived(self, step: int) -> bool:
         """Has the verifier's outcome arrived? Checked before each pre-speculation step. In one
@@ -254,20 +250,13 @@ class Speculator(Drafter):
         looks at the channel instead (channel.speculator_main); tests force an arrival at a step."""
         return False
 
-    def fan_out_for(self, fast: bool) -> list[int]:
-        """F_0..F_K for a round whose proposals came from the neural draft or a fast backup (its
-        acceptance a is lower, so more of the budget goes to shallow depths)."""
-        tracker = self.accept_fast if fast else self.accept
-        # until a warm-up's worth of rounds is measured, use the documented defaults
-        a, r = (tracker.a(), self.accept.r()) if tracker.ready else (0.1 if fast else DEFAULT_A,
-                                                                     DEFAULT_R)
-        return fan_out(self.ssd.fan_out, a, r, self.K, self.B)
-
     def prefill(self, prompts):
         q0 = super().prefill(prompts)  # [b, V]: the draft's guess of the verifier's first token
         for r, row in enumerate(self.rows):  # round 0 proposes nothing: its outcome is (0, t0)
-            row.q_raw, row.F = q0[r:r + 1], [self.B]
+            row.guess_probs = q0[r:r + 1]
         return q0
+
+    # -- pre-speculation: while the verifier verifies
 
     def pre_speculate(self, rows):
         """Guess each row's outcome (j, t) of the round being verified, fork a branch per guess at
@@ -275,211 +264,192 @@ class Speculator(Drafter):
         rows as one batch per step (K steps; x_K is not fed: the branch that hits feeds it in the
         next round's feed_pending, with the other rows' pending tokens, rather than every branch
         paying one more step). Stops early when the outcome arrives: `respond` then finishes only
-        the branch that hit. If the gate says it does not pay (or pre_spec is "never"), nothing is
+        the branch that hit. If the policy says no (the gate, or pre_spec "never"), nothing is
         pre-speculated this round: the verifier works alone and every row misses."""
-        if self.ssd.pre_spec == "never" or (self.gate is not None and not self.gate.choose(
-                len(rows) * self.accept.expected_tokens(self.K))):  # E_off: neural proposals
-            self.skipped += 1
+        if not self.policy.pre_speculate_now(len(rows)):
             return
         start = time.perf_counter()
         self.feed_pending(rows)
-        groups = {}  # rows sharing a fan-out vector pick their guesses in one batched call
-        for r in rows:
-            groups.setdefault(tuple(self.rows[r].F), []).append(r)
-        owner, depth, guess = [], [], []  # per branch m: its row, depth j and guessed bonus t
-        for F, group in groups.items():
-            q_raw = torch.stack([self.rows[r].q_raw for r in group])  # [g, K+1, V]
-            x = torch.tensor([self.rows[r].proposed for r in group], dtype=torch.long,
-                             device="cpu").view(len(group), -1)  # [g, K]
-            guesses = to_host(select_guesses_batch(q_raw, to_device(x, q_raw.device), list(F)))
-            for i, j, g in guess_triples(guesses):
-                owner.append(group[i]), depth.append(j), guess.append(g)
+        owner, depth, guess, fan_outs = self.choose_guesses(rows)
         seqs = [self.cache.fork(self.rows[r].seq, len(self.rows[r].history) + j)
                 for r, j in zip(owner, depth)]
-        F_next = self.fan_out_for(fast=False)  # a hit answers with neural proposals
+        prior = self.policy.prior()  # a hit answers with the draft's proposals
         self.branch_gen.manual_seed(
             torch.randint(2**62, (1,), generator=self.seeds, device="cpu").item())
         drafted = Drafted()
         if seqs:
             drafted = draft_k(self.model, self.cache, seqs, [[g] for g in guess], self.K,
-                              self.temperature, self.branch_gen, F=F_next[:self.K],
+                              self.temperature, self.branch_gen, F=prior[:self.K],
                               c=self.ssd.saguaro_c, stop=self.arrived)
-        self.branches = Branches(seqs, guess, drafted, F_next)
+        self.branches = Branches(seqs, guess, drafted, prior, fan_outs)
         for m, (r, j, g) in enumerate(zip(owner, depth, guess)):
             self.spec_cache.put(r, j, g, m)
-        seconds, stopped = time.perf_counter() - start, bool(seqs) and drafted.steps < self.K
-        self.pre_seconds.append(seconds)
-        self.busy_seconds += seconds
-        self.stopped += stopped
-        self.budget_sum, self.pre_rounds = self.budget_sum + self.B, self.pre_rounds + 1
-        if self.adaptive and self.round_seconds:
-            self.B = next_budget(self.B, self.ssd.budget,
-                                 seconds / recent_median(self.round_seconds), stopped)
+        self.policy.pre_speculated(time.perf_counter() - start,
+                                   stopped=bool(seqs) and drafted.steps < self.K)
 
     def feed_pending(self, rows):
         """Feed, in one forward, the tokens of the proposals under verification that the draft has
         not fed: a fast backup's [t, x_1..x_K], or x_K after neural drafting (which stops at x_K
-        so that the verifier gets it sooner). This caches their KV and completes q_0..q_K, the laws
-        the guesses come from."""
+        so that the verifier gets it sooner). This caches their KV and completes q_0..q_K, what
+        the guesses rank by."""
         todo = [r for r in rows if self.rows[r].pending]
         if not todo:
             return
         counts = [len(self.rows[r].pending) for r in todo]
         logits = self.model.forward_cached(self.cache, [self.rows[r].seq for r in todo],
                                            [x for r in todo for x in self.rows[r].pending], counts)
-        for r, q_new in zip(todo, draft_probs(logits, self.temperature).split(counts)):
+        for r, new in zip(todo, guess_probs_from_logits(logits, self.temperature).split(counts)):
             row = self.rows[r]
-            q_raw = q_new if row.q_raw is None else torch.cat([row.q_raw, q_new])
+            probs = new if row.guess_probs is None else torch.cat([row.guess_probs, new])
             # after t, x_1..x_K: a fast backup's pending also holds earlier committed tokens when
             # the last round pre-speculated nothing
-            row.q_raw = q_raw[-(self.K + 1):]  # [K+1, V]
+            row.guess_probs = probs[-(self.K + 1):]  # [K+1, V]
             row.pending = []
 
+    def choose_guesses(self, rows):
+        """Each row's guesses (j, t): its fan-out F_0..F_K, decided now by the policy with the
+        row's proposals and probabilities in hand, then the top F_j tokens at each depth j
+        (spec_cache.select_guesses_batch). A row without proposals (round 0) has q_0 only: its
+        other depths are padded, and get no guesses. Returns per branch its row, depth j and
+        guess t, and each row's F."""
+        K = self.K
+        probs, drafted, F = [], [], []
+        for r in rows:
+            row = self.rows[r]
+            p = row.guess_probs                                      # [K+1, V], or [1, V]
+            probs.append(p if len(p) == K + 1 else
+                         torch.cat([p, p.new_zeros(K + 1 - len(p), p.shape[-1])]))
+            drafted.append(row.proposed or [-1] * K)                 # -1: nothing to exclude
+            F.append(self.policy.fan_out(p, row.proposed, row.fast_backup))
+        probs = torch.stack(probs)                                   # [b, K+1, V]
+        x = to_device(torch.tensor(drafted, dtype=torch.long, device="cpu").view(len(rows), K),
+                      probs.device)                                  # [b, K]
+        guesses = to_host(select_guesses_batch(probs, x, F))
+        owner, depth, guess = [], [], []
+        for i, j, g in guess_triples(guesses):
+            owner.append(rows[i]), depth.append(j), guess.append(g)
+        return owner, depth, guess, dict(zip(rows, F))
+
+    # -- the answer: when the outcome arrives
+
     def respond(self, rows, n, t, round_seconds=None) -> Proposals:
-        """The outcome (n, t) of the round just verified arrives for `rows`. Look each up in the
-        speculation cache: a hit's branch becomes the row's sequence, its proposals are ready; a
-        miss rolls back to the accepted prefix and the fallback proposes. Returns the next
-        proposals."""
-        start = time.perf_counter()  # the outcome arrived
-        br, b, K = self.branches, len(rows), self.K
-        # B and b* model rounds that pre-speculate: a skipped one's times are the gate's alone
-        if round_seconds is not None and br is not None:
-            self.round_seconds.append(round_seconds)
-        hits, misses = [], []  # (i, branch m) / i
+        """The outcome (n, t) of the round just verified arrives for `rows`: look each row up in
+        the speculation cache; a hit adopts its branch, whose proposals are ready; a miss rolls
+        back to the accepted prefix and the fallback proposes. Returns the next proposals."""
+        self.policy.outcome_arrived(round_seconds, pre_speculated=self.branches is not None)
         outcome = to_host(torch.stack([n, t], 1))
+        hits, misses = self.look_up(rows, outcome)
+        self.roll_back([rows[i] for i in misses])
+        parts = []  # (row positions, tokens [m, K], q [m, K, V] or None): hits, then misses
+        if hits:
+            parts.append(([i for i, _ in hits], *self.adopt([(rows[i], m) for i, m in hits])))
+        skipped = self.branches is None
+        self.free_branches()
+        backup = None
+        if misses:
+            backup = self.propose_on_miss([rows[i] for i in misses], len(rows), skipped)
+            parts.append((misses, backup.tokens, backup.q))
+        tokens, q = in_row_order(parts, len(rows), self.V if self.temperature > 0 else None)
+        # deterministic: greedy, or a fast backup's rows (not sampled: tested one-hot)
+        one_hot = set(misses) if backup is not None and backup.q is None else set()
+        missed = set(misses)
+        flags = [[self.temperature == 0 or i in one_hot, i not in missed] for i in range(len(rows))]
+        deterministic, hit = torch.tensor(flags, device="cpu").unbind(1)  # on the host
+        self.policy.answered(sum(n_r + 1 for n_r, _ in outcome))
+        return Proposals(tokens, q, deterministic, hit)
+
+    def look_up(self, rows, outcome):
+        """Each row's outcome (n, t) in the cache (a round that pre-speculated nothing looks
+        nothing up), shown to the policy, and committed: history grows by x_1..x_n, t. Returns
+        the hits [(position, branch m)] and the misses [position]."""
+        br, hits, misses = self.branches, [], []
         for i, (r, (n_r, t_r)) in enumerate(zip(rows, outcome)):
             row = self.rows[r]
-            # the branch drafted for this outcome, or None (a round that pre-speculated nothing
-            # looks nothing up)
             m = self.spec_cache.get(r, n_r, t_r) if br is not None else None
-            (self.accept_fast if row.fast else self.accept).update(n_r, len(row.proposed))
-            # a depth with no guesses always misses: it says nothing about r
-            if br is not None and row.F[n_r] > 0:
-                self.accept.observe_lookup(row.F[n_r], m is not None)
+            self.policy.observe(n_r, len(row.proposed), row.fast_backup,
+                                None if br is None else br.fan_outs[r][n_r], m is not None)
             row.history += row.proposed[:n_r] + [t_r]
             if m is not None:
                 hits.append((i, m))
-            else:  # miss: keep the accepted prefix the cache holds; the rest becomes pending
-                keep = min(len(row.history) - 1, self.cache.length(row.seq))
-                self.cache.truncate(row.seq, keep)
-                row.pending = row.history[keep:]  # [t], or more if pre-speculation was skipped
+            else:
                 misses.append(i)
-        parts = []  # (row positions, tokens [m, K], q [m, K, V] or None): hits, then misses
-        if hits:  # the branch holds the committed tokens + the next x_1..x_K
-            hit_tokens, hit_q, hit_q_raw = self.finish_branches([m for _, m in hits])
-            for (i, m), proposed, q_raw in zip(hits, to_host(hit_tokens), hit_q_raw):
-                row = self.rows[rows[i]]
-                self.cache.free(row.seq)
-                row.seq, row.proposed, row.q_raw, row.F, row.fast = (br.seqs[m], proposed, q_raw,
-                                                                     br.F, False)
-                row.pending = proposed[-1:]  # x_K: the next pre_speculate feeds it
-            parts.append(([i for i, _ in hits], hit_tokens, hit_q))
-        for m in self.spec_cache.clear():  # branches of outcomes that did not happen
-            self.cache.free(br.seqs[m])
-        self.branches = None
-        one_hot = set()  # rows a fast backup proposed for: not sampled, tested one-hot
-        if misses:
-            backup = self.propose_on_miss([rows[i] for i in misses], b, skipped=br is None)
-            parts.append((misses, backup.tokens, backup.q))
-            if backup.q is None:
-                one_hot = set(misses)
-        tokens, q = in_row_order(parts, b, self.V if self.temperature > 0 else None)
-        missed = set(misses)
-        flags = [[self.temperature == 0 or i in one_hot, i not in missed] for i in range(b)]
-        deterministic, hit = torch.tensor(flags, device="cpu").unbind(1)  # on the host
-        now = time.perf_counter()
-        self.busy_seconds += now - start
-        if self.gate is not None:
-            self.gate.answered(sum(n_r + 1 for n_r, _ in outcome), start, now)
-        return Proposals(tokens, q, deterministic, hit)
+        return hits, misses
+
+    def roll_back(self, miss_rows):
+        """A miss keeps the accepted prefix that the cache holds; the rest becomes pending: [t], or
+        more if the last round pre-speculated nothing (x_K, a fast backup's tokens not fed)."""
+        for r in miss_rows:
+            row = self.rows[r]
+            keep = min(len(row.history) - 1, self.cache.length(row.seq))
+            self.cache.truncate(row.seq, keep)
+            row.pending = row.history[keep:]
+
+    def adopt(self, hits):
+        """A hit's branch becomes its row's sequence: it holds the committed tokens, then
+        x'_1..x'_{K-1} fed; x'_K is pending (the next pre_speculate feeds it). hits: (row, branch
+        m) pairs. Returns the proposals: tokens [h, K], q [h, K, V]."""
+        tokens, q, probs = self.finish_branches([m for _, m in hits])
+        for (r, m), proposed, p in zip(hits, to_host(tokens), probs):
+            row = self.rows[r]
+            self.cache.free(row.seq)
+            row.seq, row.proposed, row.guess_probs = self.branches.seqs[m], proposed, p
+            row.pending, row.fast_backup = proposed[-1:], False
+        return tokens, q
 
     def finish_branches(self, ms):
-        """The proposals of the branches that hit: tokens [h, K], q [h, K, V], q_raw [h, K, V].
-        If pre-speculation stopped before x_K was drawn, these branches (and no others) draft their
-        remaining steps now, with the noise they would have had in the full batch: the same tokens
-        as without the stop. Feeding x_K waits for the next pre-speculation (feed_pending)."""
+        """The proposals of the branches that hit: tokens [h, K], q [h, K, V], guess_probs
+        [h, K, V]. If pre-speculation stopped before x_K was drawn, these branches (and no others)
+        draft their remaining steps now, with the noise they would have had in the full batch: the
+        same tokens as without the stop. Feeding x_K waits for the next pre-speculation."""
         br = self.branches
         idx = device_index(ms, self.model.device)
         d = br.drafted.rows(idx)
         if d.steps < self.K:
             d = draft_k(self.model, self.cache, [br.seqs[m] for m in ms],
                         [[br.guess[m]] for m in ms], self.K, self.temperature, self.branch_gen,
-                        F=br.F[:self.K], c=self.ssd.saguaro_c, done=d,
+                        F=br.prior[:self.K], c=self.ssd.saguaro_c, done=d,
                         of_batch=(len(br.seqs), idx))
             self.finished += len(ms)
         return d.stack()
 
+    def free_branches(self):
+        """Free the branches of outcomes that did not happen; the round's cache is used up."""
+        for m in self.spec_cache.clear():
+            self.cache.free(self.branches.seqs[m])
+        self.branches = None
+
     def propose_on_miss(self, miss_rows, b, skipped=False) -> fallback.Backup:
-        """The fallback's proposals for the rows that missed, from the backup `backup_for` picks
-        for batch size b (under "auto", the neural one after a round that pre-speculated nothing:
-        the gate's "off" is SD's schedule); each row then holds what its next guesses need."""
+        """The fallback's proposals for the rows that missed, from the backup the policy picks for
+        batch size b; each row then holds what its next guesses need."""
         start = time.perf_counter()
-        self.b_star = self.critical_batch_size()
-        kind = "neural" if skipped and self.ssd.fallback == "auto" else self.backup_for(b)
-        F = self.fan_out_for(fast=False)
+        kind = self.policy.choose_backup(b, skipped, self.spec_cache.stats.hit_rate)
+        prior = self.policy.prior()
 
         def neural():  # the draft, just in time: good tokens, costs SD's drafting (K steps)
             return draft_k(self.model, self.cache, [self.rows[r].seq for r in miss_rows],
                            [self.rows[r].pending for r in miss_rows], self.K, self.temperature,
-                           self.gen, F=F[:self.K], c=self.ssd.saguaro_c).stack()
+                           self.gen, F=prior[:self.K], c=self.ssd.saguaro_c).stack()
 
         backup = fallback.propose(kind, [self.rows[r].history for r in miss_rows], self.K, self.V,
                                   self.gen, neural)
-        self.fallback_used[kind] += 1
-        fast = backup.q_raw is None
-        F = self.fan_out_for(fast=True) if fast else F
+        fast = backup.guess_probs is None
         for k, (r, proposed) in enumerate(zip(miss_rows, to_host(backup.tokens))):
             row = self.rows[r]
-            row.proposed, row.F, row.fast = proposed, F, fast
+            row.proposed, row.fast_backup = proposed, fast
             # tokens the draft has not fed yet go in at the start of pre_speculate (feed_pending):
             # all of a fast backup's, x_K of the neural one's
-            row.q_raw, row.pending = ((None, row.pending + proposed) if fast
-                                      else (backup.q_raw[k], proposed[-1:]))
-        if not skipped:  # b*'s T_n, T_f: the backups' times for the rows that missed a cache
-            (self.fast_seconds if fast else self.neural_seconds).append(time.perf_counter() - start)
+            row.guess_probs, row.pending = ((None, row.pending + proposed) if fast
+                                            else (backup.guess_probs[k], proposed[-1:]))
+        self.policy.backup_took(fast, time.perf_counter() - start, skipped)
         return backup
-
-    def backup_for(self, b) -> str:
-        """The backup for this miss round: the user's, or under "auto" the neural draft while
-        b < b*, the fast backup from b* on. b* reads this run's measurements, each term replacing
-        its cautious default once measured: a backup that turns out worse than assumed loses the
-        comparison, and the other one gets used and measured."""
-        return fallback.choose_fallback(self.ssd.fallback, b, self.b_star, self.ssd.fast_fallback)
-
-    def critical_batch_size(self):
-        """b* from what was measured so far (fallback.critical_batch_size has the formula). Until
-        the draft's acceptance and the round times are measured: None, the neural backup, whose miss
-        round costs what an SD round costs. (Starting from the paper's default b* instead sent every
-        early miss at batch 8 to the n-gram backup; its rounds never measured the draft, so the
-        default held: 338 against 418 tok/s with the neural backup at T = 1, batch 8, here.)"""
-        if not self.round_seconds or not self.pre_seconds or not self.accept.ready:
-            return None
-        T_v = recent_median(self.round_seconds)  # latencies in verifications, recent rounds
-        T_p = recent_median(self.pre_seconds) / T_v
-        T_n = recent_median(self.neural_seconds) / T_v if self.neural_seconds else None
-        T_f = recent_median(self.fast_seconds) / T_v if self.fast_seconds else None
-        E_hit = self.accept.expected_tokens(self.K)
-        E_f = (expected_tokens(self.accept_fast.a(), self.K) if self.accept_fast.rounds
-               else None)
-        self.b_star_terms = dict(p_hit=self.spec_cache.stats.hit_rate, E_hit=E_hit, T_p=T_p,
-                                 E_f=E_f, T_f=T_f, T_n=T_n)
-        return critical_batch_size(**self.b_star_terms)
 
     def stats(self) -> dict:
         st = self.spec_cache.stats
         return {"hits": st.hits, "misses": st.misses, "cache_hit_rate": st.hit_rate,
                 "hits_per_depth": list(st.hits_per_depth),
                 "lookups_per_depth": list(st.lookups_per_depth),
-                "fallback_rounds": dict(self.fallback_used), "b_star": self.b_star,
-                "b_star_terms": self.b_star_terms,
-                "draft_busy_seconds": self.busy_seconds,
                 "draft_capture_seconds": self.capture_seconds(),
-                "pre_speculation_stopped": self.stopped, "branches_finished": self.finished,
-                "pre_speculation_skipped": self.skipped,
-                "gate_tok_s": (None if self.gate is None else
-                               {"on": self.gate.rate_on(), "off": self.gate.rate_off()}),
-                "mean_budget": self.budget_sum / self.pre_rounds if self.pre_rounds else 0.0,
-                "fan_out": self.fan_out_for(fast=False), "acceptance_estimate": self.accept.a()}
+                "branches_finished": self.finished, **self.policy.stats()}
 
 
 def in_row_order(parts, b: int, V: int | None):

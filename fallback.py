@@ -18,9 +18,10 @@ from devices import to_device
 from spec_cache import DEFAULT_A, expected_tokens
 
 # Defaults for b* before anything is measured (assumptions, times normalised to one verification):
-# T_p: the draft's time to build a round's cache, also the neural backup's time on a miss. From the
-#   paper's SD speed-up at greedy (161.8 / 54.7 = 2.96 tok/s ratio, K = 6) and a = 0.8: E_SD = 3.95,
-#   so T_SD = 3.95 / 2.96 - 1 = 0.34 for 6 tokens, about 0.4 for K = 7.
+# T_p: the draft's time to build a round's cache; also the neural backup's time on a miss (T_n)
+#   until that is measured (the paper charges T_p for both). From the paper's SD speed-up at greedy
+#   (161.8 / 54.7 = 2.96 tok/s ratio, K = 6) and a = 0.8: E_SD = 3.95, so T_SD = 3.95 / 2.96 - 1 =
+#   0.34 for 6 tokens, about 0.4 for K = 7.
 DEFAULT_T_P = 0.4
 # T_f: an n-gram lookup or random draw on the host: near zero beside a verification.
 DEFAULT_T_F = 0.01
@@ -111,7 +112,7 @@ def critical_batch_size(p_hit=None, E_hit=None, T_p=None, E_f=None, T_f=None, T_
     (Theorem 17).
 
     At batch b a round hits with chance w = p_hit^b. The speed-ups over plain decoding are
-        neural backup (T_b = T_p, E_miss = E_hit):  E_hit / (w + (1 - w)(1 + T_p)),
+        neural backup (T_b = T_n, E_miss = E_hit):  E_hit / (w + (1 - w)(1 + T_n)),
         fast backup   (T_b = T_f, E_miss = E_f):    (p_hit E_hit + (1 - p_hit) E_f)
                                                         / (w + (1 - w)(1 + T_f)),
     with T_p clamped to <= 1 as the paper does (the cache is built within one verification, so a hit
@@ -119,10 +120,9 @@ def critical_batch_size(p_hit=None, E_hit=None, T_p=None, E_f=None, T_f=None, T_
     neural draft; E_f, tokens per round of the fast backup's proposals; T_p, the time to build the
     cache; T_n, the neural backup's time on a miss (default: T_p; measured, it is K draft steps
     for the rows that missed only); T_f, the fast backup's time (all times in verifications).
-    "Beats" is strict; we
-    search the integers 1..b_max (their ratio is monotone in w, so it flips at most once). Returns
-    None if it never flips. A quantity not measured yet (None) takes the documented default at the
-    top of this file (temperature 0)."""
+    "Beats" is strict; we search the integers 1..b_max (their ratio is monotone in w, so it flips
+    at most once). Returns None if it never flips. A quantity not measured yet (None) takes the
+    documented default at the top of this file (temperature 0)."""
     p_hit = DEFAULT_P_HIT[0] if p_hit is None else p_hit
     E_hit = expected_tokens(DEFAULT_A, DEFAULT_K) if E_hit is None else E_hit
     T_p = DEFAULT_T_P if T_p is None else T_p
@@ -180,13 +180,14 @@ class Backup:
     kind: str                    # "neural", "ngram" or "random"
     tokens: torch.Tensor         # [m, K] x_1..x_K
     q: torch.Tensor | None       # [m, K, V] the law each x_i was drawn from; None: deterministic
-    q_raw: torch.Tensor | None   # [m, K, V] the draft's own laws at depths 0..K-1 (neural only)
+    # [m, K, V] what the guesses rank by at depths 0..K-1 (draft.draw's guess_probs; neural only)
+    guess_probs: torch.Tensor | None
 
 
 def propose(kind, histories, K, V, generator, neural) -> Backup:
     """Proposals from backup `kind` for the rows that missed, one committed token list per row in
-    `histories`. `neural()` runs the draft model just in time and returns (tokens, q, q_raw). The
-    fast backups are deterministic (tested with a one-hot q)."""
+    `histories`. `neural()` runs the draft model just in time and returns (tokens, q,
+    guess_probs). The fast backups are deterministic (tested with a one-hot q)."""
     if kind == "neural":
         return Backup(kind, *neural())
     if kind == "ngram":  # on the host, then one copy to the draft's device

@@ -22,6 +22,7 @@ from channel import SpeculatorProcess
 from decode import NoDraft, Output, decode_sd, decode_ssd
 from draft import PRE_SPEC, DraftConfig, SSDConfig, load_draft
 from fallback import POLICIES
+from spec_cache import FAN_OUT_HELP, parse_fan_out
 from checkpoint import load_config, load_model, load_tokenizer, resolve
 from devices import DTYPES, check_device, resolve_dtype
 from model import Transformer
@@ -80,14 +81,14 @@ def generate(prompts, target="tiny", draft="tiny-draft", mode="sd", max_new_toke
              target_threads=None, draft_threads=None, kv_tokens=None, block_size=16, chat=False,
              stream=None, target_devices: list[str] | None = None, tp_timeout: float = TP_TIMEOUT_S,
              dtype="auto", graphs: bool | None = None, pre_spec="always",
-             tokenizer=None, torchrun: bool = False) -> GenerateResult:
+             tokenizer=None, torchrun: bool = False, fixed_budget=False) -> GenerateResult:
     """Generate up to max_new_tokens for each prompt (strings, or lists of token ids).
 
     mode: "ar" (target only), "sd" (speculative decoding, k draft tokens per round) or "ssd"
-    (speculative speculative decoding with Saguaro: fan_out, budget B, saguaro_c C, fallback policy;
-    pre_spec "always" pre-speculates every round, "auto" only while that measures faster than not,
-    "never" not at all (SD's schedule across the two processes: what the split alone costs);
-    parallel=False runs the speculator interleaved in this process, same tokens for the same seed).
+    (speculative speculative decoding with Saguaro: fan_out, budget B, fixed_budget (B kept, not
+    adapted to the time), saguaro_c C, fallback policy; pre_spec "always" every round, "auto" only
+    while that measures faster, "never" not at all (SD's schedule across two processes: what the
+    split alone costs); parallel=False: the speculator in this process, same tokens for a seed).
     target_devices: two or more devices (["cuda:0", ..., "cuda:3"]) run the target tensor parallel,
     one rank per device (it replaces target_device); torchrun=True: this process is rank 0 of a
     torchrun world and the target runs over all its ranks, on every node (the others run
@@ -105,8 +106,8 @@ def generate(prompts, target="tiny", draft="tiny-draft", mode="sd", max_new_toke
     the CUDA graphs they captured on its KV pool."""
     prompts = check_request(prompts, mode, k, temperature, max_new_tokens)
     K = k if mode != "ar" else 0
-    ssd = (SSDConfig(K, fan_out, budget, saguaro_c, fallback, pre_spec=pre_spec) if mode == "ssd"
-           else None)
+    ssd = (SSDConfig(K, fan_out, budget, saguaro_c, fallback, pre_spec=pre_spec,
+                     fixed_budget=fixed_budget) if mode == "ssd" else None)
     two_processes = mode == "ssd" and parallel
     where = place(target, mode, two_processes, target_device, draft_device, target_devices, dtype,
                   target_threads, draft_threads, torchrun)
@@ -331,8 +332,8 @@ def kv_sizes(ids, max_new_tokens, K, block_size, kv_tokens=None, ssd: SSDConfig 
     kv_tokens = kv_tokens or b * per_row + block_size
     if ssd is None:
         return kv_tokens, kv_tokens
-    # SSD's draft adds B branches per row: up to K + 2 private tokens (t, x_1..x_K, fed x_K), plus a
-    # copied partial block at the fork and one of rounding
+    # SSD's draft adds B branches per row: up to K + 1 private tokens (t, x'_1..x'_K once a hit
+    # feeds x'_K) and two to spare, plus a copied partial block at the fork and one of rounding
     return kv_tokens, kv_tokens + b * ssd.budget * (K + 3 + 2 * block_size)
 
 
@@ -434,11 +435,14 @@ def add_algorithm_options(g):
                    help="K: draft tokens proposed per round (sd, ssd) (default: %(default)s)")
     g.add_argument("--fan-out", default="geometric", metavar="F",
                    help="ssd: how the B guesses per sequence spread over the K+1 depths: "
-                        "geometric, uniform, or comma-separated integers F_0,...,F_K "
-                        "(default: %(default)s)")
+                        f"{FAN_OUT_HELP} (default: %(default)s)")
     g.add_argument("--budget", type=int, default=8, metavar="B",
-                   help="ssd: B, outcome guesses (branches) pre-speculated per sequence per round "
-                        "(default: %(default)s)")
+                   help="ssd: B, outcome guesses (branches) pre-speculated per sequence per round; "
+                        "the ceiling of a budget that adapts to the measured time (default: "
+                        "%(default)s)")
+    g.add_argument("--fixed-budget", action="store_true",
+                   help="ssd: keep B at --budget every round instead of adapting it to the "
+                        "measured time (experiments: rules compared at equal B)")
     g.add_argument("--saguaro-c", type=float, default=1.0, metavar="C",
                    help="ssd at T > 0: Saguaro sampling's C in [0, 1]; the draft's law is scaled "
                         "by C on the cached guesses, so the target's rejections land on them more "
@@ -499,12 +503,11 @@ def add_output_options(g):
 
 def generate_kwargs(a: argparse.Namespace) -> dict:
     """generate()'s arguments from the command line's (the prompt, stream and tokenizer aside)."""
-    fan = ([int(x) for x in a.fan_out.split(",")] if "," in a.fan_out or a.fan_out.isdigit()
-           else a.fan_out)
+    fan = parse_fan_out(a.fan_out)
     return dict(target=a.target, draft=a.draft, mode=a.mode, max_new_tokens=a.max_new_tokens,
                 temperature=a.temperature, k=a.k, seed=a.seed, ignore_eos=a.ignore_eos,
                 fan_out=fan, budget=a.budget, saguaro_c=a.saguaro_c, fallback=a.fallback,
-                parallel=not a.no_parallel, pre_spec=a.pre_spec,
+                parallel=not a.no_parallel, pre_spec=a.pre_spec, fixed_budget=a.fixed_budget,
                 target_device=a.target_device or a.device,
                 draft_device=a.draft_device or a.device, target_threads=a.target_threads,
                 draft_threads=a.draft_threads, kv_tokens=a.kv_tokens, chat=a.chat,

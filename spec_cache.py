@@ -2,19 +2,21 @@
 
 Read top to bottom:
 1. the fan-out F_0..F_K (bonus-token guesses cached at depth j = j accepted tokens): uniform, or
-   the paper's geometric fan-out (Theorem 12); its budget B from the measured time
-   (`next_budget`), and whether to pre-speculate at all (`PreSpecGate`);
-2. guess selection: at depth j the top-F_j tokens of the draft's own distribution, excluding the
-   drafted token x_{j+1} (a rejected token has zero residual mass, so it is never the bonus);
-3. `SpecCache`: the round's branches keyed by the outcome (seq, n, t), with hit/miss counters;
+   the paper's geometric fan-out (Theorem 12), or an explicit list; `FAN_OUTS` names the rules
+   (the config check, both command lines and their help read it);
+2. guess selection: per row, at depth j the top-F_j tokens of the draft's own distribution,
+   excluding the drafted token x_{j+1} (a rejected token has zero residual mass, so it is never
+   the bonus); every row has its own F_0..F_K;
+3. `SpecCache`: the round's branches keyed by the outcome (row, n, t), with hit/miss counters;
 4. `AcceptanceTracker`: running estimates of the acceptance rate a and the power-law exponent r,
    to refresh the geometric fan-out from measurements after a warm-up.
 
-Pure math and plain Python containers: an entry's KV state is the caller's (draft.py) business.
+Pure math and plain Python containers: an entry's KV state is the caller's (draft.py) business;
+what the speculator measures and decides from it (the budget B, the gate, b*, which fan-out a row
+gets) is spec_policy.py's.
 """
 import math
 import numbers
-import statistics
 from dataclasses import dataclass, field
 
 import torch
@@ -95,27 +97,48 @@ def geometric_fan_out(a: float, r: float, K: int, B: int) -> list[int]:
     return round_to_budget(geometric_fan_out_real(a, r, K, B), B)
 
 
-def fan_out(spec, a: float, r: float, K: int, B: int) -> list[int]:
-    """The fan-out from a spec: "uniform", "geometric", or an explicit list of K+1 non-negative ints
-    (or a comma-separated string such as "3,3,3"), returned as is: its sum is the budget, not B."""
-    if isinstance(spec, str) and spec in ("uniform", "geometric"):
-        return uniform_fan_out(K, B) if spec == "uniform" else geometric_fan_out(a, r, K, B)
+FAN_OUTS = ("geometric", "uniform")  # the named rules; an explicit F_0,..,F_K is the third form
+FAN_OUT_HELP = f"{' or '.join(FAN_OUTS)}, or K+1 comma-separated integers F_0,..,F_K"
+
+
+def parse_fan_out(text: str):
+    """A fan-out as a command line gives it: a rule's name, or "3,2,2" -> [3, 2, 2]."""
+    if text in FAN_OUTS:
+        return text
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(f"fan-out {text!r}: use {FAN_OUT_HELP}") from None
+
+
+def check_fan_out(spec, K: int):
+    """The fan-out a user asked for, checked: a name of FAN_OUTS (returned as is) or K+1
+    non-negative ints (returned as a list; its sum is the budget B)."""
     if isinstance(spec, str):
-        try:
-            spec = [int(x) for x in spec.split(",")]
-        except ValueError:
-            raise ValueError(f"fan-out must be 'uniform', 'geometric' or K+1 ints like '3,3,3', "
-                             f"got {spec!r}") from None
+        if spec in FAN_OUTS:
+            return spec
+        raise ValueError(f"fan_out={spec!r}: use {FAN_OUT_HELP}")
     if not isinstance(spec, (list, tuple)):
-        raise ValueError(f"fan-out must be 'uniform', 'geometric' or a list of K+1 ints, "
-                         f"got {spec!r}")
+        raise ValueError(f"fan_out={spec!r}: use {FAN_OUT_HELP}")
     if len(spec) != K + 1:
-        raise ValueError(f"an explicit fan-out needs K+1 = {K + 1} entries (depths 0..K), "
-                         f"got {len(spec)}")
+        raise ValueError(f"fan_out={list(spec)}: an explicit fan-out needs K+1 = {K + 1} entries "
+                         f"(depths 0..K), got {len(spec)}")
     if not all(isinstance(f, numbers.Integral) and not isinstance(f, bool) and f >= 0
                for f in spec):
-        raise ValueError(f"an explicit fan-out must hold non-negative ints, got {list(spec)}")
+        raise ValueError(f"fan_out={list(spec)}: an explicit fan-out must hold non-negative ints")
     return [int(f) for f in spec]
+
+
+def fan_out(spec, a: float, r: float, K: int, B: int) -> list[int]:
+    """F_0..F_K from a rule: "uniform", "geometric" (at acceptance a and exponent r), or an explicit
+    list of K+1 non-negative ints (or a comma-separated string such as "3,3,3"), returned as is:
+    its sum is the budget, not B."""
+    spec = check_fan_out(parse_fan_out(spec) if isinstance(spec, str) else spec, K)
+    if spec == "uniform":
+        return uniform_fan_out(K, B)
+    if spec == "geometric":
+        return geometric_fan_out(a, r, K, B)
+    return spec
 
 
 def fit_power_law(F_values, miss_rates, default: float = DEFAULT_R) -> float:
@@ -129,132 +152,40 @@ def fit_power_law(F_values, miss_rates, default: float = DEFAULT_R) -> float:
     return r if r > 0 else default
 
 
-def next_budget(B: int, ceiling: int, T_p: float, stopped: bool) -> int:
-    """The budget B for the next pre-speculation, so that it fits within one verification.
-    T_p: the last pre-speculation's time in verifications; stopped: the outcome arrived before it
-    was done. Too slow: B shrinks by a quarter (at least 1); under 3/4 of a verification: it grows
-    by one, up to `ceiling` (the user's budget). Additive increase, multiplicative decrease: it
-    settles just under the verification time and recovers quickly from a slow round."""
-    if stopped or T_p > 1:
-        return max(1, B - max(1, B // 4))
-    if T_p < 0.75:
-        return min(ceiling, B + 1)
-    return B
-
-
-class PreSpecGate:
-    """Pre-speculate this round at all? Where the draft's work slows the verifier (two CPU cores
-    that share caches and memory bandwidth), pre-speculation that rarely hits costs more than it
-    saves. "Off" is B = 0, SD's schedule across the two processes: the speculator idles while the
-    verifier works, every row misses and the neural draft proposes after the outcome arrives.
-
-    The gate compares tokens per second of the two, as measured in this run. A choice made for
-    round k (during its verification) decides how long that verification takes and whether the
-    answer to its outcome is a hit, so it is charged the time from round k's proposals to round
-    k + 1's: the verification (until the outcome arrives) and the answer after it.
-    - on: round k + 1's tokens over that time, summed over the last `window` such rounds;
-    - off: a round's tokens from the neural draft, E_off (rows x expected tokens per row at the
-      measured acceptance), over the median verification plus the median answer of the off rounds.
-      Off rounds are few, so their tokens are not counted but predicted; their times vary little.
-    The first `warmup` rounds are on, the next `probe` off; then off when its rate beats on's by
-    `margin` (on's estimate is the noisier one, from rounds that hit or not), with one round of the
-    other every `probe_every` so that a wrong choice or a change (fewer rows, another hit rate) is
-    seen within a short run. On's first `settle` rounds are left out: a run's first rounds are
-    slower (first-time shapes, cold caches) whatever the choice."""
-
-    def __init__(self, warmup: int = 6, probe: int = 2, probe_every: int = 8, window: int = 32,
-                 margin: float = 1.05, settle: int = 2):
-        self.warmup, self.probe, self.probe_every, self.window = warmup, probe, probe_every, window
-        self.margin, self.settle = margin, settle
-        self.on = []       # (tokens, seconds) per charged round that pre-speculated
-        self.off = []      # (verification s, answer s) per charged round that did not
-        self.chosen = {True: 0, False: 0}  # choices so far; chosen[False]: rounds skipped
-        self.E_off = None  # the last choice's E_off
-        self.arm = None    # the choice for the round being verified
-        self.sent = None   # when that round's proposals went out
-        self.open = None   # the previous round's (arm, verification s, answer s), awaiting tokens
-
-    def rate_on(self):
-        """Tokens per second of the last `window` rounds that pre-speculated; None before one."""
-        recent = self.on[self.settle:][-self.window:]
-        seconds = sum(s for _, s in recent)
-        return sum(t for t, _ in recent) / seconds if seconds > 0 else None
-
-    def rate_off(self, E_off: float | None = None):
-        """E_off (default: the last choice's) tokens per round over the median time of a round that
-        did not pre-speculate; None before one."""
-        recent = self.off[-self.window:]
-        E_off = self.E_off if E_off is None else E_off
-        if not recent or E_off is None:
-            return None
-        return E_off / (statistics.median(v for v, _ in recent)
-                        + statistics.median(a for _, a in recent))
-
-    def choose(self, E_off: float) -> bool:
-        """The choice for the round about to be verified (True pre-speculates); E_off: the tokens a
-        round of it would yield from the neural draft."""
-        self.E_off = E_off
-        on, off = self.rate_on(), self.rate_off()
-        if self.chosen[True] < self.warmup:
-            arm = True
-        elif self.chosen[False] < self.probe:
-            arm = False
-        elif on is None or off is None:  # a probe is not charged yet
-            arm = True
-        else:
-            best = on * self.margin >= off
-            arm = best if sum(self.chosen.values()) % self.probe_every else not best
-        self.chosen[arm] += 1
-        self.arm = arm
-        return arm
-
-    def answered(self, tokens: int, arrived: float, now: float):
-        """An outcome that yielded `tokens` arrived at time `arrived` (seconds) and its answer, the
-        next proposals, goes out at `now`."""
-        if self.open is not None:
-            arm, verify, answer = self.open
-            if arm:
-                self.on.append((tokens, verify + answer))
-            else:
-                self.off.append((verify, answer))
-        self.open = (None if self.sent is None or self.arm is None
-                     else (self.arm, arrived - self.sent, now - arrived))
-        self.sent = now
-
-
 # --------------------------------------------------------------------------------------------------
 # Guess selection: at depth j the top-F_j tokens of the draft's distribution, excluding x_{j+1}
 
-def _check_F(F, K):
-    if len(F) != K + 1 or any(f < 0 for f in F):
-        raise ValueError(f"F must hold K+1 = {K + 1} non-negative ints (depths 0..K), "
-                         f"got {list(F)}")
+def _check_F(F, b, K):
+    if len(F) != b or any(len(row) != K + 1 or min(row) < 0 for row in F):
+        raise ValueError(f"F must hold one row of K+1 = {K + 1} non-negative ints (depths 0..K) "
+                         f"per sequence, {b} rows, got {[list(row) for row in F]}")
 
 
-def select_guesses_batch(q_raw: torch.Tensor, drafted: torch.Tensor, F: list[int]) -> torch.Tensor:
-    """Guesses for b sequences. q_raw [b, K+1, V]: the draft's own (pre-Saguaro) scores at depths
-    0..K, probabilities or logits (only their order matters; at temperature 0 not a one-hot);
-    drafted [b, K]: x_1..x_K. Returns LongTensor [b, K+1, max(F)]: row i, depth j holds its
-    top-F_j token ids, descending, without drafted[i, j] (j < K), padded with -1.
+def select_guesses_batch(probs: torch.Tensor, drafted: torch.Tensor, F: list) -> torch.Tensor:
+    """Guesses for b sequences, each with its own fan-out. probs [b, K+1, V]: the draft's own
+    (pre-Saguaro) scores at depths 0..K, probabilities or logits (only their order matters; at
+    temperature 0 not a one-hot); drafted [b, K]: x_1..x_K (-1: nothing to exclude); F: b lists of
+    K+1 ints, row i's F_0..F_K. Returns LongTensor [b, K+1, max F]: row i, depth j holds its top
+    F[i][j] token ids, descending, without drafted[i, j] (j < K), padded with -1.
     Ties: torch.topk's order."""
-    b, K1, V = q_raw.shape
+    b, K1, V = probs.shape
     K = K1 - 1
-    _check_F(F, K)
+    _check_F(F, b, K)
     if drafted.shape != (b, K):
-        raise ValueError(f"drafted must be [b, K] = [{b}, {K}] to match q_raw, "
+        raise ValueError(f"drafted must be [b, K] = [{b}, {K}] to match probs, "
                          f"got {list(drafted.shape)}")
-    maxF = max(F)
+    maxF = max((max(row) for row in F), default=0)
     if maxF == 0:
-        return torch.full((b, K1, 0), -1, dtype=torch.long, device=q_raw.device)
+        return torch.full((b, K1, 0), -1, dtype=torch.long, device=probs.device)
     # one extra candidate, the drafted one dropped by position: masking its score fails on ties
     k = min(maxF + 1, V)
-    idx = q_raw.topk(k, dim=-1).indices                                   # [b, K+1, k]
+    idx = probs.topk(k, dim=-1).indices                                   # [b, K+1, k]
     excl = torch.cat([drafted, drafted.new_full((b, 1), -1)], dim=1)       # [b, K+1]: none at K
     keep = idx != excl.unsqueeze(-1)                                       # [b, K+1, k]
     rank = keep.cumsum(-1) - 1                                             # rank among kept
-    Ft = to_device(torch.tensor(F, device="cpu"), q_raw.device).view(1, K1, 1)
+    Ft = to_device(torch.tensor(F, device="cpu"), probs.device).view(b, K1, 1)
     keep &= rank < Ft
-    out = torch.full((b, K1, maxF + 1), -1, dtype=torch.long, device=q_raw.device)  # +1: a dump
+    out = torch.full((b, K1, maxF + 1), -1, dtype=torch.long, device=probs.device)  # +1: a dump
     out.scatter_(-1, torch.where(keep, rank, maxF), torch.where(keep, idx, -1))
     return out[..., :maxF]
 
@@ -305,7 +236,9 @@ class CacheStats:
 
 
 class SpecCache:
-    """One round's speculation cache: outcome (seq, n, t) -> the caller's entry.
+    """One round's speculation cache: outcome (row, n, t) -> the caller's entry. row is the row's
+    index in the batch (draft.Speculator.rows), which stays the same while a hit replaces its KV
+    sequence.
 
     `get` hands a hit's entry over and removes it, so `clear` returns exactly the unclaimed entries
     (the caller frees their KV branches). K (optional) bounds n and sizes the per-depth counters."""
@@ -319,19 +252,19 @@ class SpecCache:
         if n < 0 or (self.K is not None and n > self.K):
             raise ValueError(f"accepted count n must be in [0, K={self.K}], got {n}")
 
-    def put(self, seq: int, n: int, t: int, entry):
+    def put(self, row: int, n: int, t: int, entry):
         self._check_n(n)
-        key = (int(seq), int(n), int(t))
+        key = (int(row), int(n), int(t))
         if key in self.entries:
             raise ValueError(f"outcome {key} is already cached this round; "
                              f"clear() the cache between rounds")
         self.entries[key] = entry
         self.stats.entries += 1
 
-    def get(self, seq: int, n: int, t: int):
+    def get(self, row: int, n: int, t: int):
         """Look up the real outcome: the entry (removed from the cache) on a hit, None on a miss."""
         self._check_n(n)
-        entry = self.entries.pop((int(seq), int(n), int(t)), None)
+        entry = self.entries.pop((int(row), int(n), int(t)), None)
         self.stats.record(int(n), entry is not None)
         return entry
 

@@ -131,7 +131,7 @@ def test_smoke_json_line(tmp_path, capsys):
     draft = make_checkpoint(tmp_path / "d", "llama", seed=1, num_hidden_layers=1)
     rc = bench.main(["--target", str(target), "--draft", str(draft), "--prompts", "1",
                      "--max-new-tokens", "8", "--repeats", "1", "--warmup", "0", "--cores", "1",
-                     "--k", "2", "--budget", "3"])
+                     "--k", "2", "--budget", "3", "--fixed-budget"])
     assert rc == 0
     out = capsys.readouterr().out.strip().splitlines()
     res = json.loads(out[-1])
@@ -147,6 +147,12 @@ def test_smoke_json_line(tmp_path, capsys):
     assert {"ssd_pred", "ssd_pred_c", "sd_pred", "sd_bound", "T_p", "T_b", "c", "c_SD", "c_v",
             "b_star"} <= set(rows["ssd"]["theory"])
     assert any(line.startswith("ssd@1+1t") for line in out)  # the table's row label
+    # the fan-out used and the hits per depth: B = 3 in every row-round (fixed), over depths 0..K
+    ssd = rows["ssd"]
+    assert ssd["fixed_budget"] and ssd["mean_budget"] == 3
+    assert len(ssd["fan_out_used"]) == 3 and sum(ssd["fan_out_used"]) == pytest.approx(3)
+    assert sum(ssd["hits_per_depth"]) == ssd["hits"] and sum(ssd["lookups_per_depth"]) == ssd["hits"] + ssd["misses"]
+    assert any(line.startswith("ssd@1+1t") and " F " in line and " hits " in line for line in out)
     # one repeat: the one pass's ratio is the ratio of the medians
     assert rows["ssd"]["speedup_vs_sd_runs"] == [pytest.approx(rows["ssd"]["speedup_vs_sd"])]
     assert rows["ar"]["speedup_vs_sd_runs"] is None

@@ -182,10 +182,10 @@ def test_propose_runs_the_chosen_backup():
 
     g = torch.Generator().manual_seed(0)
     b = propose("neural", histories, K, V, g, neural)  # the neural draft proposes, with its laws
-    assert b.kind == "neural" and calls == [1] and b.q.shape == (2, K, V) and b.q_raw.shape == (2, K + 1, V)
+    assert b.kind == "neural" and calls == [1] and b.q.shape == (2, K, V) and b.guess_probs.shape == (2, K + 1, V)
     # the n-gram backup: its tokens, deterministic (no laws), the draft not run
     b = propose("ngram", histories, K, V, g, neural)
-    assert b.kind == "ngram" and calls == [1] and b.q is None and b.q_raw is None
+    assert b.kind == "ngram" and calls == [1] and b.q is None and b.guess_probs is None
     assert b.tokens.tolist() == [ngram_propose(h, K) for h in histories]
     b = propose("random", histories, K, V, g, neural)
     assert b.kind == "random" and b.q is None and b.tokens.shape == (2, K) and int(b.tokens.max()) < V

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from spec_cache import (AcceptanceTracker, CacheStats, PreSpecGate, SpecCache, acceptance_trials,  # noqa: E402
-                        next_budget, expected_tokens, fan_out, fit_power_law, geometric_fan_out,
-                        geometric_fan_out_real, guess_triples, select_guesses_batch,
-                        uniform_fan_out)
+from spec_cache import (FAN_OUTS, AcceptanceTracker, CacheStats, SpecCache,  # noqa: E402
+                        acceptance_trials, check_fan_out, expected_tokens, fan_out, fit_power_law,
+                        geometric_fan_out, geometric_fan_out_real, guess_triples, parse_fan_out,
+                        select_guesses_batch, uniform_fan_out)
 
 torch.set_num_threads(1)
 
@@ -200,11 +200,11 @@ def test_depth_K_excludes_nothing():
     drafted = q[:K].argmax(-1)
     q[K] = q[K - 1]  # depth K's top token is the last drafted token: still a valid guess there
     for guesses in (select_guesses(q, drafted, [2] * (K + 1)),
-                    select_guesses_batch(q[None], drafted[None], [2] * (K + 1))[0].tolist()):
+                    select_guesses_batch(q[None], drafted[None], [[2] * (K + 1)])[0].tolist()):
         assert int(drafted[K - 1]) not in guesses[K - 1]
         assert guesses[K][0] == int(drafted[K - 1])
     # asking for the whole vocabulary: V-1 tokens at a rejection depth, all V at depth K
-    full = select_guesses_batch(q[None], drafted[None], [V] * (K + 1))[0]
+    full = select_guesses_batch(q[None], drafted[None], [[V] * (K + 1)])[0]
     for j in range(K):
         got = sorted(t for t in full[j].tolist() if t >= 0)
         assert got == [t for t in range(V) if t != int(drafted[j])]
@@ -218,7 +218,7 @@ def test_exclusion_survives_ties():
     logits[:, :2] = torch.tensor([1.0, 0.5])
     drafted = torch.tensor([5, 6])  # both among the -inf ties
     for guesses in (select_guesses(logits, drafted, [V, V, V]),
-                    select_guesses_batch(logits[None], drafted[None], [V, V, V])[0].tolist()):
+                    select_guesses_batch(logits[None], drafted[None], [[V, V, V]])[0].tolist()):
         assert 5 not in guesses[0] and 6 not in guesses[1]
         assert guesses[0][:2] == [0, 1] and guesses[1][:2] == [0, 1]
 
@@ -231,7 +231,7 @@ def test_batched_guesses_equal_per_sequence():
     drafted = torch.stack([r[1] for r in rounds])
     per_seq = [select_guesses(q[i], drafted[i], F) for i in range(b)]
 
-    padded = select_guesses_batch(q, drafted, F)
+    padded = select_guesses_batch(q, drafted, [F] * b)
     assert padded.shape == (b, K + 1, max(F))
     for i in range(b):
         for j in range(K + 1):
@@ -242,13 +242,47 @@ def test_batched_guesses_equal_per_sequence():
     assert len(expect) == b * sum(F)
 
 
+def test_each_row_has_its_own_fan_out():
+    """Rows with different F_0..F_K in one batch get what each would get alone; a row padded to depth
+    0 only (round 0: no proposals, drafted -1, zero scores below) guesses its top F_0 there and nothing
+    deeper."""
+    g = torch.Generator().manual_seed(3)
+    K, V = 3, 40
+    rounds = [random_round(g, K, V) for _ in range(3)]
+    q = torch.stack([r[0] for r in rounds])
+    drafted = torch.stack([r[1] for r in rounds])
+    q[2, 1:] = 0
+    drafted[2] = -1
+    F = [[3, 2, 1, 1], [1, 0, 0, 6], [5, 0, 0, 0]]
+    got = select_guesses_batch(q, drafted, F).tolist()
+    for i in range(2):
+        assert [[x for x in d if x >= 0] for d in got[i]] == select_guesses(q[i], drafted[i], F[i])
+    assert [x for x in got[2][0] if x >= 0] == q[2, 0].topk(5).indices.tolist()
+    assert all(x == -1 for d in got[2][1:] for x in d)
+
+
+def test_fan_out_names_and_parsing():
+    assert FAN_OUTS == ("geometric", "uniform")
+    assert [parse_fan_out(x) for x in ("geometric", "uniform", "3,2,1", "8")] == \
+        ["geometric", "uniform", [3, 2, 1], [8]]
+    assert check_fan_out((2, 1), 1) == [2, 1] and check_fan_out("uniform", 5) == "uniform"
+    for bad, K in (("zigzag", 2), ([1, 1], 2), ([1, -1, 1], 2), (3, 2)):
+        with pytest.raises(ValueError, match="fan_out") as e:
+            check_fan_out(bad, K)
+        assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="geometric or uniform"):
+        parse_fan_out("3,x")
+
+
 def test_guess_validation():
     q = torch.rand(2, 4, 10)
     with pytest.raises(ValueError, match=r"K\+1 = 4"):
-        select_guesses_batch(q, torch.zeros(2, 3, dtype=torch.long), [1, 1, 1])
+        select_guesses_batch(q, torch.zeros(2, 3, dtype=torch.long), [[1, 1, 1]] * 2)
     with pytest.raises(ValueError, match="drafted must be"):
-        select_guesses_batch(q, torch.zeros(2, 2, dtype=torch.long), [1, 1, 1, 1])
-    none = select_guesses_batch(q, torch.zeros(2, 3, dtype=torch.long), [0, 0, 0, 0])
+        select_guesses_batch(q, torch.zeros(2, 2, dtype=torch.long), [[1, 1, 1, 1]] * 2)
+    with pytest.raises(ValueError, match="per sequence"):  # one row of F per sequence
+        select_guesses_batch(q, torch.zeros(2, 3, dtype=torch.long), [[1, 1, 1, 1]])
+    none = select_guesses_batch(q, torch.zeros(2, 3, dtype=torch.long), [[0, 0, 0, 0]] * 2)
     assert guess_triples(none.tolist()) == []
 
 
@@ -369,97 +403,3 @@ def test_expected_tokens():
         P = [(1 - a) * a ** j for j in range(K)] + [a ** K]
         assert expected_tokens(a, K) == pytest.approx(sum(p * (j + 1) for j, p in enumerate(P)))
     assert expected_tokens(1.0, 5) == 6 and expected_tokens(0.0, 5) == 1
-
-
-# ----------------------------------------------------------------------------------------------------
-# The adaptive budget
-
-def test_next_budget_steps():
-    assert next_budget(8, 8, 1.3, False) == 6 and next_budget(8, 8, 0.5, True) == 6  # too slow or stopped
-    assert next_budget(3, 8, 2.0, False) == 2 and next_budget(1, 8, 5.0, True) == 1   # at least 1
-    assert next_budget(5, 8, 0.5, False) == 6 and next_budget(8, 8, 0.1, False) == 8  # grows to the ceiling
-    assert next_budget(5, 8, 0.9, False) == 5                                         # fits: stays
-
-
-@pytest.mark.parametrize("step_cost,expect", [(0.02, 8), (0.05, 6), (0.2, 1)])
-def test_next_budget_settles_where_pre_speculation_fits(step_cost, expect):
-    """Pre-speculation costing 0.1 + step_cost * B verifications (a fixed part and one per branch): from the
-    user's budget 8 the budget settles near the largest B that fits one verification, and rounds that do
-    not fit are a minority once it has."""
-    B, seen = 8, []
-    for _ in range(200):
-        T_p = 0.1 + step_cost * B
-        seen.append(B)
-        B = next_budget(B, 8, T_p, stopped=T_p > 1)
-    settled = seen[50:]
-    fits = max(b for b in range(1, 9) if 0.1 + step_cost * b <= 1) if step_cost < 0.9 else 1
-    assert min(expect, fits) - 2 <= sorted(settled)[len(settled) // 2] <= fits
-    assert sum(0.1 + step_cost * b > 1 for b in settled) <= len(settled) / 2
-
-
-# ----------------------------------------------------------------------------------------------------
-# The gate: pre-speculate at all?
-
-def run_gate(gate, rounds, verify, answer, tokens):
-    """Drive a gate the way the speculator does: choose() for round k, then at the answer to round k's
-    outcome answered(tokens of round k, arrival, clock). The arm chosen for round k sets round k's
-    verification time verify[arm], the answer after it answer[arm], and round k + 1's tokens tokens[arm].
-    Off rounds are predicted at E_off = tokens[False]. Returns the choices."""
-    clock, arms, prev = 0.0, [], None
-    for k in range(rounds):
-        arm = gate.choose(tokens[False])     # during round k's verification
-        arms.append(arm)
-        clock += verify[arm]
-        arrived = clock
-        clock += answer[arm]
-        gate.answered(tokens[prev] if prev is not None else 1, arrived, clock)  # round k's tokens
-        prev = arm
-    return arms
-
-
-def test_gate_schedule_warmup_then_probe():
-    gate = PreSpecGate(warmup=6, probe=2)
-    assert gate.rate_on() is None and gate.rate_off(3.0) is None
-    arms = run_gate(gate, 10, {True: 2.0, False: 1.0}, {True: 1.0, False: 1.0}, {True: 2, False: 2})
-    assert arms[:8] == [True] * 6 + [False] * 2
-
-
-def test_gate_leaves_out_the_first_rounds():
-    """A run's first rounds are slow whatever the choice: on's rate starts after its first `settle`."""
-    gate = PreSpecGate(settle=2)
-    gate.on = [(1, 100.0), (1, 50.0), (4, 10.0), (2, 10.0)]
-    assert gate.rate_on() == pytest.approx(6 / 20)
-
-
-def test_gate_charges_each_arm_and_takes_the_faster():
-    """On yields more tokens per round but its verification runs slower beside the draft. The rates must
-    be each arm's own (the tokens of the round after the choice over the verification of the round of the
-    choice plus the answer after it), and the gate spends most rounds off, trying on once every
-    probe_every rounds."""
-    tokens, verify, answer = {True: 4, False: 2}, {True: 12.0, False: 3.0}, {True: 1.0, False: 2.0}
-    gate = PreSpecGate(warmup=4, probe=2, probe_every=10, window=16)
-    arms = run_gate(gate, 200, verify, answer, tokens)
-    assert gate.rate_on() == pytest.approx(4 / 13)
-    assert gate.rate_off(tokens[False]) == pytest.approx(2 / 5)
-    later = arms[20:]
-    assert 0.85 <= sum(not a for a in later) / len(later) <= 0.95
-
-
-@pytest.mark.parametrize("off_seconds,off_share", [(4.6, 0.1), (4.3, 0.9)])
-def test_gate_margin(off_seconds, off_share):
-    """Margin 1.1. On at 4 tokens per 10 s; off at 2 tokens per 4.6 s is 9% faster: the gate stays on but
-    for its probes of off (1 round in 10); at 4.3 s off is 16% faster and taken but for the probes of on."""
-    gate = PreSpecGate(warmup=4, probe=2, probe_every=10, window=16, margin=1.1)
-    arms = run_gate(gate, 200, {True: 9.0, False: off_seconds - 1}, {True: 1.0, False: 1.0},
-                    {True: 4, False: 2})
-    share = sum(not a for a in arms[20:]) / 180
-    assert abs(share - off_share) <= 0.03, share
-
-
-def test_gate_follows_a_change():
-    """Off is faster for 100 rounds, then on becomes faster (say the hit rate rose): the probes see it."""
-    gate = PreSpecGate()
-    tokens = {True: 4, False: 2}
-    run_gate(gate, 100, {True: 12.0, False: 3.0}, {True: 1.0, False: 2.0}, tokens)
-    arms = run_gate(gate, 300, {True: 6.0, False: 3.0}, {True: 1.0, False: 2.0}, tokens)
-    assert sum(arms[-100:]) >= 85, arms  # all on but for the probes of off, 1 in 8

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import draft as draft_module
+import spec_policy
 from fallback import critical_batch_size, default_critical_batch_size
 from conftest import make_checkpoint
 from test_generate import (copy_checkpoint, empirical_law, exact_law, gen, hf_greedy, make_own_vocab_draft,
@@ -134,6 +135,20 @@ def test_parallel_matches_serial_at_temperature_1(ckpts):
     assert other.tokens != ser.tokens
 
 
+def test_fixed_budget_repeats_tokens_in_one_process_and_two(ckpts):
+    """--fixed-budget: B stays the user's in every round, so a geometric fan-out at temperature 1 (each
+    row's vector decided from the measured acceptance alone) repeats its tokens and hits from run to run,
+    and in two processes (with pre-speculation stopped whenever the outcome arrives first)."""
+    kw = dict(mode="ssd", k=3, fan_out="geometric", budget=5, fixed_budget=True, fallback="neural",
+              saguaro_c=0.5, temperature=1.0, seed=4, max_new_tokens=2 * NEW)
+    runs = [gen(PROMPTS, ckpts["target"], ckpts["different"], parallel=p, **kw) for p in (False, False, True)]
+    assert runs[0].tokens == runs[1].tokens == runs[2].tokens
+    for r in runs:
+        assert r.stats["mean_budget"] == 5 and r.stats["fixed_budget"] and r.stats["hits"] > 0
+        assert sum(r.stats["fan_out_used"]) == pytest.approx(5)
+    assert runs[0].stats["hits"] == runs[2].stats["hits"]
+
+
 # ----------------------------------------------------------------------------------------------------
 # Pre-speculation stopped early (the outcome arrives before the branches are drafted): the same tokens
 
@@ -173,7 +188,7 @@ def gate_pattern(monkeypatch, pattern):
         self.arm = pattern[sum(self.chosen.values()) % len(pattern)]
         self.chosen[self.arm] += 1
         return self.arm
-    monkeypatch.setattr(draft_module.PreSpecGate, "choose", choose)
+    monkeypatch.setattr(spec_policy.PreSpecGate, "choose", choose)
 
 
 def hf_greedy_2new(ckpts):
@@ -241,30 +256,34 @@ def test_auto_fallback_reads_its_measurements(ckpts):
     cfg = draft_module.DraftConfig(str(ckpts["different"]), "cpu", torch.float32, 3, 0.0, 0, 256,
                                    ssd=draft_module.SSDConfig(K=3))
     spec = draft_module.load_draft(cfg)
+    policy = spec.policy
     assert default_critical_batch_size(3, 0.0) is not None  # the paper's default would flip at some b ...
-    assert spec.critical_batch_size() is None  # ... but until measured, misses go to the neural backup
+    # ... but until measured, misses go to the neural backup
+    assert policy.critical_batch_size(spec.spec_cache.stats.hit_rate) is None
     # rounds of 10 ms, pre-speculation 8 ms, the neural backup 5 ms, the n-gram one 0.1 ms; hit rate 1/2;
     # the draft accepts 2 of 3 on every round, the n-gram backup none
-    spec.round_seconds, spec.pre_seconds = [0.010] * 9, [0.008] * 9
-    spec.neural_seconds, spec.fast_seconds = [0.005] * 5, [0.0001] * 5
+    policy.round_seconds, policy.pre_seconds = [0.010] * 9, [0.008] * 9
+    policy.neural_seconds, policy.fast_seconds = [0.005] * 5, [0.0001] * 5
     for i in range(40):
         spec.spec_cache.stats.record(1, hit=i % 2 == 0)
-    spec.accept.update([2] * 40, 3)
-    spec.accept_fast.update([0] * 40, 3)
-    E_hit = spec.accept.expected_tokens(3)
-    b_star = spec.critical_batch_size()
+    policy.accept.update([2] * 40, 3)
+    policy.accept_fast.update([0] * 40, 3)
+    E_hit = policy.accept.expected_tokens(3)
+    p_hit = spec.spec_cache.stats.hit_rate
+    assert policy.choose_backup(1, False, p_hit) == "neural"  # b* refreshed first
+    b_star = policy.b_star
     assert b_star == critical_batch_size(0.5, E_hit, 0.8, 1.0, 0.01, 0.5) == 3
-    spec.b_star = b_star
-    assert [spec.backup_for(b) for b in (1, 2, 3, 8)] == ["neural", "neural", "ngram", "ngram"]
-    spec.neural_seconds = []  # unmeasured, the neural backup is charged T_p (cautious): b* is lower
-    assert spec.critical_batch_size() == critical_batch_size(0.5, E_hit, 0.8, 1.0, 0.01) == 2
-    spec.neural_seconds = [0.005] * 5
-    spec.accept_fast.update([3] * 400, 3)  # the n-gram backup turns out as good as the draft: from b = 1
-    spec.b_star = spec.critical_batch_size()
-    assert spec.b_star == 1 and spec.backup_for(1) == "ngram"
-    spec.b_star = b_star
-    assert draft_module.Speculator(spec.model, draft_module.SSDConfig(K=3, fallback="random"), 0.0, 0,
-                                   64).backup_for(1) == "random"  # a fixed policy is never overridden
+    assert [policy.backup_for(b) for b in (1, 2, 3, 8)] == ["neural", "neural", "ngram", "ngram"]
+    assert policy.choose_backup(8, True, p_hit) == "neural"  # after a skipped round: SD's schedule
+    policy.neural_seconds = []  # unmeasured, the neural backup is charged T_p (cautious): b* is lower
+    assert policy.critical_batch_size(p_hit) == critical_batch_size(0.5, E_hit, 0.8, 1.0, 0.01) == 2
+    policy.neural_seconds = [0.005] * 5
+    policy.accept_fast.update([3] * 400, 3)  # the n-gram backup turns out as good as the draft: from b = 1
+    policy.b_star = policy.critical_batch_size(p_hit)
+    assert policy.b_star == 1 and policy.backup_for(1) == "ngram"
+    policy.b_star = b_star
+    fixed = draft_module.Speculator(spec.model, draft_module.SSDConfig(K=3, fallback="random"), 0.0, 0, 64)
+    assert fixed.policy.backup_for(1) == "random"  # a fixed policy is never overridden
 
 
 # ----------------------------------------------------------------------------------------------------
