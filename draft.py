@@ -17,6 +17,7 @@ import torch
 import fallback
 from fallback import BACKUPS, POLICIES, critical_batch_size
 from checkpoint import load_model
+from cpu_linear import ROWS, use_forms
 from devices import device_index, to_device, to_host
 from kv_cache import PagedKVCache
 from model import Transformer
@@ -524,6 +525,7 @@ class DraftConfig:
 def load_draft(c: DraftConfig) -> Drafter:
     """Load the draft model: a Drafter for SD, a Speculator for SSD."""
     model, _ = load_model(c.name, device=c.device, dtype=c.dtype, tokenizer=False)
+    use_forms(model, ROWS)  # the CPU's product forms for any rows a round drafts (cpu_linear.py)
     model.use_graphs(c.graphs)
     if c.ssd is None:
         return Drafter(model, c.K, c.temperature, c.seed, c.kv_tokens, c.block_size)

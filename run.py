@@ -23,6 +23,7 @@ from decode import NoDraft, Output, decode_sd, decode_ssd
 from draft import PRE_SPEC, DraftConfig, SSDConfig, load_draft
 from fallback import POLICIES
 from checkpoint import load_config, load_model, load_tokenizer, resolve
+from cpu_linear import use_forms
 from devices import DTYPES, check_device, resolve_dtype
 from model import Transformer
 from tp import (TP_TIMEOUT_S, TorchrunEnv, TorchrunWorld, TPVerifier, TPWorkers,
@@ -121,6 +122,9 @@ def generate(prompts, target="tiny", draft="tiny-draft", mode="sd", max_new_toke
             check_pair(target, draft, tmodel.config, tok)
         kv_tokens, draft_kv = kv_sizes(ids, max_new_tokens, K, block_size, kv_tokens, ssd)
         settings = (temperature, seed, kv_tokens, block_size)
+        # the CPU's product forms for the verifier's rows (b' <= b sequences x K + 1 tokens),
+        # chosen before the decode clock starts (cpu_linear.py)
+        use_forms(tmodel, [b * (K + 1) for b in range(1, len(ids) + 1)])
         verifier = (TPVerifier(tmodel, settings, started.workers) if started.workers
                     else Verifier(tmodel, *settings, reuse_cache=tmodel is target))
         dcfg = DraftConfig(draft, where.draft_device, where.draft_dtype, K, temperature, seed + 1,
