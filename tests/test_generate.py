@@ -245,6 +245,18 @@ def test_greedy_sd_and_ssd_with_a_draft_of_its_own_vocabulary(ckpts, tmp_path):
     assert out[0, x.shape[1]:].tolist() == ckpts["ref"][0]
 
 
+def test_qwen2_greedy_ar_sd_ssd_match_transformers(tmp_path):
+    """Qwen2 (q/k/v biases, tied embeddings): every mode emits transformers' greedy tokens."""
+    tgt = make_checkpoint(tmp_path / "target", "qwen2", seed=20, **TARGET_KW)
+    dft = perturbed_copy(tgt, tmp_path / "draft", noise=0.05, seed=21)
+    ref, gap = hf_greedy(tgt, PROMPTS[:2], NEW)
+    assert gap > 1e-4, f"near tie in the reference (gap {gap:.2e}): pick another seed"
+    for mode, extra in (("ar", {}), ("sd", {}), ("ssd", {"parallel": False}), ("ssd", {})):
+        res = gen(PROMPTS[:2], tgt, dft, mode=mode, k=3, max_new_tokens=NEW, **extra)
+        assert res.tokens == ref, mode
+    assert 0 < res.stats["acceptance_rate"] < 1
+
+
 @pytest.mark.parametrize("draft", ["random", "perturbed", "copy"])
 @pytest.mark.parametrize("K", [1, 3, 7])
 @pytest.mark.parametrize("batch", [1, 3])
