@@ -174,13 +174,14 @@ def materialize(model: nn.Module, device, dtype):
 
 
 def load_model(name_or_path, device="cpu", dtype=None, tp: TP | None = None,
-               tokenizer: bool = True):
+               tokenizer: bool = True, vocab_size: int | None = None):
     """-> (model, tokenizer) from an HF directory or a GGUF file. dtype: "auto" or None (float32
     on CPU, bfloat16 on CUDA), a DTYPES name or a torch dtype; the parameters are allocated in it
     and the checkpoint (GGUF weights dequantised) converted tensor by tensor. The tokenizer is
     None when the model has none or tokenizer=False (callers then pass token ids). tp: this
     process's rank of a tensor-parallel model (the process group must exist); it loads only its
-    slices."""
+    slices. vocab_size: a target's, for a draft whose embedding is padded to another size (its
+    logits come out over the target's tokens: ModelConfig.padded_rows)."""
     device = check_device(device)
     dtype = resolve_dtype(dtype, device)
     path = resolve(name_or_path)
@@ -189,6 +190,8 @@ def load_model(name_or_path, device="cpu", dtype=None, tp: TP | None = None,
         cfg = gguf_config(gguf_file)
     else:
         cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    if vocab_size is not None:
+        cfg = cfg.over_target_vocab(vocab_size)
     with torch.device("meta"):
         model = Transformer(cfg, tp)
     materialize(model, device, dtype)

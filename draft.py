@@ -520,11 +520,13 @@ class DraftConfig:
     block_size: int = 16
     ssd: SSDConfig | None = None  # None: plain SD
     graphs: bool | None = None    # static shapes / CUDA graphs (Transformer.use_graphs)
+    vocab_size: int | None = None  # the target's: a draft padded to another size is read over it
 
 
 def load_draft(c: DraftConfig) -> Drafter:
     """Load the draft model: a Drafter for SD, a Speculator for SSD."""
-    model, _ = load_model(c.name, device=c.device, dtype=c.dtype, tokenizer=False)
+    model, _ = load_model(c.name, device=c.device, dtype=c.dtype, tokenizer=False,
+                          vocab_size=c.vocab_size)
     use_forms(model, ROWS)  # the CPU's product forms for any rows a round drafts (cpu_linear.py)
     model.use_graphs(c.graphs)
     if c.ssd is None:

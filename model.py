@@ -74,6 +74,12 @@ class ModelConfig:
     # on the tokens it never writes (probability 0: speculative decoding stays exact, as with any
     # draft law). The head over a 49k vocabulary is most of a small draft; this frees it for layers.
     token_ids: list[int] | None = None
+    # A draft whose embedding and head are padded to another size than the target's vocabulary
+    # (Qwen2.5-7B has 152,064 rows, its 0.5B 151,936), with the same tokenizer: row r is token r,
+    # logits come out over the target's vocab_size: -inf on the tokens it has no row for, and rows
+    # past the vocabulary dropped (their probability 0, the rest renormalised by the softmax: the
+    # law the draft samples from and the verifier tests with). Set by over_target_vocab.
+    padded_rows: int | None = None
 
     @property
     def arch(self) -> Arch:
@@ -81,8 +87,17 @@ class ModelConfig:
 
     @property
     def rows(self) -> int:
-        """Rows of the embedding and the head: the vocabulary, or a draft's own (token_ids)."""
-        return self.vocab_size if self.token_ids is None else len(self.token_ids) + 1
+        """Rows of the embedding and the head: the vocabulary, or a draft's own (token_ids,
+        padded_rows)."""
+        if self.token_ids is not None:
+            return len(self.token_ids) + 1
+        return self.padded_rows or self.vocab_size
+
+    def over_target_vocab(self, V: int) -> "ModelConfig":
+        """This draft's config with its logits over a target's V tokens (padded_rows)."""
+        if V == self.vocab_size or self.token_ids is not None:
+            return self
+        return replace(self, vocab_size=V, padded_rows=self.rows)
 
     @classmethod
     def from_hf(cls, hf: dict) -> "ModelConfig":
@@ -191,7 +206,7 @@ def all_reduce(x, tp: TP | None):
 def tp_split_dim(name: str) -> int | None:
     """The dimension of a checkpoint tensor that tensor parallelism splits across ranks (None:
     replicated: norms). Each layer declares its tensors' (TP_SPLIT: Attention, MLP, Transformer)."""
-    tensor = ".".join(name.split(".")[-2:])  # model.layers.3.self_attn.q_proj.weight -> q_proj.weight
+    tensor = ".".join(name.split(".")[-2:])  # ...self_attn.q_proj.weight -> q_proj.weight
     return {**Attention.TP_SPLIT, **MLP.TP_SPLIT, **Transformer.TP_SPLIT}.get(tensor)
 
 
@@ -384,9 +399,10 @@ class Transformer(nn.Module):
         self.tp = tp if tp is not None and tp.world > 1 else None
         if self.tp:
             check_tp(cfg, self.tp.world)
-            if cfg.token_ids is not None:
-                raise ValueError("a draft with its own vocabulary (target_token_ids) is not "
-                                 "implemented with tensor parallelism: run it on one device")
+            if cfg.rows != cfg.vocab_size:
+                raise ValueError("a draft with its own vocabulary (target_token_ids) or padded "
+                                 "rows is not implemented with tensor parallelism: run it on one "
+                                 "device")
         vocab = cfg.rows // (self.tp.world if self.tp else 1)  # TP: this rank's vocab rows
         self.model = nn.Module()  # HF nests the body under "model."; keep its parameter names
         # no random init (weights are always loaded): normal_ on the meta device imports
@@ -485,6 +501,8 @@ class Transformer(nn.Module):
     def embed(self, tokens):
         if self.config.token_ids is not None:  # a draft's own vocabulary: its rows
             return self.model.embed_tokens(self.row_of[tokens])
+        if self.config.padded_rows is not None:  # a token past the draft's rows reads its last
+            return self.model.embed_tokens(tokens.clamp(max=self.config.rows - 1))
         if self.tp is None:
             return self.model.embed_tokens(tokens)
         # vocabulary parallel: this rank holds rows [rank * V/world, (rank+1) * V/world). Tokens
@@ -512,6 +530,9 @@ class Transformer(nn.Module):
             logits = torch.cat(parts, -1)  # [..., V], rank order = vocabulary order
         if self.config.token_ids is not None:  # a draft's own rows, back over the vocabulary
             logits = over_vocab(logits, self.token_of, self.config.vocab_size)
+        elif self.config.padded_rows is not None:  # -inf past its rows, or its extra rows dropped
+            V = self.config.vocab_size
+            logits = F.pad(logits[..., :V], (0, V - min(V, logits.shape[-1])), value=-math.inf)
         return logits.float()
 
     def forward(self, tokens):
