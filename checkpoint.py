@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from devices import check_device, resolve_dtype
-from model import TP, ModelConfig, Transformer, over_vocab, tp_split_dim, vocab_maps
+from model import ARCHS, TP, ModelConfig, Transformer, over_vocab, tp_split_dim, vocab_maps
 
 REPO = Path(__file__).resolve().parent
 
@@ -174,13 +174,14 @@ def materialize(model: nn.Module, device, dtype):
 
 
 def load_model(name_or_path, device="cpu", dtype=None, tp: TP | None = None,
-               tokenizer: bool = True):
+               tokenizer: bool = True, vocab_size: int | None = None):
     """-> (model, tokenizer) from an HF directory or a GGUF file. dtype: "auto" or None (float32
     on CPU, bfloat16 on CUDA), a DTYPES name or a torch dtype; the parameters are allocated in it
     and the checkpoint (GGUF weights dequantised) converted tensor by tensor. The tokenizer is
     None when the model has none or tokenizer=False (callers then pass token ids). tp: this
     process's rank of a tensor-parallel model (the process group must exist); it loads only its
-    slices."""
+    slices. vocab_size: a target's, for a draft whose embedding is padded to another size (its
+    logits come out over the target's tokens: ModelConfig.padded_rows)."""
     device = check_device(device)
     dtype = resolve_dtype(dtype, device)
     path = resolve(name_or_path)
@@ -189,6 +190,8 @@ def load_model(name_or_path, device="cpu", dtype=None, tp: TP | None = None,
         cfg = gguf_config(gguf_file)
     else:
         cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    if vocab_size is not None:
+        cfg = cfg.over_target_vocab(vocab_size)
     with torch.device("meta"):
         model = Transformer(cfg, tp)
     materialize(model, device, dtype)
@@ -417,9 +420,11 @@ def gguf_config(g: GGUFFile) -> ModelConfig:
     """The model config from a GGUF file's metadata (llama.cpp's {arch}.* keys); refuse what we do
     not implement."""
     m, arch, fname = g.meta, g.meta.get("general.architecture"), g.path.name
-    if arch not in ("llama", "qwen3"):
+    model_type = next((mt for mt, a in ARCHS.items() if a.gguf_name == arch), None)
+    if model_type is None:
         raise ValueError(f"unsupported GGUF architecture {arch!r} in {fname}: this engine "
-                         f"implements 'llama' (Llama 2/3, SmolLM2, ...) and 'qwen3'")
+                         f"implements {', '.join(repr(a.gguf_name) for a in ARCHS.values())} "
+                         f"(model.ARCHS)")
 
     def get(key, default=None):
         value = m.get(f"{arch}.{key}", default)
@@ -454,7 +459,7 @@ def gguf_config(g: GGUFFile) -> ModelConfig:
     eos = {m[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
                           "tokenizer.ggml.eom_token_id") if k in m}
     return ModelConfig(
-        model_type=arch,
+        model_type=model_type,
         vocab_size=get("vocab_size", 0) or g.tensors["token_embd.weight"].shape[0],
         hidden_size=hidden,
         intermediate_size=get("feed_forward_length"),
@@ -504,7 +509,8 @@ def unpermute_qk(w: torch.Tensor, head_dim: int) -> torch.Tensor:
     return per_head.transpose(1, 2).reshape(w.shape)
 
 
-def read_gguf_tensor(g: GGUFFile, t: GGUFTensor, name: str, param, tp: TP | None, head_dim: int):
+def read_gguf_tensor(g: GGUFFile, t: GGUFTensor, name: str, param, tp: TP | None,
+                     cfg: ModelConfig):
     """Dequantise one tensor to float32 (only this rank's rows with TP), checking its shape against
     the config."""
     gguf = import_gguf()
@@ -515,7 +521,7 @@ def read_gguf_tensor(g: GGUFFile, t: GGUFTensor, name: str, param, tp: TP | None
         raise ValueError(f"tensor {t.name!r} has shape {t.shape} in {g.path.name}, the config "
                          f"implies {want}")
     raw = g.raw(t)  # [rows, bytes per row]
-    if dim == 0:  # rows are quantised independently: dequantise only this rank's output rows
+    if dim == 0 and len(t.shape) > 1:  # rows are quantised independently: only this rank's rows
         n = param.shape[0]
         raw = raw[tp.rank * n:(tp.rank + 1) * n]
     try:
@@ -525,12 +531,14 @@ def read_gguf_tensor(g: GGUFFile, t: GGUFTensor, name: str, param, tp: TP | None
                          f"the gguf package cannot dequantise: pip install -U gguf, or use a file "
                          f"with common types (Q4_K_M, Q8_0, F16)") from None
     w = torch.from_numpy(w.copy() if not w.flags.writeable else w)  # F32/F16: views of the file
-    if (g.meta["general.architecture"] == "llama"
-            and name.endswith(("q_proj.weight", "k_proj.weight"))):
-        w = unpermute_qk(w, head_dim)
-    if dim == 1:  # split by input columns: blocks run along the row, so dequantise it, then slice
-        n = param.shape[1]
-        w = w[:, tp.rank * n:(tp.rank + 1) * n]
+    if cfg.arch.gguf_qk_permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
+        w = unpermute_qk(w, cfg.head_dim)
+    if dim == 1 or (dim == 0 and len(t.shape) == 1):
+        # split by input columns (blocks run along the row), or a bias (one row): dequantised
+        # whole, then sliced
+        w = w.reshape(t.shape)
+        n = param.shape[dim]
+        w = w.narrow(dim, tp.rank * n, n)
     return w.reshape(param.shape)
 
 
@@ -545,7 +553,7 @@ def load_gguf_weights(model: Transformer, g: GGUFFile):
         if name not in params:
             raise ValueError(f"unexpected tensor {t.name!r} in {g.path.name}: not a parameter of "
                              f"this {model.config.model_type} model")
-        w = read_gguf_tensor(g, t, name, params[name], model.tp, model.config.head_dim)
+        w = read_gguf_tensor(g, t, name, params[name], model.tp, model.config)
         with torch.no_grad():
             params[name].copy_(w)  # converts to the parameter's dtype and device: no temporary
         filled.add(name)

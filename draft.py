@@ -22,6 +22,7 @@ import torch
 import fallback
 from fallback import POLICIES
 from checkpoint import load_model
+from cpu_linear import ROWS, use_forms
 from devices import device_index, to_device, to_host
 from kv_cache import PagedKVCache
 from model import Transformer
@@ -489,11 +490,14 @@ class DraftConfig:
     block_size: int = 16
     ssd: SSDConfig | None = None  # None: plain SD
     graphs: bool | None = None    # static shapes / CUDA graphs (Transformer.use_graphs)
+    vocab_size: int | None = None  # the target's: a draft padded to another size is read over it
 
 
 def load_draft(c: DraftConfig) -> Drafter:
     """Load the draft model: a Drafter for SD, a Speculator for SSD."""
-    model, _ = load_model(c.name, device=c.device, dtype=c.dtype, tokenizer=False)
+    model, _ = load_model(c.name, device=c.device, dtype=c.dtype, tokenizer=False,
+                          vocab_size=c.vocab_size)
+    use_forms(model, ROWS)  # the CPU's product forms for any rows a round drafts (cpu_linear.py)
     model.use_graphs(c.graphs)
     if c.ssd is None:
         return Drafter(model, c.K, c.temperature, c.seed, c.kv_tokens, c.block_size)

@@ -1,16 +1,18 @@
-"""A hand-written Llama-3 / Qwen3 forward pass: the config, tensor-parallel slices, the layers and
-`Transformer`, called on ragged batches through a paged KV cache (kv_cache.py).
+"""A hand-written Llama-3 / Qwen3 / Qwen2 forward pass: what each architecture is (ARCHS), the
+config, tensor-parallel slices, the layers and `Transformer`, called on ragged batches through a
+paged KV cache (kv_cache.py).
 
-Read top to bottom: config, tensor parallelism, the layers, the model (two ways to call it).
+Read top to bottom: architectures and config, tensor parallelism, the layers, the model (two ways to
+call it).
 
 Both the target and the draft of speculative decoding are instances of `Transformer`. The engine
 calls `model.forward_cached` on a *ragged batch*: every sequence adds its own number of new tokens
 (the whole prompt at prefill, 1 per decode step, K+1 when verifying) at its own positions, and K/V
 are read and written through each sequence's block table in a `PagedKVCache`. Loading a checkpoint
-into it is checkpoint.py's job; static shapes and CUDA graphs are graphs.py's.
+into it is checkpoint.py's job; static shapes and CUDA graphs are graphs.py's; how a CPU computes a
+product of a few rows fastest, cpu_linear.py's.
 """
 import math
-import time
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -24,11 +26,33 @@ from kv_cache import AttnMeta, PagedKVCache, paged_attention
 
 
 # --------------------------------------------------------------------------------------------------
-# Config
+# Architectures and config
+
+@dataclass(frozen=True)
+class Arch:
+    """What one model_type is, for every place that differs by it."""
+    hf_class: str         # transformers' class of it (the tests' reference)
+    qkv_bias: bool        # q_proj, k_proj and v_proj add a bias (o_proj and the MLP never do)
+    qk_norm: bool         # each head of q and k is RMS-normalised before RoPE
+    gguf_name: str        # its GGUF files' general.architecture
+    gguf_qk_permuted: bool  # llama.cpp's converter interleaved q/k rows (checkpoint.unpermute_qk)
+
+
+# model_type -> what it is: the one table a new architecture goes into (ModelConfig.from_hf,
+# checkpoint.py's loaders and the tests read it)
+ARCHS = {
+    "llama": Arch("LlamaForCausalLM", qkv_bias=False, qk_norm=False, gguf_name="llama",
+                  gguf_qk_permuted=True),   # Llama 2/3, SmolLM2, ...
+    "qwen3": Arch("Qwen3ForCausalLM", qkv_bias=False, qk_norm=True, gguf_name="qwen3",
+                  gguf_qk_permuted=False),
+    "qwen2": Arch("Qwen2ForCausalLM", qkv_bias=True, qk_norm=False, gguf_name="qwen2",
+                  gguf_qk_permuted=False),  # Qwen2, Qwen2.5
+}
+
 
 @dataclass
 class ModelConfig:
-    model_type: str  # "llama" or "qwen3"
+    model_type: str  # a key of ARCHS
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -50,23 +74,38 @@ class ModelConfig:
     # on the tokens it never writes (probability 0: speculative decoding stays exact, as with any
     # draft law). The head over a 49k vocabulary is most of a small draft; this frees it for layers.
     token_ids: list[int] | None = None
+    # A draft whose embedding and head are padded to another size than the target's vocabulary
+    # (Qwen2.5-7B has 152,064 rows, its 0.5B 151,936), with the same tokenizer: row r is token r,
+    # logits come out over the target's vocab_size: -inf on the tokens it has no row for, and rows
+    # past the vocabulary dropped (their probability 0, the rest renormalised by the softmax: the
+    # law the draft samples from and the verifier tests with). Set by over_target_vocab.
+    padded_rows: int | None = None
 
     @property
-    def qk_norm(self) -> bool:  # Qwen3 normalises each head of q and k before RoPE
-        return self.model_type == "qwen3"
+    def arch(self) -> Arch:
+        return ARCHS[self.model_type]
 
     @property
     def rows(self) -> int:
-        """Rows of the embedding and the head: the vocabulary, or a draft's own (token_ids)."""
-        return self.vocab_size if self.token_ids is None else len(self.token_ids) + 1
+        """Rows of the embedding and the head: the vocabulary, or a draft's own (token_ids,
+        padded_rows)."""
+        if self.token_ids is not None:
+            return len(self.token_ids) + 1
+        return self.padded_rows or self.vocab_size
+
+    def over_target_vocab(self, V: int) -> "ModelConfig":
+        """This draft's config with its logits over a target's V tokens (padded_rows)."""
+        if V == self.vocab_size or self.token_ids is not None:
+            return self
+        return replace(self, vocab_size=V, padded_rows=self.rows)
 
     @classmethod
     def from_hf(cls, hf: dict) -> "ModelConfig":
         """Build from a parsed HF config.json; refuse anything we do not implement, naming it."""
         mt = hf.get("model_type")
-        if mt not in ("llama", "qwen3"):
-            raise ValueError(f"unsupported model_type {mt!r}: this engine implements 'llama' "
-                             f"(Llama 3.x) and 'qwen3'")
+        if mt not in ARCHS:
+            raise ValueError(f"unsupported model_type {mt!r}: this engine implements "
+                             f"{', '.join(map(repr, ARCHS))} (model.ARCHS)")
         for key in ("attention_bias", "mlp_bias"):
             if hf.get(key):
                 raise ValueError(f"unsupported config: {key}=true ({mt}); only bias-free "
@@ -74,9 +113,9 @@ class ModelConfig:
         if hf.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported config: hidden_act={hf['hidden_act']!r}; only 'silu' "
                              f"(SwiGLU) is implemented")
-        if hf.get("use_sliding_window"):
-            raise ValueError("unsupported config: use_sliding_window=true; only full attention "
-                             "is implemented")
+        if hf.get("use_sliding_window") or set(hf.get("layer_types") or []) - {"full_attention"}:
+            raise ValueError("unsupported config: sliding-window attention (use_sliding_window / "
+                             "layer_types); only full attention is implemented")
         if hf.get("pretraining_tp", 1) != 1:
             raise ValueError(f"unsupported config: pretraining_tp={hf['pretraining_tp']}; "
                              f"only 1 is implemented")
@@ -166,166 +205,13 @@ def all_reduce(x, tp: TP | None):
 
 def tp_split_dim(name: str) -> int | None:
     """The dimension of a checkpoint tensor that tensor parallelism splits across ranks (None:
-    replicated)."""
-    if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight",
-                      "up_proj.weight", "embed_tokens.weight", "lm_head.weight")):
-        return 0  # by output rows: heads (head_dim rows each), intermediate units, vocabulary rows
-    if name.endswith(("o_proj.weight", "down_proj.weight")):
-        return 1  # by input columns, as the layer before splits; partial sums are all-reduced
-    return None   # norms
+    replicated: norms). Each layer declares its tensors' (TP_SPLIT: Attention, MLP, Transformer)."""
+    tensor = ".".join(name.split(".")[-2:])  # ...self_attn.q_proj.weight -> q_proj.weight
+    return {**Attention.TP_SPLIT, **MLP.TP_SPLIT, **Transformer.TP_SPLIT}.get(tensor)
 
 
 # --------------------------------------------------------------------------------------------------
 # Layers
-
-class Linear(nn.Linear):
-    """nn.Linear without bias (as every Llama / Qwen3 projection). On the CPU, 2..16 rows (a
-    verification, a few branches) can go three ways, the same product summed in other orders:
-    "plain" y = x W^T; "transposed" y^T = W x^T; "packed", MKL's GEMM on a copy of W laid out
-    once for that row count (mkl_pack). Which is fastest depends on the machine, the row count and
-    the threads: W x^T won on a 2-core AMD EPYC for the tiny target's verification (24 against
-    27 ms) and is 2-3x slower on an AVX-512 Intel Xeon, whose BLAS multiplies 4 rows from memory in
-    1.6x the time of 3 unless W is packed (SmolLM2-135M's 3072 x 576 weights, one thread: 0.72 ms
-    for 3 rows; 1.08 plain, 0.74 packed for 4). So the forms are timed the first time a row count
-    comes with a thread count (choose_forms, over the whole model at once) and the fastest is kept
-    per weight shape: Transformer hands the layers of one shape one shared `forms`, and every
-    layer the list of all of them (`sweep`); each layer packs its own weight when it first runs a
-    row count that chose "packed"."""
-
-    def __init__(self, in_features: int, out_features: int):
-        super().__init__(in_features, out_features, bias=False)
-        self.forms = {}  # (row count M, threads) -> the fastest form's name for this weight shape
-        self.sweep = [self]  # the layers timed together (Transformer: all its Linears, in order)
-        self.packs = {}  # M -> (the weight's identity when packed, its packed copy or None)
-
-    def forward(self, x):
-        if x.device.type == "cpu" and x.shape[-1] < x.numel() <= 16 * x.shape[-1]:
-            rows = x.reshape(-1, x.shape[-1])                           # [M, in], 1 < M <= 16
-            key = (rows.shape[0], torch.get_num_threads())
-            if key not in self.forms:
-                choose_forms(self.sweep, rows.shape[0])
-            return self.product(rows, self.forms[key]).reshape(*x.shape[:-1], -1)
-        return F.linear(x, self.weight)
-
-    def product(self, rows, form: str):
-        """rows [M, in] @ W^T -> [M, out] in `form` (plain where a pack cannot be made)."""
-        if form == "packed" and (pack := self.pack(rows.shape[0])) is not None:
-            return mkl_linear(rows, pack, self.weight)
-        if form == "transposed":
-            return linear_transposed(rows, self.weight)
-        return F.linear(rows, self.weight)
-
-    def pack(self, M: int):
-        """This layer's weight packed by MKL for M rows, made on first use and again after the
-        weight changed (loaded, trained); None where it cannot be: no MKL, not float32, a weight
-        that is training (the packed GEMM has no backward), or no room for the copy."""
-        w = self.weight
-        if not MKL_PACK or w.dtype != torch.float32 or (w.requires_grad
-                                                        and torch.is_grad_enabled()):
-            return None
-        # _version counts in-place writes (copy_, optimisers); a tensor made under
-        # torch.inference_mode keeps none, and is not written after loading
-        identity = (w.data_ptr(), None if w.is_inference() else w._version)
-        if self.packs.get(M, (None,))[0] != identity:
-            self.packs[M] = (identity, mkl_pack(w, M) if room_for(w.nbytes) else None)
-        return self.packs[M][1]
-
-
-def linear_transposed(x, w):
-    """x [M, in] @ w [out, in]^T computed as (W x^T)^T -> [M, out], contiguous."""
-    return (w @ x.t()).t().contiguous()  # [out, M] -> [M, out]
-
-
-# MKL's packed GEMM (cblas_sgemm_pack, the kernel torch.compile's CPU backend uses for frozen fp32
-# linears), in torch builds with MKL: x86 wheels, not Apple silicon
-MKL_PACK = torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
-
-
-def mkl_pack(w, M: int):
-    """w [out, in] float32 copied into MKL's layout for products with M rows."""
-    return torch.ops.mkl._mkl_reorder_linear_weight(w.detach(), M)
-
-
-def mkl_linear(x, packed, w):
-    """x [M, in] @ w^T through w packed for M rows (mkl_pack) -> [M, out]."""
-    return torch.ops.mkl._mkl_linear(x, packed, w, None, x.shape[0])
-
-
-def room_for(nbytes: int) -> bool:
-    """Whether this machine keeps a quarter of its memory available after allocating nbytes
-    (Linux's /proc/meminfo; False where it cannot tell): a packed copy per row count must never
-    be what makes a large model run out of memory on a CPU."""
-    try:
-        info = dict(line.split(":") for line in open("/proc/meminfo"))
-        available, total = (int(info[k].split()[0]) * 1024 for k in ("MemAvailable", "MemTotal"))
-    except (OSError, KeyError, ValueError):
-        return False
-    return available - nbytes >= total // 4
-
-
-# A timing sweep streams at most about this many bytes of weights (then one layer of each shape
-# not reached yet, the head): more than any CPU cache, so a model too large to sweep whole is timed
-# from memory as its forward runs (an 8B model in float32: its first 1 GiB and its 2 GB head, 9
-# sweeps in about the time of one 32 GB forward)
-SWEEP_BYTES = 1 << 30
-
-
-def sweep_of(layers: list, budget: int = SWEEP_BYTES) -> list:
-    """The layers a timing sweep runs: `layers` (a model's Linears in forward order) while their
-    weights come to less than `budget` bytes, then the first layer of each weight shape (`forms`)
-    not reached yet."""
-    out, nbytes, shapes = [], 0, set()
-    for layer in layers:
-        if nbytes < budget or id(layer.forms) not in shapes:
-            out.append(layer)
-            nbytes += layer.weight.nbytes
-            shapes.add(id(layer.forms))
-    return out
-
-
-def choose_forms(layers: list, M: int, reps: int = 3, clock=time.perf_counter):
-    """Time the forms for M rows and store each weight shape's fastest in its `forms`, under (M,
-    threads). A timing is a sweep: every layer of sweep_of(layers) in turn, all in one form, as a
-    forward streams them, so each product finds its weight where a forward finds it (in memory, or
-    in the cache when the whole model fits). Timing each shape's layers alone, over and over, kept
-    them in this Xeon's large cache: 8 of SmolLM2-135M's 3072 x 576 weights (56 MB) timed plain and
-    packed equal for 4 rows, which cost 1.08 and 0.74 ms a weight in a forward, and the choice
-    flipped from run to run (a 4-token verification 1.25 or 1.66 AR steps). `reps` sweeps per form,
-    interleaved (a slow moment hits all); per shape the lowest median wins (fastest)."""
-    sweep = sweep_of(layers)
-    forms = ("plain", "transposed")
-    # asked as the caller runs (a training weight under autograd gets no pack); the others
-    # pack on first use
-    if all(layer.pack(M) is not None for layer in sweep):
-        forms += ("packed",)
-    w = sweep[0].weight
-    gen = torch.Generator(device=w.device).manual_seed(0)  # the caller's global RNG untouched
-    x = {n: torch.randn(M, n, generator=gen, device=w.device).to(w.dtype)
-         for n in sorted({layer.in_features for layer in sweep})}
-    shapes = {id(layer.forms): layer.forms for layer in sweep}  # one shared `forms` per shape
-    times = {(shape, form): [] for shape in shapes for form in forms}  # seconds per sweep
-    with torch.no_grad():
-        for _ in range(reps):
-            for form in forms:
-                spent = dict.fromkeys(shapes, 0.0)
-                for layer in sweep:
-                    t0 = clock()
-                    layer.product(x[layer.in_features], form)
-                    spent[id(layer.forms)] += clock() - t0
-                for shape, seconds in spent.items():
-                    times[shape, form].append(seconds)
-    key = (M, torch.get_num_threads())
-    for shape, shared in shapes.items():
-        shared[key] = fastest({form: times[shape, form] for form in forms})
-    for layer in layers:
-        if layer.forms.get(key) != "packed":  # copies of the weights that no row count uses
-            layer.packs.pop(M, None)
-
-
-def fastest(times: dict) -> str:
-    """The form (name -> its timings) with the lowest median; the first one on a tie."""
-    return min(times, key=lambda name: sorted(times[name])[len(times[name]) // 2])
-
 
 def matmul_fp32(x, w):
     """x [..., in] @ w [out, in].T -> float32 [..., out] for bf16/fp16 x and w, never rounded to
@@ -398,19 +284,28 @@ class Attention(nn.Module):
         world, self.tp = (tp.world if tp else 1), tp
         self.nh, self.nkv = cfg.num_attention_heads // world, cfg.num_key_value_heads // world
         self.hd = cfg.head_dim
-        # q_proj, k_proj and v_proj packed into one GEMM, rows [q | k | v]: one kernel instead of
+        # q_proj, k_proj and v_proj fused into one GEMM, rows [q | k | v]: one kernel instead of
         # three; the loaders fill each part from the checkpoint's own tensor (checkpoint_params)
         self.sizes = [self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd]
-        self.qkv_proj = Linear(cfg.hidden_size, sum(self.sizes))
-        self.o_proj = Linear(self.nh * self.hd, cfg.hidden_size)
-        if cfg.qk_norm:
+        self.qkv_proj = nn.Linear(cfg.hidden_size, sum(self.sizes), bias=cfg.arch.qkv_bias)
+        self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
+        if cfg.arch.qk_norm:
             self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
 
-    def packed(self) -> dict:
-        """The checkpoint's tensor names -> the rows of qkv_proj.weight they fill."""
-        return dict(zip(("q_proj.weight", "k_proj.weight", "v_proj.weight"),
-                        self.qkv_proj.weight.split(self.sizes)))
+    # tensor parallelism (tp_split_dim): q/k/v by output rows (whole heads), biases with their
+    # rows; o_proj by input columns, its partial sums all-reduced
+    TP_SPLIT = {"q_proj.weight": 0, "k_proj.weight": 0, "v_proj.weight": 0, "q_proj.bias": 0,
+                "k_proj.bias": 0, "v_proj.bias": 0, "o_proj.weight": 1}
+
+    def fused_parts(self) -> dict:
+        """The checkpoint's tensor names -> the rows of qkv_proj's weight (and bias) they fill."""
+        parts = dict(zip(("q_proj.weight", "k_proj.weight", "v_proj.weight"),
+                         self.qkv_proj.weight.split(self.sizes)))
+        if self.qkv_proj.bias is not None:
+            parts.update(zip(("q_proj.bias", "k_proj.bias", "v_proj.bias"),
+                             self.qkv_proj.bias.split(self.sizes)))
+        return parts
 
     def qkv(self, x, cos, sin):
         # x [..., hidden] -> q [..., nh, hd], k and v [..., nkv, hd], RoPE applied to q and k
@@ -439,10 +334,14 @@ class MLP(nn.Module):
         super().__init__()
         self.tp = tp
         self.inter = cfg.intermediate_size // (tp.world if tp else 1)  # TP: this rank's units
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.inter)  # rows [gate | up], one GEMM
-        self.down_proj = Linear(self.inter, cfg.hidden_size)
+        # rows [gate | up] fused into one GEMM
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=False)
+        self.down_proj = nn.Linear(self.inter, cfg.hidden_size, bias=False)
 
-    def packed(self) -> dict:
+    # by intermediate units: gate/up by output rows, down_proj by input columns (all-reduced)
+    TP_SPLIT = {"gate_proj.weight": 0, "up_proj.weight": 0, "down_proj.weight": 1}
+
+    def fused_parts(self) -> dict:
         return dict(zip(("gate_proj.weight", "up_proj.weight"),
                         self.gate_up_proj.weight.split(self.inter)))
 
@@ -492,15 +391,18 @@ PREFILL_CHUNK = 2048
 # The model
 
 class Transformer(nn.Module):
+    TP_SPLIT = {"embed_tokens.weight": 0, "lm_head.weight": 0}  # by vocabulary rows
+
     def __init__(self, cfg: ModelConfig, tp: TP | None = None):
         super().__init__()
         self.config = cfg  # the whole model's; with TP the layers hold 1/world of the split dims
         self.tp = tp if tp is not None and tp.world > 1 else None
         if self.tp:
             check_tp(cfg, self.tp.world)
-            if cfg.token_ids is not None:
-                raise ValueError("a draft with its own vocabulary (target_token_ids) is not "
-                                 "implemented with tensor parallelism: run it on one device")
+            if cfg.rows != cfg.vocab_size:
+                raise ValueError("a draft with its own vocabulary (target_token_ids) or padded "
+                                 "rows is not implemented with tensor parallelism: run it on one "
+                                 "device")
         vocab = cfg.rows // (self.tp.world if self.tp else 1)  # TP: this rank's vocab rows
         self.model = nn.Module()  # HF nests the body under "model."; keep its parameter names
         # no random init (weights are always loaded): normal_ on the meta device imports
@@ -510,15 +412,9 @@ class Transformer(nn.Module):
         self.model.layers = nn.ModuleList(Block(cfg, self.tp)
                                           for _ in range(cfg.num_hidden_layers))
         self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = Linear(cfg.hidden_size, vocab)
+        self.lm_head = nn.Linear(cfg.hidden_size, vocab, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        forms, sweep = {}, []  # weight shape -> its layers' choices; all layers, in order
-        for mod in self.modules():
-            if isinstance(mod, Linear):
-                mod.forms = forms.setdefault(tuple(mod.weight.shape), {})
-                mod.sweep = sweep
-                sweep.append(mod)
         self.static: StaticSteps | None = None  # set by use_graphs
         self.kv_pool: PagedKVCache | None = None  # the cache new_cache(reuse=True) hands back
         self.init_buffers()
@@ -565,7 +461,7 @@ class Transformer(nn.Module):
 
     def checkpoint_params(self) -> dict:
         """The parameters under their Hugging Face checkpoint names: q_proj, k_proj, v_proj,
-        gate_proj and up_proj are views of the rows of the packed qkv_proj / gate_up_proj they
+        gate_proj and up_proj are views of the rows of the fused qkv_proj / gate_up_proj they
         fill; a tied lm_head is left out (it is the embedding). Loaders copy into these; a
         checkpoint can be written from them."""
         params = {}
@@ -573,7 +469,7 @@ class Transformer(nn.Module):
             module = name.rpartition(".")[0]  # model.layers.3.self_attn.qkv_proj
             if module.endswith(("qkv_proj", "gate_up_proj")):
                 parent = module.rpartition(".")[0]  # model.layers.3.self_attn
-                for part, view in self.get_submodule(parent).packed().items():
+                for part, view in self.get_submodule(parent).fused_parts().items():
                     params[f"{parent}.{part}"] = view
             else:
                 params[name] = p
@@ -605,6 +501,8 @@ class Transformer(nn.Module):
     def embed(self, tokens):
         if self.config.token_ids is not None:  # a draft's own vocabulary: its rows
             return self.model.embed_tokens(self.row_of[tokens])
+        if self.config.padded_rows is not None:  # a token past the draft's rows reads its last
+            return self.model.embed_tokens(tokens.clamp(max=self.config.rows - 1))
         if self.tp is None:
             return self.model.embed_tokens(tokens)
         # vocabulary parallel: this rank holds rows [rank * V/world, (rank+1) * V/world). Tokens
@@ -632,6 +530,9 @@ class Transformer(nn.Module):
             logits = torch.cat(parts, -1)  # [..., V], rank order = vocabulary order
         if self.config.token_ids is not None:  # a draft's own rows, back over the vocabulary
             logits = over_vocab(logits, self.token_of, self.config.vocab_size)
+        elif self.config.padded_rows is not None:  # -inf past its rows, or its extra rows dropped
+            V = self.config.vocab_size
+            logits = F.pad(logits[..., :V], (0, V - min(V, logits.shape[-1])), value=-math.inf)
         return logits.float()
 
     def forward(self, tokens):

@@ -24,6 +24,7 @@ from draft import PRE_SPEC, DraftConfig, SSDConfig, load_draft
 from fallback import POLICIES
 from spec_cache import FAN_OUT_HELP, parse_fan_out
 from checkpoint import load_config, load_model, load_tokenizer, resolve
+from cpu_linear import use_forms
 from devices import DTYPES, check_device, resolve_dtype
 from model import Transformer
 from tp import (TP_TIMEOUT_S, TorchrunEnv, TorchrunWorld, TPVerifier, TPWorkers,
@@ -122,10 +123,13 @@ def generate(prompts, target="tiny", draft="tiny-draft", mode="sd", max_new_toke
             check_pair(target, draft, tmodel.config, tok)
         kv_tokens, draft_kv = kv_sizes(ids, max_new_tokens, K, block_size, kv_tokens, ssd)
         settings = (temperature, seed, kv_tokens, block_size)
+        # the CPU's product forms for the verifier's rows (b' <= b sequences x K + 1 tokens),
+        # chosen before the decode clock starts (cpu_linear.py)
+        use_forms(tmodel, [b * (K + 1) for b in range(1, len(ids) + 1)])
         verifier = (TPVerifier(tmodel, settings, started.workers) if started.workers
                     else Verifier(tmodel, *settings, reuse_cache=tmodel is target))
         dcfg = DraftConfig(draft, where.draft_device, where.draft_dtype, K, temperature, seed + 1,
-                           draft_kv, block_size, ssd, graphs)
+                           draft_kv, block_size, ssd, graphs, tmodel.config.vocab_size)
         eos = [] if ignore_eos else eos_ids(tmodel.config, tok)
         out = Output(len(ids), max_new_tokens, eos, K, stream)
         stats = run_decode(mode, verifier, dcfg, ids, out, where, two_processes, started)
@@ -295,19 +299,21 @@ def check_prompts(ids, cfg, max_new_tokens, K):
 
 
 def check_pair(target, draft, cfg, tok):
-    """The draft must speak the target's tokens: the same vocabulary size and, where both come
-    with a tokenizer, the same token behind every id (a draft of another family with a vocabulary
-    of the same size would be accepted less, silently)."""
+    """The draft must speak the target's tokens: where both come with a tokenizer, the same token
+    behind every id (a draft of another family with a vocabulary of the same size would be
+    accepted less, silently), and the same vocabulary size unless the tokenizers agree (embeddings
+    padded to other sizes: the draft's law is then read over the target's vocabulary,
+    model.ModelConfig.padded_rows)."""
     V_draft = load_config(draft).vocab_size
-    if V_draft != cfg.vocab_size:
+    same = not isinstance(target, Transformer) and resolve(draft) == resolve(target)
+    draft_tok = None if tok is None or same else load_tokenizer(draft)
+    if V_draft != cfg.vocab_size and draft_tok is None:
         raise ValueError(f"draft vocabulary ({V_draft}) differs from the target's "
-                         f"({cfg.vocab_size}): pick a draft from the same model family")
-    if tok is None or (not isinstance(target, Transformer) and resolve(draft) == resolve(target)):
-        return
-    draft_tok = load_tokenizer(draft)
+                         f"({cfg.vocab_size}) and no pair of tokenizers says they share tokens: "
+                         f"pick a draft from the same model family")
     if draft_tok is None:
         return  # a bare checkpoint (ids in, ids out): nothing more to compare
-    ids = range(cfg.vocab_size)
+    ids = range(max(cfg.vocab_size, V_draft))
     for i, a, b in zip(ids, tok.convert_ids_to_tokens(ids), draft_tok.convert_ids_to_tokens(ids)):
         if a != b:
             raise ValueError(f"the draft's tokenizer differs from the target's (token {i} is "
@@ -384,6 +390,8 @@ def encode(tokenizer, prompt, chat):
                                                   add_generation_prompt=True, tokenize=True,
                                                   return_dict=False))
     ids = tokenizer(prompt)["input_ids"]
+    if not ids:
+        raise ValueError(f"prompt {prompt!r} tokenizes to no tokens: give a prompt with text")
     if tokenizer.bos_token_id is not None and (not ids or ids[0] != tokenizer.bos_token_id):
         ids = [tokenizer.bos_token_id] + ids
     return ids

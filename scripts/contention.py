@@ -41,6 +41,7 @@ import torch.multiprocessing as mp
 
 from channel import start_child
 from checkpoint import load_model, resolve
+from cpu_linear import ROWS, use_forms
 from run import split_cores
 from scripts.gpu_check import sync
 
@@ -64,6 +65,7 @@ def drafter_main(draft, device, threads, rows, K, context, mode, ready, passes):
     if threads:
         torch.set_num_threads(threads)
     model, _ = load_model(draft, device=device, tokenizer=False)
+    use_forms(model, ROWS)  # as draft.load_draft does
     with torch.inference_mode():
         cache, seqs = rows_with_context(model, rows, context, seed=1)
         ready.value = 1
@@ -175,9 +177,11 @@ def measure(a, b) -> dict:
     """Both measurements at batch b."""
     torch.set_num_threads(a.target_threads)
     model, _ = load_model(a.target, device=a.target_device, tokenizer=False)
+    use_forms(model, [b * (a.k + 1)])  # as run.py does: the CPU's product forms, chosen at load
     with torch.inference_mode():
         side = beside(a, b, model)
         draft, _ = load_model(a.draft, device=a.draft_device, tokenizer=False)
+        use_forms(draft, ROWS)  # as draft.load_draft does
         return {"batch": b, "tokens": b * (a.k + 1), "branches": b * a.budget,
                 "beside": side, "after": after(a, b, model, draft)}
 

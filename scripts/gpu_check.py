@@ -160,7 +160,7 @@ class Allocations(TorchDispatchMode):
     @staticmethod
     def counted(x) -> bool:
         """A tensor with storage of its own: not on the meta device, and strided (an MKL packed
-        weight, model.mkl_pack, is opaque: made once per row count, not per forward)."""
+        weight, cpu_linear.mkl_pack, is opaque: made once per row count, not per forward)."""
         return (isinstance(x, torch.Tensor) and x.device.type != "meta"
                 and x.layout == torch.strided)
 

@@ -1,10 +1,11 @@
 """Shared test helpers: tiny random Hugging Face checkpoints written to temporary directories.
 
 make_checkpoint(dir, kind, sharded=False, **overrides) -> dir builds a random transformers model of one
-of three kinds, saves it with save_pretrained (float32, safetensors) and returns the directory:
+of the KINDS, saves it with save_pretrained (float32, safetensors) and returns the directory:
   "llama"            Llama with GQA (4 query heads, 2 KV heads), untied head, rope_theta 500000
   "llama_tied_rope"  Llama with tied embeddings and Llama 3 RoPE scaling (original context 32, factor 8)
   "qwen3"            Qwen3 with q/k norm and an explicit head_dim (32) != hidden / heads (16)
+  "qwen2"            Qwen2 (Qwen2.5) with q/k/v biases and tied embeddings
 Overrides are config fields (e.g. num_hidden_layers=1). sharded=True splits the weights into several
 files listed by model.safetensors.index.json. Every weight is re-drawn (norm scales too, so q_norm and
 k_norm are not the identity) at a scale that gives logits of order 1, so that wrong code shows up well
@@ -15,6 +16,7 @@ directory; `hf_model(path)` loads the transformers reference model from such a d
 """
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -22,6 +24,9 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 torch.set_num_threads(1)
+# cpu_linear's record of the chosen product forms: a fresh one per test session (and its spawned
+# processes), never the user's ~/.cache/ssd
+os.environ["SSD_CACHE_DIR"] = tempfile.mkdtemp(prefix="ssd-test-cache-")
 
 TINY = dict(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, max_position_embeddings=256,
@@ -34,15 +39,18 @@ KINDS = {
                             rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
                                               high_freq_factor=4.0, original_max_position_embeddings=32)),
     "qwen3": dict(model_type="qwen3", rope_theta=1000000.0, tie_word_embeddings=False, head_dim=32),
+    "qwen2": dict(model_type="qwen2", rope_theta=1000000.0, tie_word_embeddings=True),
 }
 
 
 def hf_config(kind: str, **overrides):
-    from transformers import LlamaConfig, Qwen3Config
+    import transformers
+    from model import ARCHS
     if kind not in KINDS:
         raise ValueError(f"unknown checkpoint kind {kind!r}; known: {', '.join(KINDS)}")
     kw = {**TINY, **KINDS[kind], **overrides}
-    cls = {"llama": LlamaConfig, "qwen3": Qwen3Config}[kw.pop("model_type")]
+    # LlamaForCausalLM -> LlamaConfig
+    cls = getattr(transformers, ARCHS[kw.pop("model_type")].hf_class.replace("ForCausalLM", "Config"))
     return cls(**kw)
 
 
@@ -56,6 +64,8 @@ def make_checkpoint(path, kind: str = "llama", sharded: bool = False, seed: int 
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.copy_(1 + 0.2 * torch.randn_like(p))
+            elif name.endswith(".bias"):  # Qwen2's q/k/v: large enough to matter
+                p.normal_(0, 0.5)
             else:  # Linear [out, in] and embedding [vocab, hidden]: std 1/sqrt(dim 1) gives logits of order 1
                 p.normal_(0, p.shape[1] ** -0.5)
     model.save_pretrained(path, max_shard_size="20KB" if sharded else "10GB")

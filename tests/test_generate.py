@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save_file
 
 import run
 import verify
+from checkpoint import load_model
 from conftest import hf_model, make_checkpoint
 from run import generate
 
@@ -243,6 +244,18 @@ def test_greedy_sd_and_ssd_with_a_draft_of_its_own_vocabulary(ckpts, tmp_path):
         out = hf_model(ckpts["target"]).generate(x, assistant_model=hf_model(own), do_sample=False,
                                                  max_new_tokens=NEW, pad_token_id=0)
     assert out[0, x.shape[1]:].tolist() == ckpts["ref"][0]
+
+
+def test_qwen2_greedy_ar_sd_ssd_match_transformers(tmp_path):
+    """Qwen2 (q/k/v biases, tied embeddings): every mode emits transformers' greedy tokens."""
+    tgt = make_checkpoint(tmp_path / "target", "qwen2", seed=20, **TARGET_KW)
+    dft = perturbed_copy(tgt, tmp_path / "draft", noise=0.05, seed=21)
+    ref, gap = hf_greedy(tgt, PROMPTS[:2], NEW)
+    assert gap > 1e-4, f"near tie in the reference (gap {gap:.2e}): pick another seed"
+    for mode, extra in (("ar", {}), ("sd", {}), ("ssd", {"parallel": False}), ("ssd", {})):
+        res = gen(PROMPTS[:2], tgt, dft, mode=mode, k=3, max_new_tokens=NEW, **extra)
+        assert res.tokens == ref, mode
+    assert 0 < res.stats["acceptance_rate"] < 1
 
 
 @pytest.mark.parametrize("draft", ["random", "perturbed", "copy"])
@@ -493,6 +506,49 @@ def test_draft_with_another_tokenizer_of_the_same_size_is_one_line(tmp_path):
                                  draft=str(draft), mode=mode, max_new_tokens=2, **extra)
         assert "token 300" in msg and "distill_draft" in msg, msg
     gen(prompts=["def f():"], target="tiny", draft="tiny-draft", mode="sd", max_new_tokens=2)
+
+
+def padded_draft(root: Path, rows: int) -> Path:
+    """tiny-draft (tied embeddings) cut or padded to `rows` rows with its own tokenizer: the
+    padding copies its first rows, scaled up, so that its head would propose them if they were
+    read."""
+    path = copy_checkpoint(Path(run.__file__).parent / "checkpoints" / "tiny-draft", root)
+    edit_config(path, vocab_size=rows)
+
+    def fit(name, w):
+        if name != "model.embed_tokens.weight":
+            return w
+        return w[:rows] if rows <= len(w) else torch.cat([w, 4 * w[:rows - len(w)]])
+    return edit_weights(path, fit)
+
+
+@pytest.mark.parametrize("rows", [4096 - 40, 4096 + 40])
+def test_a_draft_padded_to_another_vocabulary_size(tmp_path, rows):
+    """Qwen2.5-7B has 152,064 rows and its 0.5B 151,936, one tokenizer: a pair whose tokenizers
+    agree is accepted, the draft's logits are read over the target's vocabulary (-inf where it has
+    no row, its extra rows dropped) and SD / SSD emit the target's greedy tokens."""
+    draft = padded_draft(tmp_path / "draft", rows)
+    own, _ = load_model(draft, tokenizer=False)
+    over, _ = load_model(draft, tokenizer=False, vocab_size=4096)
+    x = torch.tensor([[1, 50, 300, 7]])
+    with torch.no_grad():
+        mine, read = own(x), over(x)
+    assert mine.shape[-1] == rows and read.shape[-1] == 4096
+    n = min(rows, 4096)
+    assert torch.equal(read[..., :n], mine[..., :n]) and (read[..., n:] == -math.inf).all()
+    if rows > 4096:  # the padding would have been proposed
+        assert (mine.argmax(-1) >= 4096).any()
+    prompts = ["def f(x):\n    return", "class A:"]
+    ref = gen(prompts, "tiny", mode="ar", max_new_tokens=16).tokens
+    for mode, extra in (("sd", {}), ("ssd", {"parallel": False}), ("ssd", {})):
+        res = gen(prompts, "tiny", draft, mode=mode, k=3, max_new_tokens=16, **extra)
+        assert res.tokens == ref, mode
+        assert res.stats["acceptance_rate"] > 0.2, res.stats
+
+
+def test_a_prompt_of_no_tokens_is_one_line():
+    expect_value_error("tokenizes to no tokens", prompts=[""], target="tiny", mode="ar",
+                       max_new_tokens=2)
 
 
 def test_cli_builds_the_target_tokenizer_once(monkeypatch, capsys):

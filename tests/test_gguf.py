@@ -24,12 +24,13 @@ import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import hf_model, make_checkpoint, one_line
+from conftest import KINDS, hf_model, make_checkpoint, one_line
 from safetensors.torch import load_file
 
 import checkpoint
-from checkpoint import REPO, load_config, load_model, resolve
-from model import ModelConfig
+from checkpoint import (REPO, gguf_config, load_config, load_gguf_weights, load_model, materialize,
+                        read_gguf, resolve)
+from model import TP, ModelConfig, Transformer, tp_split_dim
 from run import encode, generate
 
 HAVE_GGUF = importlib.util.find_spec("gguf") is not None
@@ -242,14 +243,14 @@ def hf_to_gguf(hf_dir, path):
 def converted(tmp_path_factory):
     """kind -> (HF checkpoint directory, the same model as a GGUF file)."""
     out = {}
-    for kind in ("llama", "llama_tied_rope", "qwen3"):
+    for kind in KINDS:
         d = make_checkpoint(tmp_path_factory.mktemp(kind), kind, max_position_embeddings=128)
         out[kind] = d, hf_to_gguf(d, d.parent / f"{kind}.gguf")
     return out
 
 
 @needs_gguf
-@pytest.mark.parametrize("kind", ["llama", "llama_tied_rope", "qwen3"])
+@pytest.mark.parametrize("kind", list(KINDS))
 def test_converted_gguf_matches_hf(converted, kind):
     hf_dir, path = converted[kind]
     model, tok = load_model(path)
@@ -264,6 +265,26 @@ def test_converted_gguf_matches_hf(converted, kind):
     assert (got - ref).abs().max() < 1e-4, kind
     model16, _ = load_model(path, dtype=torch.bfloat16)  # dequantised straight into the requested dtype
     assert {p.dtype for p in model16.parameters()} == {torch.bfloat16}
+
+
+@needs_gguf
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_each_rank_reads_its_slice_of_a_gguf_file(converted, kind):
+    """With tensor parallelism each rank dequantises its own slice of every split tensor: rows of
+    q/k/v (and of Qwen2's q/k/v biases), columns of o_proj/down_proj, vocabulary rows."""
+    _, path = converted[kind]
+    full = load_model(path)[0].checkpoint_params()
+    g = read_gguf(path)
+    for rank in (0, 1):
+        with torch.device("meta"):
+            part = Transformer(gguf_config(g), TP(rank, 2))
+        materialize(part, "cpu", torch.float32)
+        load_gguf_weights(part, g)
+        for name, p in part.checkpoint_params().items():
+            dim = tp_split_dim(name)
+            want = full[name] if dim is None else full[name].chunk(2, dim)[rank]
+            assert torch.equal(p, want), (kind, rank, name)
+    assert kind != "qwen2" or "model.layers.0.self_attn.q_proj.bias" in full
 
 
 @needs_gguf

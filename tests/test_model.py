@@ -1,23 +1,22 @@
 """model.py against transformers, and its paged KV cache against its own full forward.
 
-1. The full forward equals transformers' logits (float32, 1e-4) for Llama with GQA, Llama with tied
-   embeddings and llama3 RoPE scaling past the original context, Qwen3 with q/k norm and an explicit
-   head_dim, sharded checkpoints, and legacy config.json files (rope_theta / rope_scaling keys).
+1. The full forward equals transformers' logits (float32, 1e-4) for every architecture of
+   model.ARCHS (conftest.KINDS): Llama with GQA, Llama with tied embeddings and llama3 RoPE scaling
+   past the original context, Qwen3 with q/k norm and an explicit head_dim, Qwen2 with q/k/v
+   biases; sharded checkpoints, and legacy config.json files (rope_theta / rope_scaling keys).
 2. Cached decoding (prefill, single tokens, K+1-token steps, any block size, ragged batches,
    last_only) equals the full forward.
 3. Rollback (truncate) and fork with copy on write keep every sequence's logits equal to a fresh
    forward of its own tokens; the allocator returns every block; exhaustion names kv_tokens.
 4. The loader refuses bad checkpoints with one-line errors naming the problem.
-5. model.Linear's CPU choice between x W^T and (W x^T)^T for 2..16 rows: the faster one, timed once
-   per row count and thread count and shared by a model's layers of one shape, and the same
-   product either way.
+(cpu_linear.py's product forms are tests/test_cpu_linear.py's.)
 All checkpoints are tiny random ones written by conftest.make_checkpoint.
 """
 import json
 
 import pytest
 import torch
-from conftest import hf_model, make_checkpoint, one_line
+from conftest import KINDS, hf_model, make_checkpoint, one_line
 from safetensors.torch import load_file, save_file
 
 from checkpoint import load_model
@@ -40,8 +39,7 @@ def rand_tokens(n, seed):
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     """One checkpoint directory per kind, shared by the tests of this module (read-only)."""
-    return {kind: make_checkpoint(tmp_path_factory.mktemp(kind), kind)
-            for kind in ("llama", "llama_tied_rope", "qwen3")}
+    return {kind: make_checkpoint(tmp_path_factory.mktemp(kind), kind) for kind in KINDS}
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +60,11 @@ def hf_logits(path, tokens):
         return hf_model(path)(tokens).logits.float()
 
 
-@pytest.mark.parametrize("kind", ["llama", "llama_tied_rope", "qwen3"])
+def test_every_architecture_has_a_test_kind():
+    assert {KINDS[kind]["model_type"] for kind in KINDS} == set(model.ARCHS)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
 def test_full_forward_matches_transformers(ckpts, kind):
     path = ckpts[kind]
     # [2, 64]: past the original 32 of llama3
@@ -78,7 +80,11 @@ def test_full_forward_matches_transformers(ckpts, kind):
     if kind == "llama":
         assert cfg.num_key_value_heads < cfg.num_attention_heads  # GQA
     if kind == "qwen3":
-        assert cfg.qk_norm and cfg.head_dim * cfg.num_attention_heads != cfg.hidden_size
+        assert cfg.arch.qk_norm and cfg.head_dim * cfg.num_attention_heads != cfg.hidden_size
+    if kind == "qwen2":  # the biases are loaded, and they matter
+        bias = model.model.layers[0].self_attn.qkv_proj.bias
+        assert bias is not None and bias.abs().max() > 0.1
+        assert model.model.layers[0].self_attn.o_proj.bias is None
     if kind == "llama_tied_rope":
         assert model.lm_head.weight is model.model.embed_tokens.weight
 
@@ -102,7 +108,7 @@ def test_llama3_scaling_covers_all_three_bands(ckpts):
     assert max_diff(wrong[:, 40:], ref[:, 40:]) > 100 * TOL
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen2"])
 def test_sharded_checkpoint(tmp_path, kind):
     path = make_checkpoint(tmp_path, kind, sharded=True)
     index = json.loads((path / "model.safetensors.index.json").read_text())
@@ -513,6 +519,8 @@ def test_a_damaged_shard_is_one_line(make_ckpt, capsys):
     (dict(mlp_bias=True), "mlp_bias"),
     (dict(hidden_act="gelu"), "hidden_act"),
     (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}), "yarn"),
+    (dict(use_sliding_window=True), "sliding-window"),
+    (dict(layer_types=["sliding_attention"]), "sliding-window"),
 ])
 def test_unsupported_config(make_ckpt, changes, needle):
     path = make_ckpt("llama", num_hidden_layers=1)
@@ -547,164 +555,6 @@ def test_defaults_dtype_tokenizer_and_device(ckpts):
         with pytest.raises(ValueError) as e:
             load_model(ckpts["llama"], device="cuda:7")
         one_line(e, "cuda:7")
-
-
-def test_fastest_form_is_the_lowest_median():
-    assert model.fastest({"plain": [2, 9, 2], "transposed": [1, 1, 9], "packed": [3, 3, 0]}) \
-        == "transposed"
-    assert model.fastest({"plain": [1.0] * 3, "transposed": [1.0] * 3}) == "plain"  # a tie
-
-
-class FakeLinear:
-    """What choose_forms reads of a layer: its shape's `forms`, in_features, weight, packs, and a
-    product that records its call and spends `cost` of a fake clock (`now`)."""
-
-    def __init__(self, name, forms, in_features, mb, calls, cost=None, now=None):
-        self.name, self.forms, self.in_features = name, forms, in_features
-        self.calls, self.cost, self.now = calls, cost, now
-        self.weight = torch.empty(mb << 18)  # mb MiB of float32
-        self.packs = {3: "stale"}
-
-    def pack(self, M):
-        return "a pack"
-
-    def product(self, x, form):
-        self.calls.append((self.name, form, tuple(x.shape)))
-        if self.cost:
-            self.now[0] += self.cost[self.name[0], form]
-
-
-def test_forms_are_timed_in_sweeps_over_the_model_as_a_forward_streams_it(monkeypatch):
-    # two weight shapes, A and B, in forward order a1 b1 a2 b2: every timing runs all four in one
-    # form, and each shape's choice comes from its own layers' time in those sweeps
-    cost = {("a", "plain"): 2, ("a", "transposed"): 3, ("a", "packed"): 1,  # A: packed
-            ("b", "plain"): 1, ("b", "transposed"): 3, ("b", "packed"): 2}  # B: plain
-    calls, A, B, now = [], {}, {}, [0.0]
-    layers = [FakeLinear(n, f, d, 1, calls, cost, now)
-              for n, f, d in (("a1", A, 4), ("b1", B, 6), ("a2", A, 4), ("b2", B, 6))]
-    model.choose_forms(layers, 3, reps=2, clock=lambda: now[0])
-    threads = torch.get_num_threads()
-    assert A == {(3, threads): "packed"} and B == {(3, threads): "plain"}
-    forms = ("plain", "transposed", "packed")
-    assert [(n, f) for n, f, _ in calls] == [(n, f) for _ in range(2) for f in forms
-                                             for n in ("a1", "b1", "a2", "b2")]
-    assert {(n[0], s) for n, _, s in calls} == {("a", (3, 4)), ("b", (3, 6))}
-    # a shape that chose another form drops its packed copies for that row count
-    assert [layer.packs for layer in layers] == [{3: "stale"}, {}, {3: "stale"}, {}]
-
-
-def test_a_sweep_stops_after_its_byte_budget_but_times_every_shape():
-    calls, A, B, H = [], {}, {}, {}
-    layers = [FakeLinear(n, f, 4, 1, calls) for n, f in
-              (("a1", A), ("b1", B), ("a2", A), ("b2", B), ("a3", A), ("b3", B), ("h", H))]
-    names = [layer.name for layer in model.sweep_of(layers, budget=3 << 20)]
-    assert names == ["a1", "b1", "a2", "h"]  # 3 MiB of weights, then the head's shape
-    assert [layer.name for layer in model.sweep_of(layers)] == [layer.name for layer in layers]
-
-
-FORMS = ("plain", "transposed") + (("packed",) if model.MKL_PACK else ())
-
-
-@pytest.mark.parametrize("choice", FORMS)
-def test_linear_keeps_the_fastest_form_per_row_count_and_computes_the_same_product(monkeypatch,
-                                                                                   choice):
-    lin = model.Linear(8, 16).requires_grad_(False)  # a loaded model's: packing allowed
-    timed = []
-    monkeypatch.setattr(model, "fastest", lambda times: timed.append(sorted(times)) or choice)
-    for rows in (3, 3, 4, 1, 32):  # timed once per count in 2..16; 1 and 32 rows never
-        xs = torch.randn(rows, 8)
-        torch.testing.assert_close(lin(xs), xs @ lin.weight.t(), atol=1e-5, rtol=1e-5)
-    threads = torch.get_num_threads()
-    assert lin.forms == {(3, threads): choice, (4, threads): choice}
-    assert timed == [sorted(FORMS)] * 2
-    # a packed copy is kept only for the row counts that chose it
-    assert sorted(lin.packs) == ([3, 4] if choice == "packed" else [])
-    # another thread count is timed again: the fastest form can differ with the threads
-    try:
-        torch.set_num_threads(threads + 1)
-        lin(torch.randn(3, 8))
-    finally:
-        torch.set_num_threads(threads)
-    assert len(timed) == 3
-
-
-def test_a_weight_in_training_is_timed_without_the_packed_form(monkeypatch):
-    lin = model.Linear(8, 16)  # requires_grad, grad enabled: the packed GEMM has no backward
-    timed = []
-    monkeypatch.setattr(model, "fastest", lambda times: timed.append(sorted(times)) or "plain")
-    x = torch.randn(3, 8)
-    lin(x).sum().backward()
-    assert timed == [["plain", "transposed"]] and lin.packs == {}
-    with torch.no_grad():  # the same weight, not training: packing allowed where MKL has it
-        lin(torch.randn(4, 8))
-    assert timed[1] == sorted(FORMS)
-    state = torch.get_rng_state()
-    model.choose_forms(lin.sweep, 5)  # the timing's inputs leave the caller's random stream alone
-    assert torch.equal(torch.get_rng_state(), state)
-
-
-@pytest.mark.skipif(not model.MKL_PACK, reason="this torch build has no MKL packed GEMM")
-def test_a_packed_weight_follows_the_weight_and_steps_aside_for_training(monkeypatch):
-    lin = model.Linear(8, 16)  # requires_grad: packed only under no_grad
-    lin.forms[(4, torch.get_num_threads())] = "packed"
-    x = torch.randn(4, 8)
-    with torch.no_grad():
-        torch.testing.assert_close(lin(x), x @ lin.weight.t(), atol=1e-5, rtol=1e-5)
-        packed = lin.packs[4][1]
-        lin.weight.copy_(torch.randn(16, 8))  # a new checkpoint loaded in place, an optimiser step
-        torch.testing.assert_close(lin(x), x @ lin.weight.t(), atol=1e-5, rtol=1e-5)
-        assert lin.packs[4][1] is not packed
-    # training: the packed GEMM has no backward, so a weight that needs a gradient gets F.linear
-    lin(x).sum().backward()
-    torch.testing.assert_close(lin.weight.grad, x.sum(0).expand(16, 8))
-    # no room for a copy of the weight: the product is still computed, without one
-    monkeypatch.setattr(model, "room_for", lambda nbytes: False)
-    lin.packs.clear()
-    with torch.no_grad():
-        torch.testing.assert_close(lin(x), x @ lin.weight.t(), atol=1e-5, rtol=1e-5)
-    assert lin.packs[4][1] is None
-    # a model loaded under torch.inference_mode: its weights keep no version counter
-    monkeypatch.undo()
-    with torch.inference_mode():
-        lin = model.Linear(8, 16)
-        lin.forms[(4, torch.get_num_threads())] = "packed"
-        torch.testing.assert_close(lin(x), x @ lin.weight.t(), atol=1e-5, rtol=1e-5)
-        assert lin.packs[4][1] is not None
-
-
-@pytest.mark.skipif(not model.MKL_PACK, reason="this torch build has no MKL packed GEMM")
-def test_the_allocation_log_reads_a_packed_product():
-    # a packed weight is an opaque tensor (no storage): scripts/gpu_check.Allocations, which
-    # tests use to bound what a forward allocates, must skip it, not fail on it
-    lin = model.Linear(8, 16).requires_grad_(False)
-    lin.forms[(4, torch.get_num_threads())] = "packed"
-    with Allocations() as log:
-        y = lin(torch.randn(4, 8))
-    assert lin.packs[4][1] is not None and y.shape == (4, 16)
-    assert ("mkl._mkl_linear.default", torch.float32, 64, 256) in log.log
-
-
-def test_layers_of_one_weight_shape_share_one_timing(ckpts, monkeypatch):
-    m, _ = load_model(ckpts["llama"])
-    linears = [mod for mod in m.modules() if isinstance(mod, model.Linear)]
-    by_shape = {}
-    for mod in linears:
-        by_shape.setdefault(tuple(mod.weight.shape), set()).add(id(mod.forms))
-    assert len(linears) > len(by_shape) and all(len(ids) == 1 for ids in by_shape.values())
-    assert len({id(mod.forms) for mod in linears}) == len(by_shape)
-    # every layer sweeps the whole model in forward order: the first row count any layer sees
-    # chooses the form of every shape, once
-    block = [m.model.layers[0].self_attn.qkv_proj, m.model.layers[0].self_attn.o_proj,
-             m.model.layers[0].mlp.gate_up_proj, m.model.layers[0].mlp.down_proj]
-    assert len({id(mod.sweep) for mod in linears}) == 1 and linears[0].sweep == linears
-    assert linears[:4] == block and linears[-1] is m.lm_head
-    timed = []
-    monkeypatch.setattr(model, "fastest", lambda times: timed.append(times) or "plain")
-    mod = m.model.layers[0].mlp.down_proj
-    mod(torch.randn(3, mod.in_features))
-    m.lm_head(torch.randn(3, m.lm_head.in_features))
-    assert len(timed) == len(by_shape)  # one choice per weight shape, from one sweep
-    assert all(mod.forms == {(3, torch.get_num_threads()): "plain"} for mod in linears)
 
 
 # --------------------------------------------------------------------------------------------------

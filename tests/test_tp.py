@@ -32,9 +32,12 @@ TOL = 1e-5
 V = 100  # vocab of the tiny checkpoints
 
 
+TP_KINDS = ("llama", "qwen3", "qwen2")  # GQA; q/k norms; q/k/v biases (split with their rows)
+
+
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
-    return {kind: make_checkpoint(tmp_path_factory.mktemp(kind), kind) for kind in ("llama", "qwen3")}
+    return {kind: make_checkpoint(tmp_path_factory.mktemp(kind), kind) for kind in TP_KINDS}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -97,7 +100,7 @@ def test_tp2_logits_equal_tp1(ckpts):
         if proc.is_alive():
             proc.terminate()
     assert isinstance(got[1], dict), f"rank 1 failed: {got[1]}"
-    for kind in ("llama", "qwen3"):
+    for kind in TP_KINDS:
         ref_model, _ = load_model(ckpts[kind])
         full1, cached1, kv1 = logits_of(ref_model)
         assert full1.std() > 0.3 and cached1.shape == (19 + 3 * 2 + 8 + 2, V)  # logits of order 1: 1e-5 is a real bound
