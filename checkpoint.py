@@ -16,7 +16,8 @@ import torch
 import torch.nn as nn
 
 from devices import check_device, resolve_dtype
-from model import ARCHS, TP, ModelConfig, Transformer, over_vocab, tp_split_dim, vocab_maps
+from config import ARCHS, ModelConfig
+from model import TP, Transformer, over_vocab, tp_split_dim, vocab_maps
 
 REPO = Path(__file__).resolve().parent
 
@@ -236,7 +237,7 @@ def load_tokenizer(name_or_path, gguf_file: "GGUFFile | None" = None):
 
 def hf_over_target_vocab(m):
     """A transformers model of a draft with its own vocabulary (config target_token_ids, see
-    model.ModelConfig.token_ids) made to speak the target's, as this engine runs it: token ids in
+    config.ModelConfig.token_ids) made to speak the target's, as this engine runs it: token ids in
     become its rows, logits out are scattered over the target's vocabulary (-inf on the tokens it
     never writes). By forward hooks, so generate() and assisted generation use it unchanged; its
     config.vocab_size becomes the target's, as assisted generation compares them. Any other model
@@ -424,7 +425,7 @@ def gguf_config(g: GGUFFile) -> ModelConfig:
     if model_type is None:
         raise ValueError(f"unsupported GGUF architecture {arch!r} in {fname}: this engine "
                          f"implements {', '.join(repr(a.gguf_name) for a in ARCHS.values())} "
-                         f"(model.ARCHS)")
+                         f"(config.ARCHS)")
 
     def get(key, default=None):
         value = m.get(f"{arch}.{key}", default)

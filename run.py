@@ -303,7 +303,7 @@ def check_pair(target, draft, cfg, tok):
     behind every id (a draft of another family with a vocabulary of the same size would be
     accepted less, silently), and the same vocabulary size unless the tokenizers agree (embeddings
     padded to other sizes: the draft's law is then read over the target's vocabulary,
-    model.ModelConfig.padded_rows)."""
+    config.ModelConfig.padded_rows)."""
     V_draft = load_config(draft).vocab_size
     same = not isinstance(target, Transformer) and resolve(draft) == resolve(target)
     draft_tok = None if tok is None or same else load_tokenizer(draft)

@@ -30,7 +30,7 @@ resumable from --work-dir (run the same command again after a kill; nothing done
                most, and one row that reads every other token (draft_vocabulary): the head and
                embedding over all 49k tokens are two thirds of a 252-wide draft, and a few
                thousand tokens carry nearly all of the target's text, so the size goes to layers
-               instead (the engine maps ids in and logits out: model.ModelConfig.token_ids).
+               instead (the engine maps ids in and logits out: config.ModelConfig.token_ids).
                Trained on the answer positions with the KL from the target's top-k law (plus the
                rest of its mass as one bucket) to the draft's, under bf16 autocast on a CPU.
                Logged every --eval-every steps: held-out greedy agreement (the draft's argmax is
@@ -345,7 +345,7 @@ def draft_config(target, hidden: int, n_layers: int, token_ids: list[int] | None
     and special tokens; only the residual width (hidden) and the depth are smaller. token_ids: a
     draft vocabulary (draft_vocabulary), stored in the config as target_token_ids (row r is target
     token target_token_ids[r]; one more row reads every other token) and target_vocab_size, which
-    the engine reads (model.ModelConfig); transformers keeps them and sees a Llama of
+    the engine reads (config.ModelConfig); transformers keeps them and sees a Llama of
     len(token_ids) + 1 rows."""
     from transformers import LlamaConfig
     c = target.config

@@ -64,7 +64,8 @@ from torch.utils._pytree import tree_leaves  # noqa: E402
 from checkpoint import load_model, materialize
 from devices import MM_FP32_OUT, sync
 from kv_cache import PagedKVCache, paged_attention
-from model import PREFILL_CHUNK, ModelConfig, Transformer
+from config import ModelConfig
+from model import PREFILL_CHUNK, Transformer
 from run import generate  # noqa: E402
 
 # HF config fields of the shapes (Llama-3.2-1B and Llama-3.1-8B), and their --quick stand-ins

@@ -45,7 +45,7 @@ KINDS = {
 
 def hf_config(kind: str, **overrides):
     import transformers
-    from model import ARCHS
+    from config import ARCHS
     if kind not in KINDS:
         raise ValueError(f"unknown checkpoint kind {kind!r}; known: {', '.join(KINDS)}")
     kw = {**TINY, **KINDS[kind], **overrides}

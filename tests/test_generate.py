@@ -149,7 +149,7 @@ def make_small_vocab_pair(root: Path, V: int = 4, head_scale: float = 2.5):
 
 def make_own_vocab_draft(root: Path, token_ids: list[int], V: int = 4, head_scale: float = 2.5):
     """A draft for make_small_vocab_pair's target that writes only token_ids of its V tokens (its own
-    vocabulary, model.ModelConfig.token_ids: one row per token, and a last row for every other)."""
+    vocabulary, config.ModelConfig.token_ids: one row per token, and a last row for every other)."""
     kw = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, bos_token_id=None,
               eos_token_id=None, max_position_embeddings=32)
     path = make_checkpoint(root, "llama", seed=12, vocab_size=len(token_ids) + 1,

@@ -30,7 +30,8 @@ from safetensors.torch import load_file
 import checkpoint
 from checkpoint import (REPO, gguf_config, load_config, load_gguf_weights, load_model, materialize,
                         read_gguf, resolve)
-from model import TP, ModelConfig, Transformer, tp_split_dim
+from config import ModelConfig
+from model import TP, Transformer, tp_split_dim
 from run import encode, generate
 
 HAVE_GGUF = importlib.util.find_spec("gguf") is not None

@@ -1,7 +1,7 @@
 """model.py against transformers, and its paged KV cache against its own full forward.
 
 1. The full forward equals transformers' logits (float32, 1e-4) for every architecture of
-   model.ARCHS (conftest.KINDS): Llama with GQA, Llama with tied embeddings and llama3 RoPE scaling
+   config.ARCHS (conftest.KINDS): Llama with GQA, Llama with tied embeddings and llama3 RoPE scaling
    past the original context, Qwen3 with q/k norm and an explicit head_dim, Qwen2 with q/k/v
    biases; sharded checkpoints, and legacy config.json files (rope_theta / rope_scaling keys).
 2. Cached decoding (prefill, single tokens, K+1-token steps, any block size, ragged batches,
@@ -20,8 +20,10 @@ from conftest import KINDS, hf_model, make_checkpoint, one_line
 from safetensors.torch import load_file, save_file
 
 from checkpoint import load_model
+import config
 import model
-from model import ModelConfig, rope_inv_freq
+from config import ModelConfig
+from model import rope_inv_freq
 from scripts.gpu_check import Allocations
 
 TOL = 1e-4
@@ -61,7 +63,7 @@ def hf_logits(path, tokens):
 
 
 def test_every_architecture_has_a_test_kind():
-    assert {KINDS[kind]["model_type"] for kind in KINDS} == set(model.ARCHS)
+    assert {KINDS[kind]["model_type"] for kind in KINDS} == set(config.ARCHS)
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
