@@ -19,12 +19,13 @@ from dataclasses import dataclass, field
 import torch
 
 from channel import SpeculatorProcess
-from decode import NoDraft, Output, decode_sd, decode_ssd
+from decode import NoDraft, Output, SDRounds, SSDRounds
 from draft import PRE_SPEC, DraftConfig, SSDConfig, load_draft
 from fallback import POLICIES
 from checkpoint import load_config, load_model, load_tokenizer, resolve
 from devices import DTYPES, check_device, resolve_dtype
 from model import Transformer
+from scheduler import KVBudget, Request, Scheduler, cache_tokens
 from tp import (TP_TIMEOUT_S, TorchrunEnv, TorchrunWorld, TPVerifier, TPWorkers,
                 serve_torchrun_rank, torchrun_device, torchrun_env)
 from verify import Verifier
@@ -126,8 +127,11 @@ def generate(prompts, target="tiny", draft="tiny-draft", mode="sd", max_new_toke
         dcfg = DraftConfig(draft, where.draft_device, where.draft_dtype, K, temperature, seed + 1,
                            draft_kv, block_size, ssd, graphs)
         eos = [] if ignore_eos else eos_ids(tmodel.config, tok)
-        out = Output(len(ids), max_new_tokens, eos, K, stream)
-        stats = run_decode(mode, verifier, dcfg, ids, out, where, two_processes, started)
+        out = Output(eos, K)
+        requests = [Request(p, max_new_tokens, on_tokens=row_stream(stream, r))
+                    for r, p in enumerate(ids)]
+        stats = run_decode(mode, verifier, dcfg, requests, out, where, two_processes, started,
+                           kv_tokens)
         stats.update({"k": K, "temperature": temperature, "target_threads": where.target_threads,
                       "draft_threads": where.draft_threads})
         return GenerateResult(out.tokens, detokenize(tok, out.tokens), stats)
@@ -243,27 +247,53 @@ def load_target(target, where: Placement, started: Started, tp_timeout, tokenize
     return tmodel, tokenizer or tok
 
 
-def run_decode(mode, verifier, dcfg: DraftConfig, ids, out: Output, where: Placement,
-               two_processes, started: Started) -> dict:
-    """The decode loop of the mode (decode.py), with the draft it needs; -> the run's stats."""
+def row_stream(stream, row):
+    """generate()'s stream(row, tokens) as one request's on_tokens."""
+    return None if stream is None else lambda tokens: stream(row, tokens)
+
+
+def run_decode(mode, verifier, dcfg: DraftConfig, requests, out: Output, where: Placement,
+               two_processes, started: Started, kv_tokens: int) -> dict:
+    """The mode's rounds (decode.py) with the draft they need, run by the scheduler as a static
+    batch (every request submitted at once, so all join the first round); -> the run's stats."""
+    rounds = make_rounds(mode, verifier, dcfg, out, where, two_processes, started, len(requests))
+    sched = Scheduler(rounds, kv_budget(kv_tokens, dcfg, mode), max_batch=len(requests))
+    for req in requests:
+        sched.submit(req)
+    prefill_s, decode_s = sched.run()
     stats = {}
-    if mode == "ar":
-        prefill_s, decode_s = decode_sd(verifier, NoDraft(), ids, out)
-    elif mode == "sd":
-        prefill_s, decode_s = decode_sd(verifier, load_draft(dcfg), ids, out)
-    else:
-        spin = (spin_seconds(where.cores, len(where.target_devices or [where.target_device]),
-                             where.target_threads, where.draft_threads, where.target_device,
-                             where.draft_device) if two_processes else 0.0)
-        started.speculator = (
-            SpeculatorProcess(dcfg, len(ids), verifier.model.config.vocab_size,
-                              where.draft_threads, pin=any_cuda(where.target_device,
-                                                                where.draft_device), spin=spin)
-            if two_processes else load_draft(dcfg))
-        prefill_s, decode_s, wait = decode_ssd(verifier, started.speculator, ids, out)
-        stats = {**started.speculator.stats(), "verifier_wait_seconds": wait,
+    if mode == "ssd":
+        spin = started.speculator.ch.spin if two_processes else 0.0
+        stats = {**started.speculator.stats(), "verifier_wait_seconds": rounds.wait,
                  "fallback": dcfg.ssd.fallback, "parallel": two_processes, "spin_seconds": spin}
     return {**out.stats(mode, prefill_s, decode_s), **stats}
+
+
+def make_rounds(mode, verifier, dcfg: DraftConfig, out: Output, where: Placement, two_processes,
+                started: Started, max_batch: int):
+    """decode.SDRounds (ar: NoDraft; sd: a Drafter) or SSDRounds (a Speculator here, or in its own
+    process when two_processes: its channel holds max_batch rows)."""
+    if mode == "ar":
+        return SDRounds(verifier, NoDraft(), out)
+    if mode == "sd":
+        return SDRounds(verifier, load_draft(dcfg), out)
+    spin = (spin_seconds(where.cores, len(where.target_devices or [where.target_device]),
+                         where.target_threads, where.draft_threads, where.target_device,
+                         where.draft_device) if two_processes else 0.0)
+    started.speculator = (
+        SpeculatorProcess(dcfg, max_batch, verifier.model.config.vocab_size, where.draft_threads,
+                          pin=any_cuda(where.target_device, where.draft_device), spin=spin)
+        if two_processes else load_draft(dcfg))
+    return SSDRounds(verifier, started.speculator, out)
+
+
+def kv_budget(kv_tokens: int, dcfg: DraftConfig, mode) -> KVBudget:
+    """What the scheduler may reserve on the target's cache (kv_tokens) and the draft's (kv_sizes
+    sized both; a row's share of SSD's branches is the one kv_sizes adds)."""
+    bs = dcfg.block_size
+    draft = None if mode == "ar" else cache_tokens(dcfg.kv_tokens, bs)
+    branches = 0 if dcfg.ssd is None else dcfg.ssd.budget * (dcfg.K + 3 + 2 * bs)
+    return KVBudget(cache_tokens(kv_tokens, bs), draft, bs, dcfg.K, branches)
 
 
 def eos_ids(cfg, tok) -> list[int]:
