@@ -8,9 +8,9 @@
 
 `SDRounds` and `SSDRounds` run these rounds over a batch whose rows join (`join`: their prompts
 prefilled, their first token emitted) and leave (`leave`: their KV freed) between rounds;
-scheduler.py decides who, and when (a static batch, generate()'s, joins once). In SSD's two-process form the
-speculator is channel.SpeculatorProcess: the same methods, run across the channel in another
-process, so `pre_speculate` there overlaps `verify` here. The pieces: draft.py (Drafter,
+scheduler.py decides who, and when (a static batch, generate()'s, joins once). In SSD's
+two-process form the speculator is channel.SpeculatorProcess: the same methods, run across the
+channel in another process, so `pre_speculate` there overlaps `verify` here. The pieces: draft.py (Drafter,
 Speculator), verify.py (Verifier, accept_reject), spec_cache.py (guesses), fallback.py (misses).
 """
 import time
@@ -208,6 +208,10 @@ class SDRounds:
         self.verifier.leave(rows)
         self.rows = [r for r in self.rows if r not in gone]
 
+    def kv_used(self) -> tuple[int, int]:
+        """KV blocks in use: (the target's, the draft's)."""
+        return self.verifier.used_blocks(), self.drafter.used_blocks()
+
     def round(self):
         p, n, t, verify_s = sd_round(self.verifier, self.drafter, self.rows)
         self.out.verify_s += verify_s
@@ -272,6 +276,10 @@ class SSDRounds:
             idx = device_index(keep, self.n.device)
             self.rows = [self.rows[i] for i in keep]
             self.n, self.t = self.n.index_select(0, idx), self.t.index_select(0, idx)
+
+    def kv_used(self) -> tuple[int, int]:
+        """KV blocks in use: (the target's, the draft's; in two processes as of its last message)."""
+        return self.verifier.used_blocks(), self.speculator.used_blocks()
 
     def round(self):
         round_s = time.perf_counter() - self.verify_start if self.verify_start else None

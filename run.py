@@ -296,6 +296,57 @@ def kv_budget(kv_tokens: int, dcfg: DraftConfig, mode) -> KVBudget:
     return KVBudget(cache_tokens(kv_tokens, bs), draft, bs, dcfg.K, branches)
 
 
+@dataclass
+class Engine:
+    """A server's engine (serve.py): the scheduler over the mode's rounds, loaded once, and what
+    the server needs to speak for it. Its rounds run in the thread that calls scheduler.serve."""
+    scheduler: Scheduler
+    tokenizer: object
+    config: object      # the target's ModelConfig
+    mode: str
+    K: int
+    temperature: float
+    started: Started    # stop() it when the server ends
+
+
+def load_engine(a: argparse.Namespace, max_batch: int) -> Engine:
+    """Load the models of run.py's flags (a.kv_tokens: the target's cache, shared by every
+    running request; default SERVE_KV_TOKENS) for up to max_batch rows per round."""
+    kw = generate_kwargs(a)
+    mode, temperature = kw["mode"], kw["temperature"]
+    check_request([[1]], mode, kw["k"], temperature, kw["max_new_tokens"])
+    K, block_size = (kw["k"] if mode != "ar" else 0), 16
+    ssd = (SSDConfig(K, kw["fan_out"], kw["budget"], kw["saguaro_c"], kw["fallback"],
+                     pre_spec=kw["pre_spec"]) if mode == "ssd" else None)
+    two_processes = mode == "ssd" and kw["parallel"]
+    where = place(kw["target"], mode, two_processes, kw["target_device"], kw["draft_device"],
+                  kw["target_devices"], kw["dtype"], kw["target_threads"], kw["draft_threads"])
+    torch.set_num_threads(where.target_threads)
+    started = Started()
+    try:
+        tmodel, tok = load_target(kw["target"], where, started, kw["tp_timeout"], None,
+                                  kw["graphs"])
+        if mode != "ar":
+            check_pair(kw["target"], kw["draft"], tmodel.config, tok)
+        kv_tokens = kw["kv_tokens"] or SERVE_KV_TOKENS
+        draft_kv = kv_tokens + (max_batch * ssd.budget * (K + 3 + 2 * block_size) if ssd else 0)
+        settings = (temperature, kw["seed"], kv_tokens, block_size)
+        verifier = (TPVerifier(tmodel, settings, started.workers) if started.workers
+                    else Verifier(tmodel, *settings))
+        dcfg = DraftConfig(kw["draft"], where.draft_device, where.draft_dtype, K, temperature,
+                           kw["seed"] + 1, draft_kv, block_size, ssd, kw["graphs"])
+        out = Output([] if kw["ignore_eos"] else eos_ids(tmodel.config, tok), K)
+        rounds = make_rounds(mode, verifier, dcfg, out, where, two_processes, started, max_batch)
+        sched = Scheduler(rounds, kv_budget(kv_tokens, dcfg, mode), max_batch, forget=True)
+    except BaseException:
+        started.stop()
+        raise
+    return Engine(sched, tok, tmodel.config, mode, K, temperature, started)
+
+
+SERVE_KV_TOKENS = 16384  # a server's target KV cache by default, in tokens
+
+
 def eos_ids(cfg, tok) -> list[int]:
     """The target's end-of-sequence ids: its config's, and its tokenizer's."""
     return sorted(set(cfg.eos_token_ids)
@@ -426,18 +477,24 @@ def parser() -> argparse.ArgumentParser:
         description="Generate text with autoregressive decoding (ar), speculative decoding (sd) or "
                     "speculative speculative decoding (ssd, Saguaro). Streams the text of the "
                     "prompt's continuation, then prints speed and acceptance statistics.")
-    add_request_options(ap.add_argument_group("what to generate"))
+    g = ap.add_argument_group("what to generate")
+    add_prompt_options(g)
+    add_decoding_options(g)
     add_algorithm_options(ap.add_argument_group("models and algorithm"))
     add_device_options(ap.add_argument_group("devices and memory"))
     add_output_options(ap.add_argument_group("output"))
     return ap
 
 
-def add_request_options(g):
+def add_prompt_options(g):
     g.add_argument("--prompt", default=DEFAULT_PROMPT,
                    help="the prompt text (default: a Python class header the tiny pair continues)")
     g.add_argument("--chat", action="store_true",
                    help="wrap the prompt in the tokenizer's chat template (instruct models)")
+
+
+def add_decoding_options(g):
+    """How to decode (serve.py takes these too: its defaults for every request)."""
     g.add_argument("--max-new-tokens", type=int, default=128, metavar="N",
                    help="stop after N new tokens (default: %(default)s)")
     g.add_argument("--ignore-eos", action="store_true",
@@ -537,7 +594,7 @@ def generate_kwargs(a: argparse.Namespace) -> dict:
                 parallel=not a.no_parallel, pre_spec=a.pre_spec,
                 target_device=a.target_device or a.device,
                 draft_device=a.draft_device or a.device, target_threads=a.target_threads,
-                draft_threads=a.draft_threads, kv_tokens=a.kv_tokens, chat=a.chat,
+                draft_threads=a.draft_threads, kv_tokens=a.kv_tokens,
                 tp_timeout=a.tp_timeout, dtype=a.dtype, graphs=False if a.no_graphs else None,
                 target_devices=a.target_devices.split(",") if a.target_devices else None)
 
@@ -604,7 +661,7 @@ def main(argv=None):
             tokenizer = load_tokenizer(a.target)  # generate() uses it too: built once
             # a chat answer starts on its own line; a plain prompt is continued where it ends
             sys.stdout.write(a.prompt + ("\n\n" if a.chat else ""))
-        res = generate([a.prompt], **generate_kwargs(a), stream=text_printer(tokenizer),
+        res = generate([a.prompt], **generate_kwargs(a), chat=a.chat, stream=text_printer(tokenizer),
                        tokenizer=tokenizer, torchrun=env is not None)
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)

@@ -111,6 +111,14 @@ class Scheduler:
     def queue_length(self) -> int:
         return len(self.waiting)
 
+    def kv_blocks(self) -> dict:
+        """{"target": (used, free), "draft": (used, free) or None} blocks of each KV cache."""
+        bs, (t, d) = self.budget.block_size, self.rounds.kv_used()
+        total_t = self.budget.target_tokens // bs + 1  # cache_tokens() left the pad block out
+        draft = (None if self.budget.draft_tokens is None
+                 else (d, self.budget.draft_tokens // bs + 1 - d))
+        return {"target": (t, total_t - t), "draft": draft}
+
     # -- the engine's thread
     def step(self) -> bool:
         """One round boundary and one round; False when there was nothing to run."""

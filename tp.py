@@ -318,6 +318,9 @@ class TPVerifier:
     def leave(self, rows):
         return self.call("leave", rows) if len(rows) else None
 
+    def used_blocks(self) -> int:
+        return self.verifier.used_blocks()  # rank 0's: every rank's cache is laid out the same
+
     def capture_seconds(self) -> float:
         return self.verifier.capture_seconds()  # 0: no CUDA graphs with tensor parallelism
 

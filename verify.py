@@ -188,3 +188,7 @@ class Verifier:
     def leave(self, rows):
         """Rows that left the batch (done or cancelled): their KV freed now."""
         self.finish([r for r in rows if self.seqs[r] is not None])
+
+    def used_blocks(self) -> int:
+        """KV blocks in use (the server's /metrics)."""
+        return self.cache.num_blocks - self.cache.num_free_blocks()
