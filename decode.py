@@ -10,8 +10,9 @@
 prefilled, their first token emitted) and leave (`leave`: their KV freed) between rounds;
 scheduler.py decides who, and when (a static batch, generate()'s, joins once). In SSD's
 two-process form the speculator is channel.SpeculatorProcess: the same methods, run across the
-channel in another process, so `pre_speculate` there overlaps `verify` here. The pieces: draft.py (Drafter,
-Speculator), verify.py (Verifier, accept_reject), spec_cache.py (guesses), fallback.py (misses).
+channel in another process, so `pre_speculate` there overlaps `verify` here. The pieces: draft.py
+(Drafter, Speculator), verify.py (Verifier, accept_reject), spec_cache.py (guesses), fallback.py
+(misses).
 """
 import time
 
@@ -278,7 +279,8 @@ class SSDRounds:
             self.n, self.t = self.n.index_select(0, idx), self.t.index_select(0, idx)
 
     def kv_used(self) -> tuple[int, int]:
-        """KV blocks in use: (the target's, the draft's; in two processes as of its last message)."""
+        """KV blocks in use: (the target's, the draft's: in two processes, as of its last
+        message)."""
         return self.verifier.used_blocks(), self.speculator.used_blocks()
 
     def round(self):

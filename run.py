@@ -661,7 +661,8 @@ def main(argv=None):
             tokenizer = load_tokenizer(a.target)  # generate() uses it too: built once
             # a chat answer starts on its own line; a plain prompt is continued where it ends
             sys.stdout.write(a.prompt + ("\n\n" if a.chat else ""))
-        res = generate([a.prompt], **generate_kwargs(a), chat=a.chat, stream=text_printer(tokenizer),
+        res = generate([a.prompt], **generate_kwargs(a), chat=a.chat,
+                       stream=text_printer(tokenizer),
                        tokenizer=tokenizer, torchrun=env is not None)
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)

@@ -1,7 +1,7 @@
 """An OpenAI-compatible server with continuous batching: AR, SD or SSD behind HTTP.
 
     python serve.py                                  # the shipped tiny pair, SSD, 127.0.0.1:8000
-    python serve.py --target smollm2-135m --draft checkpoints/smollm2-135m-draft --mode sd --port 8080
+    python serve.py --target smollm2-135m --draft checkpoints/smollm2-135m-draft --port 8080
     curl localhost:8000/v1/completions -d '{"prompt": "def fib(n):", "max_tokens": 32}'
 
 Endpoints: POST /v1/chat/completions and /v1/completions (streamed as server-sent events with
@@ -358,7 +358,8 @@ def parser() -> argparse.ArgumentParser:
                                              "OpenAI-compatible HTTP API, batching requests as "
                                              "they come.")
     g = ap.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    g.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default: %(default)s)")
     g.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
     g.add_argument("--max-batch", type=int, default=16, metavar="N",
                    help="rows per round at most; more requests wait (default: %(default)s)")
