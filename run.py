@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 import warnings
 from dataclasses import dataclass, field
 
@@ -35,6 +36,13 @@ from verify import Verifier
 # a bare final "\n" is worse: the tiny target ends the text at once. (Token healing would fix
 # both.)
 DEFAULT_PROMPT = "class Stack:\n    def __init__(self):\n        "
+
+
+# generate() loads its models and tokenizers under this lock: transformers resolves its names on
+# first use (a lazy module), which is not thread-safe: 8 threads calling generate() first thing in
+# a process failed in 7 with "cannot import name 'AutoTokenizer' from 'transformers'". Loading is
+# serialised; decoding is not.
+LOADING = threading.Lock()
 
 
 @dataclass
@@ -115,11 +123,13 @@ def generate(prompts, target="tiny", draft="tiny-draft", mode="sd", max_new_toke
     torch.set_num_threads(where.target_threads)
     started = Started()
     try:
-        tmodel, tok = load_target(target, where, started, tp_timeout, tokenizer, graphs)
+        with LOADING:
+            tmodel, tok = load_target(target, where, started, tp_timeout, tokenizer, graphs)
         ids = [encode(tok, p, chat) for p in prompts]
         check_prompts(ids, tmodel.config, max_new_tokens, K)
         if mode != "ar":
-            check_pair(target, draft, tmodel.config, tok)
+            with LOADING:  # the draft's tokenizer
+                check_pair(target, draft, tmodel.config, tok)
         kv_tokens, draft_kv = kv_sizes(ids, max_new_tokens, K, block_size, kv_tokens, ssd)
         settings = (temperature, seed, kv_tokens, block_size)
         verifier = (TPVerifier(tmodel, settings, started.workers) if started.workers
