@@ -20,6 +20,7 @@ pair) is chatted with in a plain one: "role: content" lines, then "assistant:".
 import argparse
 import asyncio
 import json
+import signal
 import sys
 import threading
 import time
@@ -386,7 +387,12 @@ def main(argv=None):
     thread.start()
     app = make_app(engine, a.target, a, state)
     print(f"serve.py: {a.mode} on http://{a.host}:{a.port} (model {a.target!r})", file=sys.stderr)
-    try:  # uvicorn stops accepting on SIGTERM / Ctrl-C and waits up to --grace for in-flight ones
+    # uvicorn stops accepting on SIGTERM / Ctrl-C, waits up to --grace for the requests in flight,
+    # then raises the signal again for the handler it found: ours lets main stop the engine and
+    # exit 0
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    try:
         uvicorn.run(app, host=a.host, port=a.port, log_level="warning",
                     timeout_graceful_shutdown=a.grace)
     finally:
