@@ -25,6 +25,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
+from checkpoint import load_model  # noqa: E402
 from run import generate  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -87,10 +88,20 @@ def server(request):
 
 
 @pytest.fixture(scope="module")
-def alone():
-    """What generate() gives each prompt alone (greedy, fp32; sd and ssd match ar exactly)."""
-    res = [generate(p, mode="ar", max_new_tokens=MAX_NEW - i) for i, p in enumerate(PROMPTS)]
-    return [r.text[0] for r in res]
+def target():
+    return load_model("tiny")  # (model, tokenizer), loaded once for the references
+
+
+def alone_text(target, prompt, max_new_tokens) -> str:
+    """What generate() gives the prompt alone (greedy, fp32; sd and ssd match ar exactly)."""
+    model, tok = target
+    return generate(prompt, target=model, tokenizer=tok, mode="ar",
+                    max_new_tokens=max_new_tokens).text[0]
+
+
+@pytest.fixture(scope="module")
+def alone(target):
+    return [alone_text(target, p, MAX_NEW - i) for i, p in enumerate(PROMPTS)]
 
 
 def stream_text(client, prompt, max_tokens, delay=0.0) -> str:
@@ -199,23 +210,23 @@ def test_disconnect_frees_its_row(server, alone):
     assert m["ssd_requests_finished_total"] >= base["ssd_requests_finished_total"] + 2
 
 
-def test_kv_full_waits():
+def test_kv_full_waits(target):
     """A cache that holds two requests at a time: six wait their turn and all finish exactly;
     one that could never fit is refused with a 400."""
-    s = Server("--mode", "ar", "--kv-tokens", "256")
+    s = Server("--mode", "ar", "--kv-tokens", "144")
     try:
         client, texts = s.client(), [None] * 6
 
         def one(i):
             texts[i] = client.completions.create(model="tiny", prompt=PROMPTS[i],
-                                                 max_tokens=90).choices[0].text
+                                                 max_tokens=40).choices[0].text
         threads = [threading.Thread(target=one, args=(i,)) for i in range(6)]
         for t in threads:
             t.start()
         for t in threads:
             t.join(timeout=300)
-        assert texts == [generate(p, mode="ar", max_new_tokens=90).text[0] for p in PROMPTS[:6]]
-        r = httpx.post(s.url + "/v1/completions", json={"prompt": "x", "max_tokens": 300})
+        assert texts == [alone_text(target, p, 40) for p in PROMPTS[:6]]
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": "x", "max_tokens": 200})
         assert r.status_code == 400 and r.json()["error"]["code"] == "kv_cache_too_small"
     finally:
         assert s.stop() == 0
@@ -229,7 +240,7 @@ import threading
 from run import generate
 out = [None] * 8
 def one(i):
-    out[i] = generate([1, 5, 9 + i], mode="ar", max_new_tokens=8).tokens[0]
+    out[i] = generate([1, 5, 9 + i], mode="ar", max_new_tokens=8, target_threads=1).tokens[0]
 threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
 [t.start() for t in threads]
 [t.join() for t in threads]
