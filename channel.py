@@ -1,13 +1,14 @@
 """SSD's two-process form: the verifier in this process, the speculator in a spawned one.
 
-`SpeculatorProcess` has the Speculator's methods (prefill, pre_speculate, respond, finish, stats),
-so decode.decode_ssd runs the same round with either. Here `respond` sends the outcome (n, t) across
+`SpeculatorProcess` has the Speculator's methods (add, pre_speculate, respond, leave, stats), so
+decode.SSDRounds runs the same round with either. Here `respond` sends the outcome (n, t) across
 the channel and waits for the proposals; the speculator's process answers from its cache or
 fallback, sends the proposals, then pre-speculates the next round while this process verifies.
 
 The channel is a set of tensors in shared memory, allocated once before the spawn (page-locked when
 a device is CUDA, so copies to and from the GPUs are direct), and two signals per round: nothing is
-pickled on the per-round path. Each message fills the first b slots of the buffers. A side waiting
+pickled on the per-round path (rows joining or leaving send one control message each, with
+the joining prompts). Each message fills the first b slots of the buffers. A side waiting
 for the other polls its signal for a while before it sleeps (`wait_for`'s spin).
 """
 import os
@@ -47,6 +48,10 @@ class Channel:
         self.hit = host(b, dtype=torch.bool)
         # the speculator's CUDA graph captures so far, sent with each answer (decode.Captures)
         self.capture_seconds = host(1, dtype=torch.float64)
+        # control messages sent so far (rows joining or leaving, by `inbox`): they share the
+        # outcome's signal, and the speculator takes one whenever it has handled fewer
+        self.controls = host(1)
+        self.draft_blocks = host(1)  # KV blocks the draft uses, after each answer and control
         for x in self.tensors():
             x.share_memory_()
         # signals: semaphores, each released by one side and acquired by the other. Not events: an
@@ -225,19 +230,31 @@ class SpeculatorProcess:
             raise
         self.startup_s = time.perf_counter() - self.startup_s
 
-    def prefill(self, prompts):
-        self.inbox.put(prompts)  # the speculator prefills and pre-speculates round 0 over there
+    def add(self, prompts):
+        """Rows joining: their prompts cross once (pickled: per request, not per round); the
+        speculator prefills them and, when they start a batch, pre-speculates their round 0."""
+        self.control(("add", prompts))
+
+    def leave(self, rows):
+        """Rows that left: the speculator frees their KV and branches now."""
+        if rows:
+            self.control(("leave", list(rows)))
+
+    def control(self, message):
+        self.inbox.put(message)
+        self.ch.controls[0] += 1
+        self.ch.outcome_ready.release()
 
     def pre_speculate(self, rows):
         pass  # runs in the speculator's process right after it sends proposals, during verify
+
+    def used_blocks(self) -> int:
+        return int(self.ch.draft_blocks[0])
 
     def respond(self, rows, n, t, round_seconds=None) -> Proposals:
         self.ch.send_outcome(rows, n, t, round_seconds)
         wait_for(self.ch.proposals_ready, self.proc.is_alive, "speculator", spin=self.ch.spin)
         return self.ch.proposals(len(rows), n.device)  # on the verifier's device, as n is
-
-    def finish(self, rows):
-        pass  # the next outcome names only the rows still running; the others are freed there
 
     def capture_seconds(self) -> float:
         """The speculator's graph captures so far, as of its last answer (decode.Captures)."""
@@ -272,7 +289,8 @@ class SpeculatorProcess:
 
 
 def speculator_main(cfg: DraftConfig, threads, ch: Channel, inbox, errors):
-    """The speculator's process: load the draft, pre-speculate round 0, then answer each outcome."""
+    """The speculator's process: load the draft, then handle each message: rows joining or leaving
+    (controls), or an outcome to answer, after which it pre-speculates the next round."""
     try:
         if threads:
             torch.set_num_threads(threads)
@@ -287,25 +305,20 @@ def speculator_main(cfg: DraftConfig, threads, ch: Channel, inbox, errors):
         spec.arrived = lambda step: bool(ch.posted[0])
         ch.loaded.release()
         parent = mp.parent_process()
-        prompts = None
-        while prompts is None:
-            try:
-                prompts = inbox.get(timeout=0.1)
-            except queue.Empty:
-                if not parent.is_alive():
-                    raise RuntimeError("the verifier process died") from None
-        rows = list(range(len(prompts)))
-        spec.prefill(prompts)
-        spec.pre_speculate(rows)
+        rows, handled = [], 0  # the running rows; controls handled so far
         while True:
             wait_for(ch.outcome_ready, parent.is_alive, "verifier", spin=ch.spin)
+            if handled < int(ch.controls[0]):  # a control (sent before any later outcome)
+                handled += 1
+                rows = control(spec, receive(inbox, parent), rows)
+                ch.draft_blocks[0] = spec.used_blocks()
+                continue
             if ch.stop[0]:
                 break
-            active, n, t, round_seconds = ch.outcome()
-            spec.finish(sorted(set(rows) - set(active)))
-            rows = active
+            rows, n, t, round_seconds = ch.outcome()
             ch.send_proposals(spec.respond(rows, n, t, round_seconds), spec.capture_seconds())
             spec.pre_speculate(rows)  # the next round, while the verifier verifies this one
+            ch.draft_blocks[0] = spec.used_blocks()
         errors.put(("stats", spec.stats()))
         errors.close()
         errors.join_thread()
@@ -318,3 +331,29 @@ def speculator_main(cfg: DraftConfig, threads, ch: Channel, inbox, errors):
         traceback.print_exc()
         errors.put(("error", f"{type(e).__name__}: {e}"))
         sys.exit(1)
+
+
+def receive(inbox, parent):
+    """The next control message (put before its signal was released: it is on its way)."""
+    while True:
+        try:
+            return inbox.get(timeout=0.1)
+        except queue.Empty:
+            if not parent.is_alive():
+                raise RuntimeError("the verifier process died") from None
+
+
+def control(spec, message, rows) -> list[int]:
+    """Rows join (prefilled; a batch starting from empty pre-speculates its round 0, as
+    decode.SSDRounds.join does in one process) or leave (KV and branches freed). -> the running
+    rows."""
+    kind, arg = message
+    if kind == "add":
+        new = list(range(len(spec.rows), len(spec.rows) + len(arg)))
+        spec.add(arg)
+        if not rows:
+            spec.pre_speculate(new)
+        return rows + new
+    gone = set(arg)
+    spec.leave(arg)
+    return [r for r in rows if r not in gone]

@@ -6,10 +6,13 @@
                 the speculator pre-speculates the next round for guessed outcomes, the target
                 verifies.
 
-`decode_sd` and `decode_ssd` run rounds until every row is done. In SSD's two-process form the
-speculator is channel.SpeculatorProcess: the same methods, run across the channel in another
-process, so `pre_speculate` there overlaps `verify` here. The pieces: draft.py (Drafter,
-Speculator), verify.py (Verifier, accept_reject), spec_cache.py (guesses), fallback.py (misses).
+`SDRounds` and `SSDRounds` run these rounds over a batch whose rows join (`join`: their prompts
+prefilled, their first token emitted) and leave (`leave`: their KV freed) between rounds;
+scheduler.py decides who, and when (a static batch, generate()'s, joins once). In SSD's
+two-process form the speculator is channel.SpeculatorProcess: the same methods, run across the
+channel in another process, so `pre_speculate` there overlaps `verify` here. The pieces: draft.py
+(Drafter, Speculator), verify.py (Verifier, accept_reject), spec_cache.py (guesses), fallback.py
+(misses).
 """
 import time
 
@@ -20,33 +23,49 @@ from devices import device_index, sync, to_device, to_host
 
 
 class Output:
-    """Every mode's output: tokens per row, cut at EOS (kept) or max_new_tokens inside a round."""
+    """Every mode's output: tokens per row, cut at EOS (kept) or the row's max_new_tokens inside a
+    round. Rows are added as they join (`add`); a row's number is its place in every side's lists.
+    stream(row, tokens_so_far) is called as tokens are accepted; it may return True to end the row
+    there (a stop string)."""
 
-    def __init__(self, b, max_new_tokens, eos_ids, K, stream=None):
-        self.tokens = [[] for _ in range(b)]
-        self.done = [False] * b
-        self.max_new, self.eos, self.stream = max_new_tokens, set(eos_ids), stream
+    def __init__(self, eos_ids, K, stream=None):
+        self.tokens, self.done, self.max_new = [], [], []
+        self.eos, self.stream = set(eos_ids), stream
         self.rounds, self.row_rounds, self.accepted, self.proposed = 0, 0, 0, 0
+        self.new_tokens = 0  # every row's, including rows whose tokens were dropped (`forget`)
         self.hist = [0] * (K + 1)  # rounds that accepted n = 0..K tokens
         self.tok_hit = self.rounds_hit = self.tok_miss = self.rounds_miss = 0
         self.verify_s = 0.0  # the target's verifications (the theory's c against SD's and AR's)
         self.capture_s = 0.0  # CUDA graph captures, left out of the decode time (Captures)
+
+    def add(self, max_new_tokens: list[int]) -> list[int]:
+        """New rows, one per max_new_tokens; -> their numbers."""
+        first = len(self.tokens)
+        self.tokens += [[] for _ in max_new_tokens]
+        self.done += [False] * len(max_new_tokens)
+        self.max_new += list(max_new_tokens)
+        return list(range(first, len(self.tokens)))
+
+    def forget(self, row):
+        """Drop a row's tokens once its reader has them (a server runs for ever)."""
+        self.tokens[row] = None
 
     def emit(self, row, new) -> bool:
         """Append tokens to a row; returns True when the row is done."""
         out = self.tokens[row]
         for x in new:
             out.append(x)
-            if x in self.eos or len(out) >= self.max_new:
+            self.new_tokens += 1
+            if x in self.eos or len(out) >= self.max_new[row]:
                 self.done[row] = True
                 break
-        if self.stream:
-            self.stream(row, out)
+        if self.stream and self.stream(row, out):
+            self.done[row] = True
         return self.done[row]
 
-    def first(self, t0) -> list[int]:
-        """Emit each row's first token (from the verifier's prefill); returns the rows done."""
-        return [r for r, t in enumerate(to_host(t0)) if self.emit(r, [t])]
+    def first(self, rows, t0) -> list[int]:
+        """Emit the new rows' first tokens (from the verifier's prefill); returns the rows done."""
+        return [r for r, t in zip(rows, to_host(t0)) if self.emit(r, [t])]
 
     def round(self, rows, tokens, n, t, hit=None) -> list[int]:
         """Record one verified round (x_1..x_n and t per row); returns the rows that finished."""
@@ -70,11 +89,8 @@ class Output:
                 finished.append(r)
         return finished
 
-    def active(self):
-        return [r for r, d in enumerate(self.done) if not d]
-
     def stats(self, mode, prefill_s, decode_s):
-        b, new = len(self.tokens), sum(len(x) for x in self.tokens)
+        b, new = len(self.tokens), self.new_tokens
         s = {"mode": mode, "batch": b, "new_tokens": new, "prefill_seconds": prefill_s,
              "decode_seconds": decode_s,
              # the first token of each row comes from the prefill; decode speed counts the rest
@@ -141,7 +157,7 @@ def sd_round(verifier, drafter, rows):
 class NoDraft:
     """Autoregressive decoding is SD with K = 0: no proposals, the bonus token is the next token."""
 
-    def prefill(self, prompts):
+    def add(self, prompts):
         return None
 
     def draft(self, rows) -> Proposals:
@@ -153,35 +169,55 @@ class NoDraft:
     def commit(self, rows, n, t):
         pass
 
-    def finish(self, rows):
+    def leave(self, rows):
         pass
+
+    def used_blocks(self) -> int:
+        return 0
 
     def capture_seconds(self) -> float:
         return 0.0
 
 
-def decode_sd(verifier, drafter, prompts, out: Output):
-    """ar (drafter: NoDraft) and sd: the draft and the target take turns in this process.
-    Returns (prefill seconds, decode seconds)."""
-    start = time.perf_counter()
-    q0 = drafter.prefill(prompts)
-    t0 = verifier.prefill(prompts)  # round 0: no proposals, its outcome is (0, t0)
-    wait_for_devices(q0, t0)
-    prefill_s, start = time.perf_counter() - start, time.perf_counter()
-    captures = Captures(verifier, drafter)
-    all_rows = list(range(len(prompts)))
-    drafter.commit(all_rows, torch.zeros_like(t0), t0)  # n = 0, on t0's device
-    finished = out.first(t0)
-    while True:
-        drafter.finish(finished)
-        verifier.finish(finished)
-        rows = out.active()
-        if not rows:
-            out.capture_s += captures.take()
-            return prefill_s, time.perf_counter() - start - out.capture_s
-        p, n, t, verify_s = sd_round(verifier, drafter, rows)
-        out.verify_s += verify_s
-        finished = out.round(rows, p.tokens, n, t)
+class SDRounds:
+    """ar (drafter: NoDraft) and sd over a batch whose rows change between rounds: the draft and
+    the target take turns in this process. scheduler.py decides who joins and leaves; a static
+    batch joins once, at the start."""
+
+    def __init__(self, verifier, drafter, out: Output):
+        self.verifier, self.drafter, self.out = verifier, drafter, out
+        self.rows: list[int] = []  # the rows the next round runs
+        self.captures = Captures(verifier, drafter)
+
+    def join(self, prompts, max_new_tokens: list[int]) -> list[int]:
+        """Prefill new rows (round 0: no proposals, its outcome is (0, t0)) and emit their first
+        tokens; they run from the next round on. -> their row numbers."""
+        new = self.out.add(max_new_tokens)
+        q0 = self.drafter.add(prompts)
+        t0 = self.verifier.add(prompts)
+        wait_for_devices(q0, t0)
+        self.drafter.commit(new, torch.zeros_like(t0), t0)  # n = 0, on t0's device
+        self.out.first(new, t0)
+        self.rows += new
+        self.captures.take()  # a prefill's captures are not decoding's
+        return new
+
+    def leave(self, rows):
+        """Rows that ended (EOS, max_new_tokens, a stop string, cancelled): KV freed now."""
+        gone = set(rows)
+        self.drafter.leave(rows)
+        self.verifier.leave(rows)
+        self.rows = [r for r in self.rows if r not in gone]
+
+    def kv_used(self) -> tuple[int, int]:
+        """KV blocks in use: (the target's, the draft's)."""
+        return self.verifier.used_blocks(), self.drafter.used_blocks()
+
+    def round(self):
+        p, n, t, verify_s = sd_round(self.verifier, self.drafter, self.rows)
+        self.out.verify_s += verify_s
+        self.out.round(self.rows, p.tokens, n, t)
+        self.out.capture_s += self.captures.take()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -204,34 +240,57 @@ def ssd_round(verifier, speculator, rows, n, t, round_s):
     return p, n, t, wait_s, start
 
 
-def decode_ssd(verifier, speculator, prompts, out: Output):
-    """ssd, one process (a Speculator) or two (a SpeculatorProcess).
-    Returns (prefill seconds, decode seconds, seconds the verifier waited for proposals)."""
-    start = time.perf_counter()
-    b = len(prompts)
-    q0 = speculator.prefill(prompts)  # None in two processes: the speculator prefills over there
-    speculator.pre_speculate(list(range(b)))  # round 0's outcome is (0, t0): guess t0
-    t0 = verifier.prefill(prompts)
-    wait_for_devices(q0, t0)
-    prefill_s, start = time.perf_counter() - start, time.perf_counter()
-    ours, theirs = Captures(verifier), Captures(speculator)
-    rows, n, t, verify_start, wait = list(range(b)), torch.zeros_like(t0), t0, None, 0.0
-    finished = out.first(t0)
-    while True:
-        verifier.finish(finished)
-        speculator.finish(finished)
-        keep = [i for i, r in enumerate(rows) if not out.done[r]]
-        if not keep:
-            out.capture_s += ours.take()
-            return prefill_s, time.perf_counter() - start - out.capture_s, wait
-        if len(keep) < len(rows):  # the outcome of the rows still running, on its device
-            idx = device_index(keep, n.device)
-            rows, n, t = [rows[i] for i in keep], n.index_select(0, idx), t.index_select(0, idx)
-        round_s = time.perf_counter() - verify_start if verify_start else None
-        p, n, t, wait_s, verify_start = ssd_round(verifier, speculator, rows, n, t, round_s)
+class SSDRounds:
+    """ssd over a batch whose rows change between rounds, one process (a Speculator) or two (a
+    SpeculatorProcess). The outcome (n, t) of each running row's last round is kept for the next
+    ssd_round; a joining row's is (0, t0)."""
+
+    def __init__(self, verifier, speculator, out: Output):
+        self.verifier, self.speculator, self.out = verifier, speculator, out
+        self.rows: list[int] = []
+        self.n = self.t = None  # [len(rows)] the last outcome of each running row
+        self.verify_start, self.wait = None, 0.0  # wait: seconds the verifier waited for proposals
+        self.ours, self.theirs = Captures(verifier), Captures(speculator)
+
+    def join(self, prompts, max_new_tokens: list[int]) -> list[int]:
+        new = self.out.add(max_new_tokens)
+        # None in two processes: the speculator prefills over there
+        q0 = self.speculator.add(prompts)
+        if not self.rows:  # a batch starting from empty: round 0's outcome is (0, t0), guess t0
+            self.speculator.pre_speculate(new)
+        t0 = self.verifier.add(prompts)
+        wait_for_devices(q0, t0)
+        n0 = torch.zeros_like(t0)
+        self.n = n0 if self.n is None else torch.cat([self.n, n0])
+        self.t = t0 if self.t is None else torch.cat([self.t, t0])
+        self.rows, self.verify_start = self.rows + new, None  # the next round_s is not a round's
+        self.out.first(new, t0)
+        self.ours.take(), self.theirs.take()  # a prefill's captures are not decoding's
+        return new
+
+    def leave(self, rows):
+        gone = set(rows)
+        self.verifier.leave(rows)
+        self.speculator.leave(rows)
+        keep = [i for i, r in enumerate(self.rows) if r not in gone]
+        if len(keep) < len(self.rows):  # the outcome of the rows still running, on its device
+            idx = device_index(keep, self.n.device)
+            self.rows = [self.rows[i] for i in keep]
+            self.n, self.t = self.n.index_select(0, idx), self.t.index_select(0, idx)
+
+    def kv_used(self) -> tuple[int, int]:
+        """KV blocks in use: (the target's, the draft's: in two processes, as of its last
+        message)."""
+        return self.verifier.used_blocks(), self.speculator.used_blocks()
+
+    def round(self):
+        round_s = time.perf_counter() - self.verify_start if self.verify_start else None
+        p, self.n, self.t, wait_s, self.verify_start = ssd_round(
+            self.verifier, self.speculator, self.rows, self.n, self.t, round_s)
         # the speculator's captures held the verifier up only while it waited (in two processes a
         # capture can also overlap a verification); the verifier's own are all its time
-        stalled, own = min(wait_s, theirs.take()), ours.take()
-        wait, out.capture_s = wait + wait_s - stalled, out.capture_s + stalled + own
-        out.verify_s += time.perf_counter() - verify_start - own
-        finished = out.round(rows, p.tokens, n, t, p.hit)
+        stalled, own = min(wait_s, self.theirs.take()), self.ours.take()
+        self.wait, self.out.capture_s = (self.wait + wait_s - stalled,
+                                         self.out.capture_s + stalled + own)
+        self.out.verify_s += time.perf_counter() - self.verify_start - own
+        self.out.round(self.rows, p.tokens, self.n, self.t, p.hit)

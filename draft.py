@@ -182,6 +182,25 @@ class Drafter:
         """Seconds the draft has spent capturing CUDA graphs (decode.Captures)."""
         return self.model.capture_seconds()
 
+    # -- continuous batching (scheduler.py): rows join and leave a running batch
+    def add(self, prompts: list[list[int]]):
+        """Rows joining: cache their prompts; they are numbered on from the rows already here.
+        Returns the draft's own next-token law [len(prompts), V] for them."""
+        new = [Row(self.cache.new_seq(), list(p)) for p in prompts]
+        logits = self.model.prefill(self.cache, [row.seq for row in new], prompts)
+        self.rows += new
+        return draft_probs(logits, self.temperature)
+
+    def leave(self, rows):
+        """Rows that left (done or cancelled): their KV freed now, their history dropped."""
+        self.finish([r for r in rows if self.rows[r] is not None and self.rows[r].seq is not None])
+        for r in rows:
+            self.rows[r] = None
+
+    def used_blocks(self) -> int:
+        """KV blocks in use (the server's /metrics)."""
+        return self.cache.num_blocks - self.cache.num_free_blocks()
+
 
 # --------------------------------------------------------------------------------------------------
 # SSD: the speculator
@@ -451,6 +470,25 @@ class Speculator(Drafter):
                 "lookups_per_depth": list(st.lookups_per_depth),
                 "draft_capture_seconds": self.capture_seconds(),
                 "branches_finished": self.finished, **self.policy.stats()}
+
+    # -- continuous batching (scheduler.py)
+    def add(self, prompts: list[list[int]]):
+        """As Drafter's, and each new row starts as after prefill: round 0 proposes nothing, its
+        outcome will be (0, t0). It has no branch unless the caller pre-speculates for it (a batch
+        starting from empty), so a row joining a running batch misses once: the fallback proposes
+        its first round."""
+        q0 = super().add(prompts)
+        for i, row in enumerate(self.rows[len(self.rows) - len(prompts):]):
+            row.q_raw, row.F = q0[i:i + 1], [self.B]
+        return q0
+
+    def leave(self, rows):
+        """As Drafter's, and the branches pre-speculated for these rows are freed now, not at the
+        next respond (which looks up only the rows still running)."""
+        gone = set(rows)
+        for key in [key for key in self.spec_cache.entries if key[0] in gone]:
+            self.cache.free(self.branches.seqs[self.spec_cache.entries.pop(key)])
+        super().leave(rows)
 
 
 def in_row_order(parts, b: int, V: int | None):

@@ -13,13 +13,14 @@ import argparse
 import json
 import os
 import sys
+import threading
 import warnings
 from dataclasses import dataclass, field
 
 import torch
 
 from channel import SpeculatorProcess
-from decode import NoDraft, Output, decode_sd, decode_ssd
+from decode import NoDraft, Output, SDRounds, SSDRounds
 from draft import PRE_SPEC, DraftConfig, SSDConfig, load_draft
 from fallback import POLICIES
 from spec_cache import FAN_OUT_HELP, parse_fan_out
@@ -27,6 +28,7 @@ from checkpoint import load_config, load_model, load_tokenizer, resolve
 from cpu_linear import use_forms
 from devices import DTYPES, check_device, resolve_dtype
 from model import Transformer
+from scheduler import KVBudget, Request, Scheduler, cache_tokens
 from tp import (TP_TIMEOUT_S, TorchrunEnv, TorchrunWorld, TPVerifier, TPWorkers,
                 serve_torchrun_rank, torchrun_device, torchrun_env)
 from verify import Verifier
@@ -36,6 +38,13 @@ from verify import Verifier
 # a bare final "\n" is worse: the tiny target ends the text at once. (Token healing would fix
 # both.)
 DEFAULT_PROMPT = "class Stack:\n    def __init__(self):\n        "
+
+
+# generate() loads its models and tokenizers under this lock: transformers resolves its names on
+# first use (a lazy module), which is not thread-safe: 8 threads calling generate() first thing in
+# a process failed in 7 with "cannot import name 'AutoTokenizer' from 'transformers'". Loading is
+# serialised; decoding is not.
+LOADING = threading.Lock()
 
 
 @dataclass
@@ -116,11 +125,13 @@ def generate(prompts, target="tiny", draft="tiny-draft", mode="sd", max_new_toke
     torch.set_num_threads(where.target_threads)
     started = Started()
     try:
-        tmodel, tok = load_target(target, where, started, tp_timeout, tokenizer, graphs)
+        with LOADING:
+            tmodel, tok = load_target(target, where, started, tp_timeout, tokenizer, graphs)
         ids = [encode(tok, p, chat) for p in prompts]
         check_prompts(ids, tmodel.config, max_new_tokens, K)
         if mode != "ar":
-            check_pair(target, draft, tmodel.config, tok)
+            with LOADING:  # the draft's tokenizer
+                check_pair(target, draft, tmodel.config, tok)
         kv_tokens, draft_kv = kv_sizes(ids, max_new_tokens, K, block_size, kv_tokens, ssd)
         settings = (temperature, seed, kv_tokens, block_size)
         # the CPU's product forms for the verifier's rows (b' <= b sequences x K + 1 tokens),
@@ -131,8 +142,11 @@ def generate(prompts, target="tiny", draft="tiny-draft", mode="sd", max_new_toke
         dcfg = DraftConfig(draft, where.draft_device, where.draft_dtype, K, temperature, seed + 1,
                            draft_kv, block_size, ssd, graphs, tmodel.config.vocab_size)
         eos = [] if ignore_eos else eos_ids(tmodel.config, tok)
-        out = Output(len(ids), max_new_tokens, eos, K, stream)
-        stats = run_decode(mode, verifier, dcfg, ids, out, where, two_processes, started)
+        out = Output(eos, K)
+        requests = [Request(p, max_new_tokens, on_tokens=row_stream(stream, r))
+                    for r, p in enumerate(ids)]
+        stats = run_decode(mode, verifier, dcfg, requests, out, where, two_processes, started,
+                           kv_tokens)
         stats.update({"k": K, "temperature": temperature, "target_threads": where.target_threads,
                       "draft_threads": where.draft_threads})
         return GenerateResult(out.tokens, detokenize(tok, out.tokens), stats)
@@ -248,27 +262,104 @@ def load_target(target, where: Placement, started: Started, tp_timeout, tokenize
     return tmodel, tokenizer or tok
 
 
-def run_decode(mode, verifier, dcfg: DraftConfig, ids, out: Output, where: Placement,
-               two_processes, started: Started) -> dict:
-    """The decode loop of the mode (decode.py), with the draft it needs; -> the run's stats."""
+def row_stream(stream, row):
+    """generate()'s stream(row, tokens) as one request's on_tokens."""
+    return None if stream is None else lambda tokens: stream(row, tokens)
+
+
+def run_decode(mode, verifier, dcfg: DraftConfig, requests, out: Output, where: Placement,
+               two_processes, started: Started, kv_tokens: int) -> dict:
+    """The mode's rounds (decode.py) with the draft they need, run by the scheduler as a static
+    batch (every request submitted at once, so all join the first round); -> the run's stats."""
+    rounds = make_rounds(mode, verifier, dcfg, out, where, two_processes, started, len(requests))
+    sched = Scheduler(rounds, kv_budget(kv_tokens, dcfg, mode), max_batch=len(requests))
+    for req in requests:
+        sched.submit(req)
+    prefill_s, decode_s = sched.run()
     stats = {}
-    if mode == "ar":
-        prefill_s, decode_s = decode_sd(verifier, NoDraft(), ids, out)
-    elif mode == "sd":
-        prefill_s, decode_s = decode_sd(verifier, load_draft(dcfg), ids, out)
-    else:
-        spin = (spin_seconds(where.cores, len(where.target_devices or [where.target_device]),
-                             where.target_threads, where.draft_threads, where.target_device,
-                             where.draft_device) if two_processes else 0.0)
-        started.speculator = (
-            SpeculatorProcess(dcfg, len(ids), verifier.model.config.vocab_size,
-                              where.draft_threads, pin=any_cuda(where.target_device,
-                                                                where.draft_device), spin=spin)
-            if two_processes else load_draft(dcfg))
-        prefill_s, decode_s, wait = decode_ssd(verifier, started.speculator, ids, out)
-        stats = {**started.speculator.stats(), "verifier_wait_seconds": wait,
+    if mode == "ssd":
+        spin = started.speculator.ch.spin if two_processes else 0.0
+        stats = {**started.speculator.stats(), "verifier_wait_seconds": rounds.wait,
                  "fallback": dcfg.ssd.fallback, "parallel": two_processes, "spin_seconds": spin}
     return {**out.stats(mode, prefill_s, decode_s), **stats}
+
+
+def make_rounds(mode, verifier, dcfg: DraftConfig, out: Output, where: Placement, two_processes,
+                started: Started, max_batch: int):
+    """decode.SDRounds (ar: NoDraft; sd: a Drafter) or SSDRounds (a Speculator here, or in its own
+    process when two_processes: its channel holds max_batch rows)."""
+    if mode == "ar":
+        return SDRounds(verifier, NoDraft(), out)
+    if mode == "sd":
+        return SDRounds(verifier, load_draft(dcfg), out)
+    spin = (spin_seconds(where.cores, len(where.target_devices or [where.target_device]),
+                         where.target_threads, where.draft_threads, where.target_device,
+                         where.draft_device) if two_processes else 0.0)
+    started.speculator = (
+        SpeculatorProcess(dcfg, max_batch, verifier.model.config.vocab_size, where.draft_threads,
+                          pin=any_cuda(where.target_device, where.draft_device), spin=spin)
+        if two_processes else load_draft(dcfg))
+    return SSDRounds(verifier, started.speculator, out)
+
+
+def kv_budget(kv_tokens: int, dcfg: DraftConfig, mode) -> KVBudget:
+    """What the scheduler may reserve on the target's cache (kv_tokens) and the draft's (kv_sizes
+    sized both; a row's share of SSD's branches is the one kv_sizes adds)."""
+    bs = dcfg.block_size
+    draft = None if mode == "ar" else cache_tokens(dcfg.kv_tokens, bs)
+    branches = 0 if dcfg.ssd is None else dcfg.ssd.budget * (dcfg.K + 3 + 2 * bs)
+    return KVBudget(cache_tokens(kv_tokens, bs), draft, bs, dcfg.K, branches)
+
+
+@dataclass
+class Engine:
+    """A server's engine (serve.py): the scheduler over the mode's rounds, loaded once, and what
+    the server needs to speak for it. Its rounds run in the thread that calls scheduler.serve."""
+    scheduler: Scheduler
+    tokenizer: object
+    config: object      # the target's ModelConfig
+    mode: str
+    K: int
+    temperature: float
+    started: Started    # stop() it when the server ends
+
+
+def load_engine(a: argparse.Namespace, max_batch: int) -> Engine:
+    """Load the models of run.py's flags (a.kv_tokens: the target's cache, shared by every
+    running request; default SERVE_KV_TOKENS) for up to max_batch rows per round."""
+    kw = generate_kwargs(a)
+    mode, temperature = kw["mode"], kw["temperature"]
+    check_request([[1]], mode, kw["k"], temperature, kw["max_new_tokens"])
+    K, block_size = (kw["k"] if mode != "ar" else 0), 16
+    ssd = (SSDConfig(K, kw["fan_out"], kw["budget"], kw["saguaro_c"], kw["fallback"],
+                     pre_spec=kw["pre_spec"]) if mode == "ssd" else None)
+    two_processes = mode == "ssd" and kw["parallel"]
+    where = place(kw["target"], mode, two_processes, kw["target_device"], kw["draft_device"],
+                  kw["target_devices"], kw["dtype"], kw["target_threads"], kw["draft_threads"])
+    torch.set_num_threads(where.target_threads)
+    started = Started()
+    try:
+        tmodel, tok = load_target(kw["target"], where, started, kw["tp_timeout"], None,
+                                  kw["graphs"])
+        if mode != "ar":
+            check_pair(kw["target"], kw["draft"], tmodel.config, tok)
+        kv_tokens = kw["kv_tokens"] or SERVE_KV_TOKENS
+        draft_kv = kv_tokens + (max_batch * ssd.budget * (K + 3 + 2 * block_size) if ssd else 0)
+        settings = (temperature, kw["seed"], kv_tokens, block_size)
+        verifier = (TPVerifier(tmodel, settings, started.workers) if started.workers
+                    else Verifier(tmodel, *settings))
+        dcfg = DraftConfig(kw["draft"], where.draft_device, where.draft_dtype, K, temperature,
+                           kw["seed"] + 1, draft_kv, block_size, ssd, kw["graphs"])
+        out = Output([] if kw["ignore_eos"] else eos_ids(tmodel.config, tok), K)
+        rounds = make_rounds(mode, verifier, dcfg, out, where, two_processes, started, max_batch)
+        sched = Scheduler(rounds, kv_budget(kv_tokens, dcfg, mode), max_batch, forget=True)
+    except BaseException:
+        started.stop()
+        raise
+    return Engine(sched, tok, tmodel.config, mode, K, temperature, started)
+
+
+SERVE_KV_TOKENS = 16384  # a server's target KV cache by default, in tokens
 
 
 def eos_ids(cfg, tok) -> list[int]:
@@ -405,18 +496,24 @@ def parser() -> argparse.ArgumentParser:
         description="Generate text with autoregressive decoding (ar), speculative decoding (sd) or "
                     "speculative speculative decoding (ssd, Saguaro). Streams the text of the "
                     "prompt's continuation, then prints speed and acceptance statistics.")
-    add_request_options(ap.add_argument_group("what to generate"))
+    g = ap.add_argument_group("what to generate")
+    add_prompt_options(g)
+    add_decoding_options(g)
     add_algorithm_options(ap.add_argument_group("models and algorithm"))
     add_device_options(ap.add_argument_group("devices and memory"))
     add_output_options(ap.add_argument_group("output"))
     return ap
 
 
-def add_request_options(g):
+def add_prompt_options(g):
     g.add_argument("--prompt", default=DEFAULT_PROMPT,
                    help="the prompt text (default: a Python class header the tiny pair continues)")
     g.add_argument("--chat", action="store_true",
                    help="wrap the prompt in the tokenizer's chat template (instruct models)")
+
+
+def add_decoding_options(g):
+    """How to decode (serve.py takes these too: its defaults for every request)."""
     g.add_argument("--max-new-tokens", type=int, default=128, metavar="N",
                    help="stop after N new tokens (default: %(default)s)")
     g.add_argument("--ignore-eos", action="store_true",
@@ -518,7 +615,7 @@ def generate_kwargs(a: argparse.Namespace) -> dict:
                 parallel=not a.no_parallel, pre_spec=a.pre_spec, fixed_budget=a.fixed_budget,
                 target_device=a.target_device or a.device,
                 draft_device=a.draft_device or a.device, target_threads=a.target_threads,
-                draft_threads=a.draft_threads, kv_tokens=a.kv_tokens, chat=a.chat,
+                draft_threads=a.draft_threads, kv_tokens=a.kv_tokens,
                 tp_timeout=a.tp_timeout, dtype=a.dtype, graphs=False if a.no_graphs else None,
                 target_devices=a.target_devices.split(",") if a.target_devices else None)
 
@@ -585,7 +682,8 @@ def main(argv=None):
             tokenizer = load_tokenizer(a.target)  # generate() uses it too: built once
             # a chat answer starts on its own line; a plain prompt is continued where it ends
             sys.stdout.write(a.prompt + ("\n\n" if a.chat else ""))
-        res = generate([a.prompt], **generate_kwargs(a), stream=text_printer(tokenizer),
+        res = generate([a.prompt], **generate_kwargs(a), chat=a.chat,
+                       stream=text_printer(tokenizer),
                        tokenizer=tokenizer, torchrun=env is not None)
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)

@@ -306,11 +306,20 @@ class TPVerifier:
     def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
         return self.call("prefill", prompts)
 
+    def add(self, prompts: list[list[int]]) -> torch.Tensor:  # rows joining (scheduler.py)
+        return self.call("add", prompts)
+
     def verify(self, rows: list[int], tokens, q, deterministic):
         return self.call("verify", rows, tokens, q, deterministic)  # q=None (T = 0) does not travel
 
     def finish(self, rows):
         return self.call("finish", rows) if len(rows) else None  # nothing to free, nothing to say
+
+    def leave(self, rows):
+        return self.call("leave", rows) if len(rows) else None
+
+    def used_blocks(self) -> int:
+        return self.verifier.used_blocks()  # rank 0's: every rank's cache is laid out the same
 
     def capture_seconds(self) -> float:
         return self.verifier.capture_seconds()  # 0: no CUDA graphs with tensor parallelism

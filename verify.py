@@ -136,15 +136,23 @@ class Verifier:
         self.last = None                   # [b] per row: r, the last bonus token, not yet cached
 
     def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
-        """Cache all prompt tokens and draw each row's first token t0 (round 0: no proposals)."""
-        self.seqs = [self.cache.new_seq() for _ in prompts]
-        logits = self.model.prefill(self.cache, self.seqs, prompts)  # [b, V]
+        """A static batch: the first rows of an empty verifier (`add` to an empty one)."""
+        self.seqs, self.last = [], None
+        return self.add(prompts)
+
+    def add(self, prompts: list[list[int]]) -> torch.Tensor:
+        """Rows joining (continuous batching: scheduler.py): cache their prompt tokens and draw each
+        one's first token t0 (round 0: no proposals). They are numbered on from the rows already
+        here; returns t0 [len(prompts)] of the new rows."""
+        new = [self.cache.new_seq() for _ in prompts]
+        logits = self.model.prefill(self.cache, new, prompts)  # [b, V]
         b, V = logits.shape
         none = torch.zeros(b, 0, dtype=torch.long, device=logits.device)
         every = torch.ones(b, dtype=torch.bool, device=logits.device)  # nothing was sampled
-        _, self.last = accept_reject(logits[:, None, :], none, None, every, self.temperature,
-                                     self.gen)
-        return self.last.clone()
+        _, t0 = accept_reject(logits[:, None, :], none, None, every, self.temperature, self.gen)
+        self.seqs += new
+        self.last = t0.clone() if self.last is None else torch.cat([self.last, t0])
+        return t0
 
     def verify(self, rows: list[int], tokens, q, deterministic):
         """One round for `rows`: tokens [b, K] are the proposals and q [b, K, V] (or None) the laws
@@ -176,3 +184,11 @@ class Verifier:
         for r in rows:
             self.cache.free(self.seqs[r])
             self.seqs[r] = None
+
+    def leave(self, rows):
+        """Rows that left the batch (done or cancelled): their KV freed now."""
+        self.finish([r for r in rows if self.seqs[r] is not None])
+
+    def used_blocks(self) -> int:
+        """KV blocks in use (the server's /metrics)."""
+        return self.cache.num_blocks - self.cache.num_free_blocks()

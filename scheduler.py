@@ -1,0 +1,214 @@
+"""Continuous batching: which rows the next round runs (nano-vllm's scheduler is the model).
+
+A waiting queue and a running set. At each round boundary the scheduler
+1. lets rows leave: done (EOS, max_tokens, a stop string) or cancelled. Their KV blocks, the
+   target's and the draft's (SSD's branches included), are freed at once (`Rounds.leave`);
+2. admits waiting requests in arrival order while their KV fits (`KVBudget`): each reserves the
+   blocks its prompt and max_tokens can ever take, on both caches, so a running row never runs out
+   of cache and nothing is ever preempted. The head of the queue waits until enough is freed (first
+   come, first served: a long request is not starved by short ones). A request that could not fit
+   even alone is refused at submit. The admitted prompts are prefilled together and emit their
+   first token (`Rounds.join`);
+3. runs one round over the running rows, old and new together (decode.SDRounds / SSDRounds).
+
+A static batch (generate()) is the simplest case: every request submitted at once, all admitted at
+the first boundary, run until the last one leaves. A server runs `serve` in an engine thread and
+submits and cancels from its own (the queue is guarded by a lock; the rounds are the engine's).
+"""
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+
+def cache_tokens(kv_tokens: int, block_size: int) -> int:
+    """The tokens a cache of kv_tokens holds for rows: whole blocks, less the one kept for the
+    padding rows of static-shape steps (PagedKVCache.pad_block)."""
+    return -(-kv_tokens // block_size) * block_size - block_size
+
+
+@dataclass
+class KVBudget:
+    """What one request reserves on each cache, in tokens of whole blocks, and what they hold."""
+    target_tokens: int          # cache_tokens() of the target's cache
+    draft_tokens: int | None    # of the draft's (None: ar has no draft)
+    block_size: int
+    K: int
+    branch_tokens: int = 0      # ssd: the draft's B branches per row (run.kv_sizes has the sum)
+
+    def need(self, prompt_len: int, max_tokens: int) -> tuple[int, int]:
+        """(target, draft) tokens: the prompt, the output and a round's K + 1 in flight, in blocks
+        (the draft's plus its branches)."""
+        bs = self.block_size
+        target = -(-(prompt_len + max_tokens + self.K + 1) // bs) * bs
+        return target, (0 if self.draft_tokens is None else target + self.branch_tokens)
+
+    def never_fits(self, need: tuple[int, int]) -> str | None:
+        """Why a request of this need could not run even alone, or None."""
+        if need[0] > self.target_tokens:
+            return (f"the prompt and max_tokens need {need[0]} tokens of KV cache, the target's "
+                    f"holds {self.target_tokens}: shorten them or raise --kv-tokens")
+        if self.draft_tokens is not None and need[1] > self.draft_tokens:
+            return (f"the prompt and max_tokens need {need[1]} tokens of the draft's KV cache, it "
+                    f"holds {self.draft_tokens}: shorten them or raise --kv-tokens")
+        return None
+
+
+@dataclass
+class Request:
+    """One prompt to continue. The callbacks run in the engine's thread."""
+    prompt: list[int]
+    max_tokens: int
+    # on_tokens(tokens so far) after each round that added some; True ends the request there
+    on_tokens: Callable | None = None
+    on_done: Callable | None = None   # on_done(request) once it has left
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" (EOS or a stop string), "length", "cancelled",
+                                      #   "error" (then `error` says why)
+    error: str | None = None
+    cancelled: bool = False
+    stopped: bool = False             # on_tokens ended it
+    need: tuple[int, int] = (0, 0)
+
+
+class Scheduler:
+    """The waiting queue, the running set and the round loop of one engine (`rounds`: a
+    decode.SDRounds or SSDRounds, whose `out` records every row)."""
+
+    def __init__(self, rounds, budget: KVBudget, max_batch: int, forget: bool = False):
+        self.rounds, self.out, self.budget, self.max_batch = rounds, rounds.out, budget, max_batch
+        self.out.stream = self.stream
+        self.forget = forget  # drop a row's tokens once it has left (a server)
+        self.waiting: deque[Request] = deque()
+        self.running: dict[int, Request] = {}  # row -> request
+        self.used = [0, 0]  # tokens reserved on the target's and the draft's caches
+        self.wake = threading.Condition()  # guards `waiting`; notified on submit and cancel
+        self.submitted = self.finished = 0
+
+    # -- any thread
+    def submit(self, req: Request) -> Request:
+        """Queue a request; a ValueError if it could never fit."""
+        req.need = self.budget.need(len(req.prompt), req.max_tokens)
+        why = self.budget.never_fits(req.need)
+        if why:
+            raise ValueError(why)
+        with self.wake:
+            self.waiting.append(req)
+            self.submitted += 1
+            self.wake.notify()
+        return req
+
+    def cancel(self, req: Request):
+        """End a request: a waiting one now, a running one at the next round boundary."""
+        with self.wake:
+            req.cancelled = True
+            if req in self.waiting:
+                self.waiting.remove(req)
+                self.done(req, "cancelled")
+            self.wake.notify()
+
+    def queue_length(self) -> int:
+        return len(self.waiting)
+
+    def kv_blocks(self) -> dict:
+        """{"target": (used, free), "draft": (used, free) or None} blocks of each KV cache."""
+        bs, (t, d) = self.budget.block_size, self.rounds.kv_used()
+        total_t = self.budget.target_tokens // bs + 1  # cache_tokens() left the pad block out
+        draft = (None if self.budget.draft_tokens is None
+                 else (d, self.budget.draft_tokens // bs + 1 - d))
+        return {"target": (t, total_t - t), "draft": draft}
+
+    # -- the engine's thread
+    def step(self) -> bool:
+        """One round boundary and one round; False when there was nothing to run."""
+        self.leave()
+        self.admit()
+        self.leave()  # rows done at their first token
+        if not self.rounds.rows:
+            return False
+        self.rounds.round()
+        return True
+
+    def run(self) -> tuple[float, float]:
+        """A static batch: run until every submitted request has left.
+        -> (prefill seconds, decode seconds without graph captures)."""
+        start = time.perf_counter()
+        self.admit()
+        prefill_s, start = time.perf_counter() - start, time.perf_counter()
+        while self.step() or self.waiting:
+            pass
+        return prefill_s, time.perf_counter() - start - self.out.capture_s
+
+    def serve(self, stopping: threading.Event):
+        """The engine thread of a server: rounds while there are rows, asleep while there are none,
+        until `stopping` is set. An error in a round ends every request in flight with it and is
+        raised (the caller decides whether the engine can go on)."""
+        while not stopping.is_set():
+            with self.wake:
+                if not self.waiting and not self.running:
+                    self.wake.wait(timeout=0.1)
+                    continue
+            try:
+                self.step()
+            except BaseException as e:
+                self.fail(f"{type(e).__name__}: {e}")
+                raise
+
+    def admit(self):
+        """Take waiting requests, first come first served, while the batch has room and their KV
+        fits; prefill them together."""
+        new = []
+        with self.wake:
+            while self.waiting and len(self.running) + len(new) < self.max_batch:
+                need = self.waiting[0].need
+                t, d = self.used[0] + need[0], self.used[1] + need[1]
+                if t > self.budget.target_tokens or (self.budget.draft_tokens is not None
+                                                     and d > self.budget.draft_tokens):
+                    break  # the head waits until enough is freed
+                self.used = [t, d]
+                new.append(self.waiting.popleft())
+        if not new:
+            return
+        first = len(self.out.tokens)  # the rows they get (join numbers them on)
+        self.running.update({first + i: req for i, req in enumerate(new)})
+        self.rounds.join([req.prompt for req in new], [req.max_tokens for req in new])
+
+    def stream(self, row, tokens) -> bool:
+        """Output's stream: hand each request its tokens; True when the request ends itself."""
+        req = self.running[row]
+        req.tokens = tokens
+        req.stopped = bool(req.on_tokens(tokens)) if req.on_tokens else False
+        return req.stopped
+
+    def leave(self):
+        """Rows done or cancelled leave the batch; their KV is freed now."""
+        rows = [r for r, req in self.running.items() if self.out.done[r] or req.cancelled]
+        if not rows:
+            return
+        self.rounds.leave(rows)
+        for r in rows:
+            req = self.running.pop(r)
+            self.used = [self.used[0] - req.need[0], self.used[1] - req.need[1]]
+            req.tokens = list(self.out.tokens[r])
+            if self.forget:
+                self.out.forget(r)
+            eos = bool(req.tokens) and req.tokens[-1] in self.out.eos
+            self.done(req, "cancelled" if req.cancelled else
+                      "stop" if req.stopped or eos else "length")
+
+    def fail(self, error: str):
+        """The engine failed: every request in flight or waiting ends with the error."""
+        with self.wake:
+            reqs = list(self.running.values()) + list(self.waiting)
+            self.running.clear(), self.waiting.clear()
+            self.used = [0, 0]
+        for req in reqs:
+            req.error = error
+            self.done(req, "error")
+
+    def done(self, req: Request, reason: str):
+        req.finish_reason = reason
+        self.finished += 1
+        if req.on_done:
+            req.on_done(req)

@@ -1,0 +1,252 @@
+"""serve.py through the official openai client and raw HTTP, on loopback: the tiny pair.
+
+- exact under load: 9 greedy requests streaming at once, joining a running batch at different
+  rounds, each return the tokens generate() gives for the prompt alone (fp32), for ar, sd and ssd;
+- the API: chat and completions, streaming and not, /v1/models, /health, /metrics;
+- bad input: each case a 400 in OpenAI's error shape, naming the field;
+- a client that disconnects mid-stream: its row leaves, the KV blocks return to their baseline,
+  the other stream goes on unchanged;
+- a full KV cache: requests wait in the queue and all finish exactly; one that could never fit is
+  a 400.
+"""
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+from checkpoint import load_model  # noqa: E402
+from run import generate  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+MAX_NEW = 24
+PROMPTS = [[1, 5, 9, 23], [1, 77, 300, 12, 8], [1, 4000, 17], [1, 42], [1, 9, 9, 9, 9, 100],
+           [1, 250, 251, 252], [1, 3], [1, 1000, 2000, 3000], [1, 600, 7, 600]]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """serve.py in a subprocess on a free loopback port; stopped by SIGTERM."""
+
+    def __init__(self, *flags):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [sys.executable, str(REPO / "serve.py"), "--port", str(self.port),
+             "--max-new-tokens", str(MAX_NEW), *flags], cwd=REPO,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            assert self.proc.poll() is None, self.proc.stdout.read()
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        self.stop()
+        raise AssertionError("serve.py did not become healthy in 120 s")
+
+    def metrics(self) -> dict:
+        text = httpx.get(self.url + "/metrics", timeout=10).text
+        return {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+                if line and not line.startswith("#")}
+
+    def client(self):
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", timeout=120,
+                             max_retries=0)
+
+    def stop(self) -> int:
+        self.proc.terminate()
+        try:
+            return self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+
+@pytest.fixture(scope="module", params=["ar", "sd", "ssd"])
+def server(request):
+    s = Server("--mode", request.param, "--k", "3")
+    yield s
+    assert s.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def target():
+    return load_model("tiny")  # (model, tokenizer), loaded once for the references
+
+
+def alone_text(target, prompt, max_new_tokens) -> str:
+    """What generate() gives the prompt alone (greedy, fp32; sd and ssd match ar exactly)."""
+    model, tok = target
+    return generate(prompt, target=model, tokenizer=tok, mode="ar",
+                    max_new_tokens=max_new_tokens).text[0]
+
+
+@pytest.fixture(scope="module")
+def alone(target):
+    return [alone_text(target, p, MAX_NEW - i) for i, p in enumerate(PROMPTS)]
+
+
+def stream_text(client, prompt, max_tokens, delay=0.0) -> str:
+    time.sleep(delay)
+    chunks = client.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens,
+                                       stream=True)
+    return "".join(c.choices[0].text for c in chunks)
+
+
+def test_exact_under_load(server, alone):
+    """9 concurrent streams, started at different rounds: each has the text it has alone."""
+    client, texts = server.client(), [None] * len(PROMPTS)
+
+    def one(i):
+        texts[i] = stream_text(client, PROMPTS[i], MAX_NEW - i, delay=0.05 * i)
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert texts == alone
+    m = server.metrics()
+    assert m['ssd_kv_blocks_used{cache="target"}'] == 0 and m["ssd_requests_running"] == 0
+
+
+def test_openai_client(server, alone):
+    client = server.client()
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    r = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=MAX_NEW)
+    assert r.choices[0].text == alone[0] and r.choices[0].finish_reason in ("length", "stop")
+    assert r.usage.prompt_tokens == len(PROMPTS[0])
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "def add(a, b):"}], max_tokens=12)
+    text = chat.choices[0].message.content
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens <= 12
+    streamed = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "def add(a, b):"}], max_tokens=12,
+        stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == text
+    health = httpx.get(server.url + "/health").json()
+    assert health["status"] == "ok" and health["mode"] in ("ar", "sd", "ssd")
+
+
+def test_stop_string(server, alone):
+    """A stop string ends the request where it first appears; the text stops before it."""
+    stop = alone[0][5:8]
+    r = server.client().completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=MAX_NEW,
+                                           stop=stop)
+    assert r.choices[0].text == alone[0][:alone[0].find(stop)]
+    assert r.choices[0].finish_reason == "stop"
+
+
+BAD = [  # (body or raw bytes, the param the error names)
+    (b'{"prompt": "x"', None),                                     # malformed JSON
+    ({"prompt": "x", "max_tokens": "10"}, "max_tokens"),           # wrong type
+    ({"prompt": 5}, "prompt"),
+    ({"prompt": "x", "stream": "yes"}, "stream"),
+    ({"prompt": "x", "model": "gpt-4"}, "model"),                  # unknown model
+    ({"prompt": [1] * 2100}, "prompt"),                            # longer than the context
+    ({"prompt": "x", "max_tokens": 5000}, "max_tokens"),           # beyond the context
+    ({"prompt": "x", "top_p": 0.5}, "top_p"),                      # cannot be honoured exactly
+    ({"prompt": "x", "n": 2}, "n"),
+    ({"prompt": "x", "logprobs": 2}, "logprobs"),
+    ({"prompt": "x", "temperature": 0.7}, "temperature"),          # not the server's
+    ({"prompt": "x", "frobnicate": 1}, "frobnicate"),
+]
+
+
+def test_bad_input(server):
+    for body, param in BAD:
+        content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        r = httpx.post(server.url + "/v1/completions", content=content, timeout=10)
+        assert r.status_code == 400, (body, r.text)
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["param"] == param, err
+    r = httpx.post(server.url + "/v1/chat/completions", json={"messages": "hi"}, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    with pytest.raises(openai.BadRequestError):
+        server.client().completions.create(model="tiny", prompt="x", top_p=0.5)
+
+
+def test_disconnect_frees_its_row(server, alone):
+    """A stream closed after two chunks leaves within a round: the KV blocks return to their
+    baseline; a stream running beside it is unchanged."""
+    base = server.metrics()
+    other = {}
+    t = threading.Thread(target=lambda: other.update(
+        text=stream_text(server.client(), PROMPTS[1], MAX_NEW - 1)))
+    t.start()
+    body = {"prompt": PROMPTS[2], "max_tokens": 2000, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(3)]
+    assert any(line.startswith("data: ") for line in got)
+    t.join(timeout=120)
+    assert other["text"] == alone[1]
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        m = server.metrics()
+        if m["ssd_requests_running"] == 0:
+            break
+        time.sleep(0.1)
+    for cache in ("target", "draft"):
+        key = f'ssd_kv_blocks_used{{cache="{cache}"}}'
+        assert m.get(key) == base.get(key), (cache, m)
+    assert m["ssd_requests_finished_total"] >= base["ssd_requests_finished_total"] + 2
+
+
+def test_kv_full_waits(target):
+    """A cache that holds two requests at a time: six wait their turn and all finish exactly;
+    one that could never fit is refused with a 400."""
+    s = Server("--mode", "ar", "--kv-tokens", "144")
+    try:
+        client, texts = s.client(), [None] * 6
+
+        def one(i):
+            texts[i] = client.completions.create(model="tiny", prompt=PROMPTS[i],
+                                                 max_tokens=40).choices[0].text
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        assert texts == [alone_text(target, p, 40) for p in PROMPTS[:6]]
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": "x", "max_tokens": 200})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "kv_cache_too_small"
+    finally:
+        assert s.stop() == 0
+
+
+def test_generate_from_threads_in_a_fresh_process():
+    """generate() called from 8 threads at once, first thing in a process, returns in each what
+    it returns sequentially (transformers' lazy imports once raced here)."""
+    code = """
+import threading
+from run import generate
+out = [None] * 8
+def one(i):
+    out[i] = generate([1, 5, 9 + i], mode="ar", max_new_tokens=8, target_threads=1).tokens[0]
+threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+[t.start() for t in threads]
+[t.join() for t in threads]
+assert out == [generate([1, 5, 9 + i], mode="ar", max_new_tokens=8).tokens[0] for i in range(8)]
+print("ok")
+"""
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                       timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
