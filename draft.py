@@ -142,10 +142,13 @@ class Drafter:
         self.V = model.config.vocab_size
         self.rows: list[Row] = []
 
-    def prefill(self, prompts: list[list[int]]):
-        """Cache every prompt token; returns the draft's own next-token law [b, V]."""
-        self.rows = [Row(self.cache.new_seq(), list(p)) for p in prompts]
-        logits = self.model.prefill(self.cache, [row.seq for row in self.rows], prompts)
+    def add(self, prompts: list[list[int]]):
+        """Rows joining (a static batch's all at once; continuous batching's at a round boundary,
+        scheduler.py): cache their prompts; they are numbered on from the rows already here.
+        Returns the draft's next-token probabilities [len(prompts), V] for them."""
+        new = [Row(self.cache.new_seq(), list(p)) for p in prompts]
+        logits = self.model.prefill(self.cache, [row.seq for row in new], prompts)
+        self.rows += new
         return guess_probs_from_logits(logits, self.temperature)
 
     def draft(self, rows: list[int]) -> Proposals:
@@ -182,14 +185,7 @@ class Drafter:
         """Seconds the draft has spent capturing CUDA graphs (decode.Captures)."""
         return self.model.capture_seconds()
 
-    # -- continuous batching (scheduler.py): rows join and leave a running batch
-    def add(self, prompts: list[list[int]]):
-        """Rows joining: cache their prompts; they are numbered on from the rows already here.
-        Returns the draft's own next-token law [len(prompts), V] for them."""
-        new = [Row(self.cache.new_seq(), list(p)) for p in prompts]
-        logits = self.model.prefill(self.cache, [row.seq for row in new], prompts)
-        self.rows += new
-        return draft_probs(logits, self.temperature)
+    # -- continuous batching (scheduler.py): rows leave a running batch
 
     def leave(self, rows):
         """Rows that left (done or cancelled): their KV freed now, their history dropped."""
@@ -270,10 +266,14 @@ class Speculator(Drafter):
         looks at the channel instead (channel.speculator_main); tests force an arrival at a step."""
         return False
 
-    def prefill(self, prompts):
-        q0 = super().prefill(prompts)  # [b, V]: the draft's guess of the verifier's first token
-        for r, row in enumerate(self.rows):  # round 0 proposes nothing: its outcome is (0, t0)
-            row.guess_probs = q0[r:r + 1]
+    def add(self, prompts):
+        """As Drafter's, and each new row starts as after a prefill: round 0 proposes nothing, its
+        outcome will be (0, t0), and q0 [1, V] is what its guesses of t0 rank by. It has a branch
+        only if the caller pre-speculates for it (a batch starting from empty), so a row joining a
+        running batch misses once: the fallback proposes its first round."""
+        q0 = super().add(prompts)  # [b, V]: the draft's guess of the verifier's first token
+        for i, row in enumerate(self.rows[len(self.rows) - len(prompts):]):
+            row.guess_probs = q0[i:i + 1]
         return q0
 
     # -- pre-speculation: while the verifier verifies
@@ -386,8 +386,10 @@ class Speculator(Drafter):
         for i, (r, (n_r, t_r)) in enumerate(zip(rows, outcome)):
             row = self.rows[r]
             m = self.spec_cache.get(r, n_r, t_r) if br is not None else None
+            # a row that joined after this round's pre-speculation has no fan-out in it
+            F = None if br is None or r not in br.fan_outs else br.fan_outs[r]
             self.policy.observe(n_r, len(row.proposed), row.fast_backup,
-                                None if br is None else br.fan_outs[r][n_r], m is not None)
+                                None if F is None else F[n_r], m is not None)
             row.history += row.proposed[:n_r] + [t_r]
             if m is not None:
                 hits.append((i, m))
@@ -472,22 +474,12 @@ class Speculator(Drafter):
                 "branches_finished": self.finished, **self.policy.stats()}
 
     # -- continuous batching (scheduler.py)
-    def add(self, prompts: list[list[int]]):
-        """As Drafter's, and each new row starts as after prefill: round 0 proposes nothing, its
-        outcome will be (0, t0). It has no branch unless the caller pre-speculates for it (a batch
-        starting from empty), so a row joining a running batch misses once: the fallback proposes
-        its first round."""
-        q0 = super().add(prompts)
-        for i, row in enumerate(self.rows[len(self.rows) - len(prompts):]):
-            row.q_raw, row.F = q0[i:i + 1], [self.B]
-        return q0
 
     def leave(self, rows):
         """As Drafter's, and the branches pre-speculated for these rows are freed now, not at the
         next respond (which looks up only the rows still running)."""
-        gone = set(rows)
-        for key in [key for key in self.spec_cache.entries if key[0] in gone]:
-            self.cache.free(self.branches.seqs[self.spec_cache.entries.pop(key)])
+        for m in self.spec_cache.drop_rows(rows):
+            self.cache.free(self.branches.seqs[m])
         super().leave(rows)
 
 

@@ -268,6 +268,13 @@ class SpecCache:
         self.stats.record(int(n), entry is not None)
         return entry
 
+    def drop_rows(self, rows) -> list:
+        """Remove the entries of rows that left the batch (continuous batching); returns them (to
+        free their KV branches)."""
+        gone = {int(r) for r in rows}
+        keys = [key for key in self.entries if key[0] in gone]
+        return [self.entries.pop(key) for key in keys]
+
     def clear(self) -> list:
         """Empty the cache for the next round; returns the unclaimed entries (to free them)."""
         left = list(self.entries.values())

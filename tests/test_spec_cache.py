@@ -403,3 +403,13 @@ def test_expected_tokens():
         P = [(1 - a) * a ** j for j in range(K)] + [a ** K]
         assert expected_tokens(a, K) == pytest.approx(sum(p * (j + 1) for j, p in enumerate(P)))
     assert expected_tokens(1.0, 5) == 6 and expected_tokens(0.0, 5) == 1
+
+
+def test_drop_rows_removes_only_those_rows_entries():
+    """A row that leaves a running batch (continuous batching) takes its branches with it; the
+    other rows' entries stay for their lookups."""
+    cache = SpecCache(K=2)
+    cache.put(0, 0, 5, "a"), cache.put(0, 1, 6, "b"), cache.put(1, 0, 5, "c"), cache.put(2, 2, 7, "d")
+    assert sorted(cache.drop_rows([0, 2])) == ["a", "b", "d"]
+    assert len(cache) == 1 and (1, 0, 5) in cache and cache.drop_rows([0]) == []
+    assert cache.get(1, 0, 5) == "c"

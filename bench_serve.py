@@ -1,0 +1,224 @@
+"""Load on an OpenAI-compatible server: ours (serve.py, AR / SD / SSD) and transformers' own.
+
+    python bench_serve.py --servers ar,sd,ssd,hf --clients 1,8 --requests 16 --max-tokens 64
+
+For each server: start it on a free port of 127.0.0.1, wait for /health, warm it up, then for each
+client count c send --requests streaming completions whose arrivals are a Poisson process of
+--rate requests a second (0: all at once), with at most c in flight. Reported per (server, c):
+
+    output tok/s    all output tokens over the wall time from the first request to the last token
+    TTFT            time to first token, p50 / p99 over requests
+    ITL             inter-token latency, p50 / p99 over tokens: a chunk of k tokens that came g
+                    seconds after the previous one counts k gaps of g / k (SD and SSD send a round's
+                    tokens together; this charges each of them its share of the wait)
+    decode tok/s    per request, tokens after the first over the time from the first to the last
+                    (its median), the figure to compare with run.py's decode_tok_s
+
+"hf" is `transformers serve --continuous-batching` on the same target (float32, the CPU). Tokens
+are counted by re-tokenising each answer with the target's tokenizer, the same for every server.
+Only loopback addresses are used; every request has a timeout and every loop a bound.
+"""
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent
+DEFAULT_PROMPTS = ["def merge_sorted(a, b):", "class LRUCache:\n    def __init__(self, capacity):",
+                   "import os\n\ndef walk_files(root):", "def parse_args(argv):",
+                   "def fibonacci(n):", "class Stack:\n    def __init__(self):"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_command(kind: str, a, port: int) -> list[str]:
+    """The command line that serves a.target on port: ours in `kind` mode, or transformers'."""
+    if kind == "hf":
+        return ["transformers", "serve", "--continuous-batching", "--device", "cpu", "--dtype",
+                "float32", "--host", "127.0.0.1", "--port", str(port), a.hf_model or a.target]
+    cmd = [sys.executable, str(REPO / "serve.py"), "--target", a.target, "--mode", kind,
+           "--host", "127.0.0.1", "--port", str(port), "--k", str(a.k)]
+    return cmd + (["--draft", a.draft] if kind != "ar" else []) + a.serve_args
+
+
+def percentile(xs, p):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(p / 100 * len(xs)))] if xs else float("nan")
+
+
+async def stream_one(client, url, body, timeout):
+    """One streaming request -> (sent, [(arrival time, text)] of its chunks)."""
+    sent, chunks = time.perf_counter(), []
+    async with client.stream("POST", url, json=body, timeout=timeout) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"{url}: HTTP {r.status_code}: {(await r.aread())[:200]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                continue
+            choice = (json.loads(line[5:]).get("choices") or [{}])[0]
+            text = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+            if text:
+                chunks.append((time.perf_counter(), text))
+    return sent, chunks
+
+
+async def run_load(base, model, prompts, clients, requests, rate, max_tokens, seed, timeout=600):
+    """Send `requests` completions (Poisson arrivals, at most `clients` in flight)."""
+    import httpx
+    rng = random.Random(seed)
+    gate = asyncio.Semaphore(clients)
+    body = lambda p: {"model": model, "prompt": p, "max_tokens": max_tokens, "temperature": 0,
+                      "stream": True}
+
+    async def one(i, delay):
+        await asyncio.sleep(delay)
+        async with gate:
+            prompt = prompts[i % len(prompts)]
+            return await stream_one(client, f"{base}/v1/completions", body(prompt), timeout)
+
+    delays, t = [], 0.0
+    for _ in range(requests):
+        delays.append(t)
+        t += rng.expovariate(rate) if rate > 0 else 0.0
+    limits = httpx.Limits(max_connections=clients + 4)
+    async with httpx.AsyncClient(limits=limits) as client:
+        start = time.perf_counter()
+        results = await asyncio.gather(*(one(i, d) for i, d in enumerate(delays)))
+    return start, results
+
+
+def summarise(start, results, count_tokens) -> dict:
+    ttft, itl, decode, total, end = [], [], [], 0, start
+    for sent, chunks in results:
+        if not chunks:
+            continue
+        ttft.append(chunks[0][0] - sent)
+        counts = [count_tokens(text) for _, text in chunks]
+        total += sum(counts)
+        for (t_prev, _), (t_now, _), k in zip(chunks, chunks[1:], counts[1:]):
+            itl += [(t_now - t_prev) / max(k, 1)] * max(k, 1)
+        if sum(counts) > 1 and chunks[-1][0] > chunks[0][0]:
+            decode.append((sum(counts) - counts[0]) / (chunks[-1][0] - chunks[0][0]))
+        end = max(end, chunks[-1][0])
+    ms = lambda xs, p: 1000 * percentile(xs, p)
+    return {"output_tok_s": total / (end - start) if end > start else 0.0, "tokens": total,
+            "ttft_ms_p50": ms(ttft, 50), "ttft_ms_p99": ms(ttft, 99),
+            "itl_ms_p50": ms(itl, 50), "itl_ms_p99": ms(itl, 99),
+            "decode_tok_s_median": statistics.median(decode) if decode else 0.0}
+
+
+def wait_healthy(base, proc, timeout):
+    import httpx
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with code {proc.returncode} before it was up")
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"the server was not up within {timeout} s")
+
+
+def bench_server(kind, a, prompts, count_tokens) -> list[dict]:
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    log = open(Path(a.log_dir) / f"server-{kind}.log", "w")
+    proc = subprocess.Popen(server_command(kind, a, port), stdout=log, stderr=subprocess.STDOUT,
+                            cwd=REPO, start_new_session=True)
+    rows = []
+    try:
+        wait_healthy(base, proc, a.startup_timeout)
+        model = a.hf_model or a.target if kind == "hf" else a.target
+        asyncio.run(run_load(base, model, prompts, 2, 2, 0, a.max_tokens, a.seed))  # warm-up
+        for c in a.clients:
+            start, results = asyncio.run(run_load(base, model, prompts, c, a.requests, a.rate,
+                                                  a.max_tokens, a.seed))
+            rows.append({"server": kind, "clients": c, **summarise(start, results, count_tokens)})
+            print(json.dumps(rows[-1]), flush=True)
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+    return rows
+
+
+def table(rows) -> str:
+    head = ("| server | clients | output tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | "
+            "decode tok/s per request |\n|---|---|---|---|---|---|")
+    lines = [f"| {r['server']} | {r['clients']} | {r['output_tok_s']:.1f} | "
+             f"{r['ttft_ms_p50']:.0f} / {r['ttft_ms_p99']:.0f} | "
+             f"{r['itl_ms_p50']:.1f} / {r['itl_ms_p99']:.1f} | {r['decode_tok_s_median']:.1f} |"
+             for r in rows]
+    return "\n".join([head, *lines])
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--servers", default="ar,sd,ssd,hf",
+                    help="comma list of ar, sd, ssd (serve.py) and hf (transformers serve)")
+    ap.add_argument("--target", default="tiny")
+    ap.add_argument("--draft", default="tiny-draft")
+    ap.add_argument("--hf-model", default=None,
+                    help="what transformers serve loads (default: the target's directory)")
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--clients", default="1,8", help="comma list of concurrent clients")
+    ap.add_argument("--requests", type=int, default=16, help="requests per client count")
+    ap.add_argument("--rate", type=float, default=0.0,
+                    help="Poisson arrivals a second (0: all at once)")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--prompt-file", default=None, help="one prompt per line, or JSONL 'prompt'")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--startup-timeout", type=float, default=300)
+    ap.add_argument("--log-dir", default="/tmp", help="where the servers' logs go")
+    ap.add_argument("--json", default=None, help="append the rows to this JSONL file")
+    ap.add_argument("serve_args", nargs=argparse.REMAINDER,
+                    help="after --: more serve.py flags (e.g. -- --budget 8)")
+    a = ap.parse_args(argv)
+    a.servers = [s for s in a.servers.split(",") if s]
+    bad = [s for s in a.servers if s not in ("ar", "sd", "ssd", "hf")]
+    if bad:
+        ap.error(f"--servers: unknown {', '.join(bad)}; use ar, sd, ssd, hf")
+    a.clients = [int(c) for c in a.clients.split(",")]
+    a.serve_args = [x for x in a.serve_args if x != "--"]
+    return a
+
+
+def main(argv=None):
+    a = parse_args(argv)
+    from checkpoint import load_tokenizer, resolve
+    from bench import file_prompts
+    tok = load_tokenizer(a.target)
+    count_tokens = lambda text: len(tok.encode(text, add_special_tokens=False))
+    prompts = file_prompts(a.prompt_file) if a.prompt_file else DEFAULT_PROMPTS
+    if "hf" in a.servers and a.hf_model is None:
+        a.hf_model = str(resolve(a.target))
+    rows = [r for kind in a.servers for r in bench_server(kind, a, prompts, count_tokens)]
+    print(table(rows))
+    if a.json:
+        with open(a.json, "a") as f:
+            for r in rows:
+                f.write(json.dumps({**r, "target": a.target, "max_tokens": a.max_tokens,
+                                    "rate": a.rate, "requests": a.requests}) + "\n")
+
+
+if __name__ == "__main__":
+    main()
