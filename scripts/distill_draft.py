@@ -35,9 +35,8 @@ resumable from --work-dir (run the same command again after a kill; nothing done
                target pass is needed.
   3. draft     a small model of the target's architecture (Llama or Qwen3; --hidden, --layers:
                which target layers to start from, by default its first three and its last),
-               initialised
-               from the target: the embedding projected onto its top --hidden principal directions
-               (P, [D, d]) and each listed target layer mapped into that subspace (init_draft).
+               initialised from the target: the embedding projected onto its top --hidden
+               principal directions (P, [D, d]) and each listed target layer mapped into that subspace (init_draft).
                --vocab N gives it a vocabulary of its own: the N - 1 target tokens its answers use
                most, and one row that reads every other token (draft_vocabulary): the head and
                embedding over all 49k tokens are two thirds of a 252-wide draft, and a few
@@ -85,6 +84,7 @@ if str(REPO) not in sys.path:  # so `python scripts/distill_draft.py` imports th
 from checkpoint import load_model, resolve  # noqa: E402  (after the path is set)
 from model import vocab_maps  # noqa: E402
 from run import check_pair  # noqa: E402  (the pairing run.py checks)
+from run import encode as run_encode  # noqa: E402
 from scripts.prompt_sets import (HUMANEVAL_SIZE, humaneval_installed, humaneval_path,  # noqa: E402
                                  humaneval_prompts)
 from scripts.train_tiny import lr_at  # noqa: E402  (warm-up, then cosine to a tenth of the peak)
@@ -260,10 +260,9 @@ def encode_prompt(tok, prompt: str) -> list[int]:
 
 
 def encode_raw(tok, text: str) -> list[int]:
-    """BOS (where the tokenizer has one) + the text, no chat template."""
-    ids = tok(text)["input_ids"]
-    return ids if tok.bos_token_id is None or ids[:1] == [tok.bos_token_id] else \
-        [tok.bos_token_id] + ids
+    """BOS (where the tokenizer has one) + the text, no chat template: what run.py feeds for a
+    prompt without --chat, so a held-out set measures what a run on it meets."""
+    return run_encode(tok, text, chat=False)
 
 
 # ----------------------------------------------------------------------------------------------------
