@@ -51,7 +51,8 @@ from devices import DTYPES
 from draft import PRE_SPEC
 from fallback import POLICIES
 from spec_cache import FAN_OUTS
-from run import default_devices, encode, generate, split_cores
+from engine import default_devices, split_cores
+from run import encode, generate
 
 MODES = ("ar", "sd", "ssd", "hf", "hf-assisted")
 # run.generate's defaults: the one source of this benchmark's engine settings

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from fallback import critical_batch_size, predicted_sd_speedup, predicted_speedup
-from run import default_devices
+from engine import default_devices
 from spec_cache import acceptance_trials
 
 

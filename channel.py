@@ -194,8 +194,8 @@ def wait_for(signal_, alive, what, timeout=None, spin=0.0):
     forward slower; the two sides of SSD wait for each other twice a round. In a one-off A/B on this
     project's 2-core CPU machine (temperature 1, batch 1, 8 paired runs), SSD that never
     pre-speculates (SD's schedule across two processes) ran at 0.88x SD in one process with both
-    sides sleeping, 1.00x polling. Polling costs the waiting side's core, so run.py spins only when
-    each side has cores of its own."""
+    sides sleeping, 1.00x polling. Polling costs the waiting side's core, so the engine spins only
+    when each side has cores of its own (engine.spin_seconds)."""
     start = time.perf_counter()
     while time.perf_counter() - start < spin:
         if signal_.acquire(False):

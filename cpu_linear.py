@@ -10,8 +10,8 @@ is 2-3x slower on an AVX-512 Intel Xeon, whose BLAS multiplies 4 rows from memor
 of 3 unless W is packed (SmolLM2-135M's 3072 x 576 weights, one thread: 0.72 ms for 3 rows; 1.08
 plain, 0.74 packed for 4). docs/design.md section 10 has the measurements.
 
-use_forms(model, rows) is called where a model is loaded for a run (run.py for the verifier,
-draft.load_draft for the draft), outside any decode clock: it swaps the model's nn.Linear layers
+use_forms(model, rows) is called where a model is loaded for a run (engine.build_engine for the
+verifier, draft.load_draft for the draft), outside any decode clock: it swaps the model's nn.Linear layers
 for FormLinear (the same parameters), and for each row count in `rows` reads each weight shape's
 form from this machine's cache file (forms_file) or, where one is missing, times the forms over
 the whole model (choose_forms, 1-3 s for SmolLM2-135M) and writes the choice there. A row count

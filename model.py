@@ -29,7 +29,7 @@ from kv_cache import AttnMeta, PagedKVCache, paged_attention
 # Tensor parallelism (Megatron style): rank r of `world` holds 1/world of the q/k/v heads, of the
 # MLP's intermediate units and of the vocabulary. Column-split layers (q, k, v, gate, up) need no
 # communication; the row-split ones (o_proj, down_proj) give partial sums that one all-reduce per
-# layer adds up. The caller has set up the process group (NCCL on CUDA, gloo on CPU); see run.py.
+# layer adds up. The caller has set up the process group (NCCL on CUDA, gloo on CPU); see engine.py.
 
 @dataclass
 class TP:
@@ -392,7 +392,7 @@ class Transformer(nn.Module):
         else:
             logits = matmul_fp32(h, self.lm_head.weight)
         if self.tp is not None:
-            # every rank gathers the full logits (not only rank 0), so run.py's ranks all run the
+            # every rank gathers the full logits (not only rank 0), so the ranks all run the
             # same accept/reject on the same numbers with identically seeded generators: lockstep
             parts = [torch.empty_like(logits) for _ in range(self.tp.world)]
             dist.all_gather(parts, logits.contiguous(), group=self.tp.group)

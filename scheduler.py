@@ -35,7 +35,7 @@ class KVBudget:
     draft_tokens: int | None    # of the draft's (None: ar has no draft)
     block_size: int
     K: int
-    branch_tokens: int = 0      # ssd: the draft's B branches per row (run.kv_sizes has the sum)
+    branch_tokens: int = 0      # ssd: the draft's B branches per row (engine.kv_sizes has the sum)
 
     def need(self, prompt_len: int, max_tokens: int) -> tuple[int, int]:
         """(target, draft) tokens: the prompt, the output and a round's K + 1 in flight, in blocks

@@ -12,10 +12,10 @@ sampler's generator, so a per-request seed could not be honoured), gets a 400 na
 does any other field the engine cannot honour exactly (top_p != 1, n > 1, logprobs, ...). Errors
 have OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
 
-This file speaks HTTP only: the engine (run.load_engine: scheduler.py over decode.py's rounds) runs
-in its own thread, which hands each request's tokens to the asyncio side. FastAPI and uvicorn are
-optional requirements that only this file imports. A checkpoint without a chat template (the tiny
-pair) is chatted with in a plain one: "role: content" lines, then "assistant:".
+This file speaks HTTP only: the engine (engine.load_engine: scheduler.py over decode.py's rounds)
+runs in its own thread, which hands each request's tokens to the asyncio side. FastAPI and uvicorn
+are optional requirements that only this file imports. A checkpoint without a chat template (the
+tiny pair) is chatted with in a plain one: "role: content" lines, then "assistant:".
 """
 import argparse
 import asyncio
@@ -27,6 +27,7 @@ import time
 import uuid
 
 import run
+from engine import Engine, EngineConfig, load_engine
 from scheduler import Request
 
 try:
@@ -59,7 +60,7 @@ def error(status: int, message: str, param=None, code=None, kind="invalid_reques
 # --------------------------------------------------------------------------------------------------
 # A request's fields, checked before the engine sees it
 
-def check_fields(body, chat: bool, engine: run.Engine, model_id: str, defaults) -> dict:
+def check_fields(body, chat: bool, engine: Engine, model_id: str, defaults) -> dict:
     """The request's settings from its JSON body, or a BadRequest naming the field."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
@@ -162,7 +163,7 @@ class Reply:
     thread; they decode, cut at a stop string (which ends the request) and post to the event
     loop."""
 
-    def __init__(self, engine: run.Engine, stop: list[str], loop):
+    def __init__(self, engine: Engine, stop: list[str], loop):
         self.tok, self.stop, self.loop = engine.tokenizer, stop, loop
         self.queue: asyncio.Queue = asyncio.Queue()
         self.text = ""
@@ -211,52 +212,63 @@ def usage_of(req: Request) -> dict:
 # --------------------------------------------------------------------------------------------------
 # The app
 
-def make_app(engine: run.Engine, model_id: str, defaults, state: dict) -> FastAPI:
-    """The HTTP side; `state` says whether the engine is up ("healthy", "error")."""
-    app = FastAPI(title="ssd serve")
-    sched = engine.scheduler
+class API:
+    """The endpoints of one engine; `state` says whether the engine is up ("healthy", "error")."""
 
-    async def complete(http: HTTPRequest, kind: str):
+    def __init__(self, engine: Engine, model_id: str, defaults, state: dict):
+        self.engine, self.model_id, self.defaults, self.state = engine, model_id, defaults, state
+        self.sched = engine.scheduler
+
+    async def completions(self, http: HTTPRequest):
+        return await self.complete(http, "text")
+
+    async def chat_completions(self, http: HTTPRequest):
+        return await self.complete(http, "chat")
+
+    async def complete(self, http: HTTPRequest, kind: str):
+        """POST /v1/completions (kind "text") and /v1/chat/completions ("chat"): the request
+        checked, submitted to the scheduler, and answered whole or streamed (events)."""
         try:
             body = json.loads(await http.body())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             return error(400, f"malformed JSON: {e}", code="invalid_json")
         try:
-            f = check_fields(body, kind == "chat", engine, model_id, defaults)
+            f = check_fields(body, kind == "chat", self.engine, self.model_id, self.defaults)
         except BadRequest as e:
             return error(400, str(e), e.param, e.code)
-        if not state["healthy"]:
-            return error(503, f"the engine is down: {state['error']}", kind="server_error",
+        if not self.state["healthy"]:
+            return error(503, f"the engine is down: {self.state['error']}", kind="server_error",
                          code="engine_down")
-        reply = Reply(engine, f["stop"], asyncio.get_running_loop())
+        reply = Reply(self.engine, f["stop"], asyncio.get_running_loop())
         req = Request(f["ids"], f["max_tokens"], reply.on_tokens, reply.on_done)
         try:
-            sched.submit(req)
+            self.sched.submit(req)
         except ValueError as e:
             return error(400, str(e), "max_tokens", "kv_cache_too_small")
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         if f["stream"]:
-            return StreamingResponse(events(reply, req, kind, rid),
+            return StreamingResponse(self.events(reply, req, kind, rid),
                                      media_type="text/event-stream")
         try:
             while (item := await reply.queue.get()) is None:
                 pass
         finally:
             if req.finish_reason is None:  # the client went away: free its row
-                sched.cancel(req)
+                self.sched.cancel(req)
         if item.finish_reason == "error":
             return error(500, f"the engine failed: {item.error}", kind="server_error",
                          code="engine_error")
-        return completion(kind, rid, model_id, reply.text, item.finish_reason, usage_of(item))
+        return completion(kind, rid, self.model_id, reply.text, item.finish_reason,
+                          usage_of(item))
 
-    async def events(reply: Reply, req: Request, kind: str, rid: str):
+    async def events(self, reply: Reply, req: Request, kind: str, rid: str):
         """The stream's server-sent events; a client that disconnects cancels its request."""
-        sent = 0
+        sent, model_id = 0, self.model_id
         try:
             if kind == "chat":
                 first = completion(kind, rid, model_id, "", None, delta=True)
                 first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
-                yield f"data: {json.dumps(first)}\n\n"
+                yield sse(first)
             while True:
                 item = await reply.queue.get()
                 text = reply.ready(done=item is not None)
@@ -276,31 +288,30 @@ def make_app(engine: run.Engine, model_id: str, defaults, state: dict) -> FastAP
                 return
         finally:
             if req.finish_reason is None:  # the client went away: free its row
-                sched.cancel(req)
+                self.sched.cancel(req)
 
-    @app.post("/v1/completions")
-    async def completions(http: HTTPRequest):
-        return await complete(http, "text")
+    async def models(self):
+        return {"object": "list", "data": [{"id": self.model_id, "object": "model",
+                                            "created": 0, "owned_by": "ssd"}]}
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(http: HTTPRequest):
-        return await complete(http, "chat")
+    async def health(self):
+        ok = self.state["healthy"]
+        body = {"status": "ok" if ok else "error", "mode": self.engine.mode,
+                "error": self.state["error"], "restarts": self.state["restarts"]}
+        return JSONResponse(body, status_code=200 if ok else 503)
 
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": 0,
-                                            "owned_by": "ssd"}]}
+    async def metrics(self):
+        return PlainTextResponse(metrics_text(self.engine, self.state))
 
-    @app.get("/health")
-    async def health():
-        body = {"status": "ok" if state["healthy"] else "error", "mode": engine.mode,
-                "error": state["error"], "restarts": state["restarts"]}
-        return JSONResponse(body, status_code=200 if state["healthy"] else 503)
 
-    @app.get("/metrics")
-    async def metrics():
-        return PlainTextResponse(metrics_text(engine, state))
-
+def make_app(engine: Engine, model_id: str, defaults, state: dict) -> FastAPI:
+    """The HTTP side: API's endpoints at their paths."""
+    api, app = API(engine, model_id, defaults, state), FastAPI(title="ssd serve")
+    app.post("/v1/completions")(api.completions)
+    app.post("/v1/chat/completions")(api.chat_completions)
+    app.get("/v1/models")(api.models)
+    app.get("/health")(api.health)
+    app.get("/metrics")(api.metrics)
     return app
 
 
@@ -308,7 +319,7 @@ def sse(obj) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
-def metrics_text(engine: run.Engine, state: dict) -> str:
+def metrics_text(engine: Engine, state: dict) -> str:
     """Prometheus' text format: the engine's counters since it started."""
     s, out = engine.scheduler, engine.scheduler.out
     rows = len(out.tokens)  # each row's first token came from its prefill, not a round
@@ -345,7 +356,7 @@ def metrics_text(engine: run.Engine, state: dict) -> str:
 # --------------------------------------------------------------------------------------------------
 # The engine's thread and the command line
 
-def run_engine(engine: run.Engine, stopping: threading.Event, state: dict):
+def run_engine(engine: Engine, stopping: threading.Event, state: dict):
     """Rounds until the server stops. If a round fails (the speculator's process died), every
     request in flight has ended with the error; the engine is then down (/health says why)."""
     try:
@@ -374,10 +385,18 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
+def engine_config(a: argparse.Namespace) -> EngineConfig:
+    """The engine of run.py's flags (--max-new-tokens: each request's default max_tokens)."""
+    kw = run.generate_kwargs(a)
+    if kw.pop("max_new_tokens") < 1:
+        raise ValueError(f"--max-new-tokens={a.max_new_tokens} must be >= 1")
+    return EngineConfig(**kw)
+
+
 def main(argv=None):
     a = parser().parse_args(argv)
     try:
-        engine = run.load_engine(a, a.max_batch)
+        engine = load_engine(engine_config(a), a.max_batch)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

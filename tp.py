@@ -33,10 +33,9 @@ from model import TP, check_tp
 from verify import Verifier
 
 # How long a rank waits for the others in one collective before it gives up (seconds;
-# generate(tp_timeout=), --tp-timeout). A rank that stops answering (stopped, hung, its GPU
-# wedged) ends the run after this long: gloo raises, NCCL's watchdog aborts. Loading the weights is
-# not under it (see TPWorkers.wait_ready), but a prefill is, and so is a worker's wait for rank 0's
-# next call.
+# generate(tp_timeout=), --tp-timeout). A rank that stops answering (stopped, hung, its GPU wedged)
+# ends the run after this long: gloo raises, NCCL's watchdog aborts. Loading the weights is not
+# under it (see TPWorkers.wait_ready), but a prefill is, and so is a worker's wait for a call.
 TP_TIMEOUT_S = 120.0
 
 
@@ -143,8 +142,7 @@ class TPWorkers(Ranks):
         threading.Thread(target=self.watch, daemon=True).start()
 
     def wait(self, done, stage):
-        """Poll done() until it is true; a worker that failed or died meanwhile raises, naming
-        it."""
+        """Poll done() until true; a worker that failed or died meanwhile raises, naming it."""
         while not done():
             if not all(p.is_alive() for p in self.procs):
                 time.sleep(0.2)  # let its error message reach the queue
@@ -179,8 +177,7 @@ class TPWorkers(Ranks):
             ready += 1
 
     def failure(self, killed=()) -> str | None:
-        """The first error a worker reported, else the first worker that died on its own, else
-        None."""
+        """The first error a worker reported, else the first worker that died by itself, or None."""
         while True:
             try:
                 kind, msg = self.errors.get_nowait()
@@ -232,8 +229,7 @@ class TPWorkers(Ranks):
 # The workers' process
 
 def exit_with_parent(parent_pid):
-    """Workers poll for rank 0's process: if it was killed too hard to stop them, they exit on their
-    own."""
+    """Workers poll for rank 0's process: if it was killed too hard to stop them, they exit."""
     while os.getppid() == parent_pid:
         time.sleep(0.5)
     os._exit(1)
@@ -326,8 +322,7 @@ class TPVerifier:
 
     def call(self, name: str, *args):
         """Make the local Verifier's call `name` on every rank and return rank 0's result. Tensor
-        arguments go by dist.broadcast (moved to this rank's device), the others pickled as they
-        are."""
+        arguments go by dist.broadcast (moved to this rank's device), the others pickled."""
         with self.workers.busy():
             header = [TensorArg(tuple(a.shape), a.dtype) if torch.is_tensor(a) else a for a in args]
             broadcast_header((name, header), self.group)
@@ -356,9 +351,8 @@ class TPVerifier:
         return buf
 
     def run(self, name, args):
-        """The local call, then a guard: if its outcome ever differed between ranks (a reduction
-        that is not bitwise equal on every rank), their caches would drift apart silently; stop
-        loudly."""
+        """The local call, then a guard: if its outcome ever differed between ranks (a reduction not
+        bitwise equal on every rank), their caches would drift apart silently; stop loudly."""
         out = getattr(self.verifier, name)(*args)
         outs = out if isinstance(out, (tuple, list)) else (out,)
         bits = [x.detach().to(self.dev).contiguous().view(-1).view(torch.uint8)

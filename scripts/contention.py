@@ -42,7 +42,7 @@ import torch.multiprocessing as mp
 from channel import start_child
 from checkpoint import load_model, resolve
 from cpu_linear import ROWS, use_forms
-from run import split_cores
+from engine import split_cores
 from scripts.gpu_check import sync
 
 MODES = ("idle", "poll", "draft")  # what the draft's process does during the verification

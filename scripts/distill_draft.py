@@ -83,7 +83,7 @@ if str(REPO) not in sys.path:  # so `python scripts/distill_draft.py` imports th
 
 from checkpoint import load_model, resolve  # noqa: E402  (after the path is set)
 from model import vocab_maps  # noqa: E402
-from run import check_pair  # noqa: E402  (the pairing run.py checks)
+from engine import check_pair  # noqa: E402  (the pairing run.py checks)
 from run import encode as run_encode  # noqa: E402
 from scripts.prompt_sets import (HUMANEVAL_SIZE, humaneval_installed, humaneval_path,  # noqa: E402
                                  humaneval_prompts)
@@ -965,7 +965,7 @@ def parse_args(argv=None):
 
 def check_shape(args, target, tok):
     """The draft's shape against the target, before any answering: --hidden and --layers, or the
-    --init-from draft's pairing with the target (run.check_pair: vocabulary and tokens)."""
+    --init-from draft's pairing with the target (engine.check_pair: vocabulary and tokens)."""
     cfg = target.config
     if args.init_from:
         try:

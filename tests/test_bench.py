@@ -172,7 +172,7 @@ def test_a_sweep_loads_the_target_once(tmp_path, monkeypatch, capsys):
     """Issue 31, item 6: a sweep decodes every run with one loaded target (generate(target=model)), so no
     run reloads it and, on a GPU, the runs replay the graphs the warm-up captured on its reused KV pool."""
     import checkpoint
-    import run
+    import engine
     target = make_checkpoint(tmp_path / "t", "llama")
     draft = make_checkpoint(tmp_path / "d", "llama", seed=1, num_hidden_layers=1)
     loads = []
@@ -181,7 +181,7 @@ def test_a_sweep_loads_the_target_once(tmp_path, monkeypatch, capsys):
         loads.append(str(name))
         return checkpoint.load_model(name, *a, **kw)
     monkeypatch.setattr(bench, "load_model", counting)
-    monkeypatch.setattr(run, "load_model", counting)
+    monkeypatch.setattr(engine, "load_model", counting)
     rc = bench.main(["--target", str(target), "--draft", str(draft), "--prompts", "2", "--modes", "ar,sd",
                      "--max-new-tokens", "6", "--repeats", "2", "--warmup", "1", "--cores", "1", "--k", "2,3"])
     assert rc == 0

@@ -189,7 +189,7 @@ def test_wait_for_notices_a_dead_peer_after_spinning():
 
 
 def test_spin_only_where_each_side_has_its_own_cores():
-    from run import SPIN_S, spin_seconds
+    from engine import SPIN_S, spin_seconds
     assert spin_seconds(2, 1, 1, 1, "cpu", "cpu") == SPIN_S > 0          # 1 + 1 threads on 2 cores
     assert spin_seconds(1, 1, 1, 1, "cpu", "cpu") == 0                   # one core: polling steals it
     assert spin_seconds(4, 1, 3, 2, "cpu", "cpu") == 0                   # oversubscribed

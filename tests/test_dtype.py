@@ -29,6 +29,7 @@ from test_docs import capture_parser
 
 import bench
 import channel
+import engine
 import model
 import run
 import tp
@@ -36,8 +37,9 @@ import verify as verify_module
 from channel import speculator_main
 from checkpoint import load_model, resolve
 from devices import DTYPES, MM_FP32_OUT, resolve_dtype
+from engine import same_gpu
 from model import FP32_REDUCE_MAX, TP, Transformer, all_reduce, matmul_fp32
-from run import GenerateResult, generate, same_gpu
+from run import GenerateResult, generate
 from scripts.gpu_check import Allocations
 from tp import tp_worker_main
 
@@ -116,7 +118,7 @@ def test_resolve_dtype():
 
 
 def test_generate_refuses_a_bad_dtype_before_loading(monkeypatch):
-    monkeypatch.setattr(run, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
+    monkeypatch.setattr(engine, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
     with pytest.raises(ValueError) as e:
         generate([[0, 5]], mode="sd", dtype="half")
     one_line(e, "'half'", "bfloat16")
@@ -396,7 +398,7 @@ def test_same_gpu():
 def test_ssd_sharing_a_gpu_warns(kw, warns, monkeypatch):
     # generate() checks its devices first (issue 31): let these pass as on a machine with two GPUs, so that
     # the warning comes; loading on them then fails here
-    monkeypatch.setattr(run, "check_device", torch.device)
+    monkeypatch.setattr(engine, "check_device", torch.device)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with pytest.raises(ValueError, match="CUDA is not available|GPUs are visible"):

@@ -23,6 +23,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import engine
 import run
 import verify
 from checkpoint import load_model
@@ -561,6 +562,7 @@ def test_cli_builds_the_target_tokenizer_once(monkeypatch, capsys):
         return real(*a, **kw)
     monkeypatch.setattr(checkpoint, "load_tokenizer", counting)
     monkeypatch.setattr(run, "load_tokenizer", counting)
+    monkeypatch.setattr(engine, "load_tokenizer", counting)
     assert run.main(["--mode", "sd", "--max-new-tokens", "4", "--prompt", "def f():"]) == 0
     assert calls.count("tiny") == 1, calls  # and the draft's once, for the pairing check
     assert capsys.readouterr().out.startswith("def f():")  # a plain prompt is continued in place

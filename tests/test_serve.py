@@ -250,3 +250,32 @@ print("ok")
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                        timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
+
+
+def test_the_server_builds_generates_engine(monkeypatch):
+    """serve.py's engine is generate()'s (engine.py): EngineConfig holds generate()'s parameters less
+    the request's, every run.py flag reaches it, and the server's engine gets what generate()'s does:
+    the CPU product forms for its verifier's rows b (K + 1), b <= --max-batch, the draft read over the
+    target's vocabulary (a padded draft), and --fixed-budget."""
+    import dataclasses
+    import inspect
+    import draft
+    import engine
+    import serve
+    fields = {f.name for f in dataclasses.fields(engine.EngineConfig) if f.init}
+    request = {"prompts", "max_new_tokens", "chat", "stream", "tokenizer"}
+    assert fields == set(inspect.signature(generate).parameters) - request
+    cfg = serve.engine_config(serve.parser().parse_args(["--fixed-budget", "--budget", "3", "--k", "2"]))
+    assert cfg.mode == "ssd" and cfg.ssd.fixed_budget and cfg.ssd.budget == 3 and cfg.K == 2
+    rows, drafts = [], []
+    real_draft = engine.load_draft
+    monkeypatch.setattr(engine, "use_forms", lambda model, r: rows.append(list(r)))  # recorded, not timed
+    monkeypatch.setattr(draft, "use_forms", lambda model, r: None)
+    monkeypatch.setattr(engine, "load_draft", lambda c: drafts.append(c) or real_draft(c))
+    eng = engine.load_engine(serve.engine_config(serve.parser().parse_args(["--mode", "sd", "--k", "4"])),
+                             max_batch=4)
+    try:
+        assert rows == [[5, 10, 15]]  # 4 rows x 5 tokens = 20 is past cpu_linear.ROWS: plain
+        assert drafts[0].vocab_size == eng.config.vocab_size and eng.scheduler.max_batch == 4
+    finally:
+        eng.started.stop()

@@ -1,0 +1,434 @@
+"""The engine's wiring: where the models run, loading them, the scheduler over the mode's rounds.
+
+run.generate() (a static batch) and serve.py (requests as they come) build their engine here, in
+the same two steps: `load_target` places the models (devices, dtypes, CPU threads,
+tensor-parallel ranks) and loads the target; `build_engine` checks the pair and wires the verifier,
+the draft side (here, or the speculator's process: channel.py) and decode.py's rounds under a
+scheduler.py Scheduler. Between the two the caller sizes the KV caches: generate() for its prompts
+(kv_sizes), a server for its flags (load_engine). What an engine is (EngineConfig) is
+generate()'s parameters less the request's, so a setting cannot reach one caller and not the other.
+"""
+import os
+import threading
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+
+from channel import SpeculatorProcess
+from checkpoint import load_config, load_model, load_tokenizer, resolve
+from cpu_linear import ROWS, use_forms
+from decode import NoDraft, Output, SDRounds, SSDRounds
+from devices import check_device, resolve_dtype
+from draft import DraftConfig, SSDConfig, load_draft
+from model import Transformer
+from scheduler import KVBudget, Scheduler, cache_tokens
+from tp import TorchrunEnv, TorchrunWorld, TPVerifier, TPWorkers, torchrun_device, torchrun_env
+from verify import Verifier
+
+# Models and tokenizers load under this lock: transformers resolves its names on first use (a
+# lazy module), which is not thread-safe: 8 threads calling generate() first thing in a process
+# failed in 7 with "cannot import name 'AutoTokenizer' from 'transformers'". Loading is
+# serialised; decoding is not.
+LOADING = threading.Lock()
+
+SERVE_KV_TOKENS = 16384  # a server's target KV cache by default, in tokens
+
+
+@dataclass
+class EngineConfig:
+    """What an engine is: generate()'s parameters (its docstring says what each does) less the
+    request's (prompts, max_new_tokens, chat, stream, tokenizer); serve.py has them from its flags
+    (run.generate_kwargs). Checked here, before anything loads."""
+    target: object          # a name, or a model load_model() gave
+    draft: str
+    mode: str               # "ar", "sd" or "ssd"
+    temperature: float
+    k: int
+    seed: int
+    ignore_eos: bool
+    fan_out: str | list
+    budget: int
+    saguaro_c: float
+    fallback: str
+    parallel: bool
+    target_device: str | None
+    draft_device: str | None
+    target_threads: int | None
+    draft_threads: int | None
+    kv_tokens: int | None   # the user's; None: sized by the caller
+    target_devices: list[str] | None
+    tp_timeout: float
+    dtype: str
+    graphs: bool | None
+    pre_spec: str
+    fixed_budget: bool
+    block_size: int = 16
+    torchrun: bool = False
+    ssd: SSDConfig | None = field(init=False, default=None)  # ssd's knobs, checked
+
+    def __post_init__(self):
+        if self.mode not in ("ar", "sd", "ssd"):
+            raise ValueError(f"unknown mode {self.mode!r}: use 'ar', 'sd' or 'ssd'")
+        if self.mode != "ar" and not 1 <= self.k <= 64:
+            raise ValueError(f"k={self.k} is impossible: use 1 <= k <= 64 draft tokens per round")
+        if self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature} must be >= 0")
+        if self.mode == "ssd":
+            self.ssd = SSDConfig(self.K, self.fan_out, self.budget, self.saguaro_c, self.fallback,
+                                 pre_spec=self.pre_spec, fixed_budget=self.fixed_budget)
+
+    @property
+    def K(self) -> int:
+        """Draft tokens per round: 0 for ar."""
+        return self.k if self.mode != "ar" else 0
+
+    @property
+    def two_processes(self) -> bool:
+        """ssd with the speculator in its own process (channel.py)."""
+        return self.mode == "ssd" and self.parallel
+
+
+@dataclass
+class Placement:
+    """Where the models run: devices (every one checked, "cuda" given its index), dtypes, and the
+    CPU threads of the target's process and of the speculator's."""
+    target_device: str
+    draft_device: str
+    target_devices: list[str] | None  # the target's ranks on this machine, one per device
+    target_dtype: torch.dtype
+    draft_dtype: torch.dtype
+    target_threads: int
+    draft_threads: int | None
+    cores: int
+    torchrun: TorchrunEnv | None = None  # rank 0 of a torchrun world: its ranks span the nodes
+
+
+@dataclass
+class Started:
+    """The processes one engine started: every path out of it (done, error, Ctrl-C) stops them
+    (docs/design.md section 9)."""
+    workers: TPWorkers | TorchrunWorld | None = None  # ranks 1.. of a tensor-parallel target
+    speculator: object = None         # a SpeculatorProcess, or the Speculator in this process
+
+    def stop(self):
+        try:
+            if isinstance(self.speculator, SpeculatorProcess):
+                self.speculator.close()
+        finally:
+            if self.workers:
+                self.workers.close()  # raises a worker's error, naming its rank
+
+
+@dataclass
+class Loaded:
+    """The target, loaded where place() put it, and the processes started for it."""
+    model: Transformer
+    tokenizer: object   # the target's (None: a bare checkpoint, token ids in and out)
+    where: Placement
+    started: Started
+
+
+@dataclass
+class Engine:
+    """The scheduler over the mode's rounds, and what its callers need to speak for it: generate()
+    runs it as a static batch, serve.py as requests come. Its rounds run in the thread that calls
+    scheduler.run or scheduler.serve."""
+    scheduler: Scheduler
+    tokenizer: object
+    config: object      # the target's ModelConfig
+    settings: EngineConfig
+    where: Placement
+    started: Started    # stop() it when done
+
+    @property
+    def mode(self) -> str:
+        return self.settings.mode
+
+    @property
+    def K(self) -> int:
+        return self.settings.K
+
+    @property
+    def temperature(self) -> float:
+        return self.settings.temperature
+
+    def stats(self, prefill_s: float, decode_s: float) -> dict:
+        """A run's speed and acceptance (decode.Output.stats), the speculator's, and the settings
+        they were measured at."""
+        c, spec = self.settings, self.started.speculator
+        s = self.scheduler.out.stats(c.mode, prefill_s, decode_s)
+        if c.mode == "ssd":
+            s.update({**spec.stats(), "verifier_wait_seconds": self.scheduler.rounds.wait,
+                      "fallback": c.fallback, "parallel": c.two_processes,
+                      "spin_seconds": spec.ch.spin if c.two_processes else 0.0})
+        s.update({"k": c.K, "temperature": c.temperature,
+                  "target_threads": self.where.target_threads,
+                  "draft_threads": self.where.draft_threads})
+        return s
+
+
+# --------------------------------------------------------------------------------------------------
+# Step 1: place the models and load the target
+
+def load_target(cfg: EngineConfig, started: Started, tokenizer=None) -> Loaded:
+    """Place the models (place), give this process the target's CPU threads, and load the target:
+    this process's, or its rank-0 slices while the other ranks (spawned here, or torchrun's) load
+    theirs. The caller's tokenizer, when given, is not built again. The caller stops `started` on
+    every path out."""
+    where = place(cfg)
+    torch.set_num_threads(where.target_threads)
+    if isinstance(cfg.target, Transformer):  # loaded by the caller
+        cfg.target.use_graphs(cfg.graphs)
+        return Loaded(cfg.target, tokenizer, where, started)
+    with LOADING:
+        tp = None
+        if where.torchrun:  # torchrun started ranks 1..
+            started.workers = TorchrunWorld(where.torchrun, cfg.target, where.target_device,
+                                            cfg.tp_timeout)
+            tp = started.workers.tp
+        elif where.target_devices and len(where.target_devices) > 1:  # spawn ranks 1..
+            started.workers = TPWorkers(cfg.target, list(where.target_devices),
+                                        where.target_threads, cfg.tp_timeout, where.target_dtype)
+            tp = started.workers.rank0
+        model, tok = load_model(cfg.target, device=where.target_device, dtype=where.target_dtype,
+                                tp=tp, tokenizer=tokenizer is None)
+    model.use_graphs(cfg.graphs)
+    return Loaded(model, tokenizer or tok, where, started)
+
+
+def place(cfg: EngineConfig) -> Placement:
+    """Where each model runs. Every device is checked before anything loads or any process starts
+    (a GPU missing here is one line naming it, not a traceback from the speculator's process), and
+    "cuda" becomes the GPU it means, so that every process agrees."""
+    target_device, target_devices = cfg.target_device, cfg.target_devices
+    if isinstance(cfg.target, Transformer):
+        target_device = check_loaded(cfg.target, target_device, target_devices, cfg.torchrun)
+    env = torchrun_rank0(target_devices) if cfg.torchrun else None
+    if env:  # this node's ranks, rank 0 first: cuda:0..G-1 (the draft on the next GPU), or CPUs
+        target_devices = [torchrun_device(target_device, r) for r in range(env.local_world)]
+    dev_t, dev_d = default_devices(len(target_devices) if target_devices else 1)
+    if target_devices:
+        target_devices = [str(check_device(d)) for d in target_devices]
+    target_device = (target_devices[0] if target_devices
+                     else str(check_device(target_device or dev_t)))
+    draft_device = (str(check_device(cfg.draft_device or dev_d)) if cfg.mode != "ar" else dev_d)
+    target_dtype, draft_dtype = (resolve_dtype(cfg.dtype, target_device),
+                                 resolve_dtype(cfg.dtype, draft_device))
+    if cfg.two_processes and any(same_gpu(d, draft_device)
+                                 for d in target_devices or [target_device]):
+        warnings.warn(f"ssd: the draft shares {draft_device} with the target, so the verifier and "
+                      f"speculator processes will time-slice one GPU with no overlap; give the "
+                      f"draft its own GPU (--draft-device) or use --mode sd", stacklevel=4)
+    cores = os.cpu_count() or 1
+    target_threads, draft_threads = threads_of(cfg.two_processes, cfg.target_threads,
+                                               cfg.draft_threads, cores)
+    return Placement(target_device, draft_device, target_devices, target_dtype, draft_dtype,
+                     target_threads, draft_threads, cores, env)
+
+
+def check_loaded(model: Transformer, target_device, target_devices, torchrun) -> str:
+    """The device of a target the caller loaded, which it runs on as it is."""
+    if target_devices or torchrun or model.tp is not None:
+        raise ValueError("a loaded target runs on its one device: for a tensor-parallel target "
+                         "pass its name (with target_devices, or under torchrun)")
+    if target_device is not None and check_device(target_device) != model.device:
+        raise ValueError(f"the loaded target is on {model.device}, not {target_device}: load it "
+                         f"there, or leave target_device out")
+    return str(model.device)
+
+
+def threads_of(two_processes, target_threads, draft_threads, cores) -> tuple[int, int | None]:
+    """CPU threads: (the target's, the speculator's); the two processes of parallel ssd split the
+    cores (when on the CPU)."""
+    if two_processes:
+        ts, td = split_cores(cores)
+        return target_threads or ts, draft_threads or td
+    return target_threads or cores, None
+
+
+def torchrun_rank0(target_devices) -> TorchrunEnv:
+    """generate(torchrun=True): this process must be rank 0 of a torchrun world, whose ranks
+    torchrun places (a process per rank, each on cuda:LOCAL_RANK or the CPU)."""
+    env = torchrun_env()
+    if env is None:
+        raise ValueError("torchrun=True outside a torchrun world of two or more ranks: start the "
+                         "script with torchrun (python -m torch.distributed.run), or drop torchrun")
+    if env.rank != 0:
+        raise ValueError(f"torchrun=True on rank {env.rank}: only rank 0 generates, the other "
+                         f"ranks call tp.serve_torchrun_rank")
+    refuse_target_devices(target_devices)
+    return env
+
+
+def refuse_target_devices(target_devices):
+    if target_devices:  # every rank refuses them: torchrun's ranks place themselves
+        raise ValueError("target devices under torchrun: torchrun places the ranks (cuda:LOCAL_RANK"
+                         ", or the CPU); drop --target-devices")
+
+
+# --------------------------------------------------------------------------------------------------
+# Step 2: the pair checked, the verifier, the draft side, the rounds and the scheduler
+
+def build_engine(cfg: EngineConfig, loaded: Loaded, kv_tokens: int, draft_kv: int,
+                 max_batch: int, forget: bool = False) -> Engine:
+    """An engine around a loaded target for up to max_batch rows per round: the target's KV cache
+    holds kv_tokens, the draft's draft_kv (kv_sizes); forget: a server's scheduler, which keeps no
+    finished row."""
+    model, tok, where, started = loaded.model, loaded.tokenizer, loaded.where, loaded.started
+    if cfg.mode != "ar":
+        with LOADING:  # the draft's tokenizer
+            check_pair(cfg.target, cfg.draft, model.config, tok)
+    # the CPU's product forms for the verifier's rows (b <= max_batch sequences x K + 1 tokens;
+    # those in cpu_linear.ROWS have a choice), chosen before any decode clock starts
+    use_forms(model, [r for b in range(1, max_batch + 1) if (r := b * (cfg.K + 1)) in ROWS])
+    settings = (cfg.temperature, cfg.seed, kv_tokens, cfg.block_size)
+    verifier = (TPVerifier(model, settings, started.workers) if started.workers
+                else Verifier(model, *settings, reuse_cache=model is cfg.target))
+    dcfg = DraftConfig(cfg.draft, where.draft_device, where.draft_dtype, cfg.K, cfg.temperature,
+                       cfg.seed + 1, draft_kv, cfg.block_size, cfg.ssd, cfg.graphs,
+                       model.config.vocab_size)  # a draft padded to another size reads ours
+    out = Output([] if cfg.ignore_eos else eos_ids(model.config, tok), cfg.K)
+    rounds = make_rounds(cfg, verifier, dcfg, out, where, started, max_batch)
+    sched = Scheduler(rounds, kv_budget(kv_tokens, dcfg, cfg.mode), max_batch, forget=forget)
+    return Engine(sched, tok, model.config, cfg, where, started)
+
+
+def load_engine(cfg: EngineConfig, max_batch: int) -> Engine:
+    """A server's engine, loaded once for up to max_batch rows per round: the target's KV cache
+    (cfg.kv_tokens, default SERVE_KV_TOKENS) is shared by every running request; the draft's adds
+    each row's room for SSD's branches."""
+    started = Started()
+    try:
+        loaded = load_target(cfg, started)
+        kv_tokens = cfg.kv_tokens or SERVE_KV_TOKENS
+        draft_kv = kv_tokens + max_batch * branch_tokens(cfg.ssd, cfg.K, cfg.block_size)
+        return build_engine(cfg, loaded, kv_tokens, draft_kv, max_batch, forget=True)
+    except BaseException:
+        started.stop()
+        raise
+
+
+def check_pair(target, draft, cfg, tok):
+    """The draft must speak the target's tokens: where both come with a tokenizer, the same token
+    behind every id (a draft of another family with a vocabulary of the same size would be
+    accepted less, silently), and the same vocabulary size unless the tokenizers agree (embeddings
+    padded to other sizes: the draft's law is then read over the target's vocabulary,
+    config.ModelConfig.padded_rows)."""
+    V_draft = load_config(draft).vocab_size
+    same = not isinstance(target, Transformer) and resolve(draft) == resolve(target)
+    draft_tok = None if tok is None or same else load_tokenizer(draft)
+    if V_draft != cfg.vocab_size and draft_tok is None:
+        raise ValueError(f"draft vocabulary ({V_draft}) differs from the target's "
+                         f"({cfg.vocab_size}) and no pair of tokenizers says they share tokens: "
+                         f"pick a draft from the same model family")
+    if draft_tok is None:
+        return  # a bare checkpoint (ids in, ids out): nothing more to compare
+    ids = range(max(cfg.vocab_size, V_draft))
+    for i, a, b in zip(ids, tok.convert_ids_to_tokens(ids), draft_tok.convert_ids_to_tokens(ids)):
+        if a != b:
+            raise ValueError(f"the draft's tokenizer differs from the target's (token {i} is "
+                             f"{b!r} for the draft, {a!r} for the target): pick a draft made "
+                             f"with the target's tokenizer (scripts/distill_draft.py makes one)")
+
+
+def eos_ids(cfg, tok) -> list[int]:
+    """The target's end-of-sequence ids: its config's, and its tokenizer's."""
+    return sorted(set(cfg.eos_token_ids)
+                  | ({tok.eos_token_id} if tok and tok.eos_token_id is not None else set()))
+
+
+def make_rounds(cfg: EngineConfig, verifier, dcfg: DraftConfig, out: Output, where: Placement,
+                started: Started, max_batch: int):
+    """decode.SDRounds (ar: NoDraft; sd: a Drafter) or SSDRounds (a Speculator here, or in its own
+    process when two_processes: its channel holds max_batch rows)."""
+    if cfg.mode == "ar":
+        return SDRounds(verifier, NoDraft(), out)
+    if cfg.mode == "sd":
+        return SDRounds(verifier, load_draft(dcfg), out)
+    spin = (spin_seconds(where.cores, len(where.target_devices or [where.target_device]),
+                         where.target_threads, where.draft_threads, where.target_device,
+                         where.draft_device) if cfg.two_processes else 0.0)
+    started.speculator = (
+        SpeculatorProcess(dcfg, max_batch, verifier.model.config.vocab_size, where.draft_threads,
+                          pin=any_cuda(where.target_device, where.draft_device), spin=spin)
+        if cfg.two_processes else load_draft(dcfg))
+    return SSDRounds(verifier, started.speculator, out)
+
+
+# --------------------------------------------------------------------------------------------------
+# KV cache sizes
+
+def kv_sizes(ids, max_new_tokens, K, block_size, kv_tokens=None, ssd: SSDConfig | None = None):
+    """KV cache sizes in tokens for a static batch of prompts: (target's, draft's). A row holds its
+    prompt, its output and, during a round, K + 1 more tokens, in whole blocks, and the cache keeps
+    one block for the padding rows of static-shape steps (PagedKVCache.pad_block); the user's
+    kv_tokens must cover that."""
+    need = sum(-(-(len(p) + max_new_tokens + K + 1) // block_size) * block_size for p in ids)
+    need += block_size
+    if kv_tokens is not None and kv_tokens < need:
+        raise ValueError(f"kv_tokens={kv_tokens} cannot hold {len(ids)} prompt(s) + max_new_tokens="
+                         f"{max_new_tokens}: give at least {need} (--kv-tokens {need}) or leave it "
+                         f"unset to size it automatically")
+    # default: per row the longest prompt + output, K + 1 in flight plus the draft's K + 1 pending
+    # and drafted tokens (2K + 4 covers both sides), two blocks of rounding, and the pad block
+    b, longest = len(ids), max(len(p) for p in ids)
+    per_row = longest + max_new_tokens + 2 * K + 4 + 2 * block_size
+    kv_tokens = kv_tokens or b * per_row + block_size
+    return kv_tokens, kv_tokens + b * branch_tokens(ssd, K, block_size)
+
+
+def branch_tokens(ssd: SSDConfig | None, K, block_size) -> int:
+    """The draft's room for one row's SSD branches: B of them, each up to K + 1 private tokens (t,
+    x'_1..x'_K once a hit feeds x'_K) and two to spare, plus a copied partial block at the fork and
+    one of rounding. 0 without SSD."""
+    return 0 if ssd is None else ssd.budget * (K + 3 + 2 * block_size)
+
+
+def kv_budget(kv_tokens: int, dcfg: DraftConfig, mode) -> KVBudget:
+    """What the scheduler may reserve on the target's cache (kv_tokens) and the draft's (a row's
+    share of SSD's branches included)."""
+    bs = dcfg.block_size
+    draft = None if mode == "ar" else cache_tokens(dcfg.kv_tokens, bs)
+    return KVBudget(cache_tokens(kv_tokens, bs), draft, bs, dcfg.K,
+                    branch_tokens(dcfg.ssd, dcfg.K, bs))
+
+
+# --------------------------------------------------------------------------------------------------
+# Devices and cores
+
+def default_devices(target_gpus=1):
+    """The target on cuda:0 (..cuda:{target_gpus-1} when tensor parallel), the draft on the next
+    GPU; with too few GPUs the draft shares cuda:0; without GPUs both on the CPU."""
+    if torch.cuda.is_available():
+        n = torch.cuda.device_count()
+        return "cuda:0", f"cuda:{target_gpus}" if n > target_gpus else "cuda:0"
+    return "cpu", "cpu"
+
+
+def same_gpu(a, b) -> bool:
+    """Whether two device names are one CUDA device ("cuda" is cuda:0 in a fresh process)."""
+    a, b = torch.device(a), torch.device(b)
+    return a.type == b.type == "cuda" and (a.index or 0) == (b.index or 0)
+
+
+def any_cuda(*devices) -> bool:
+    return any(torch.device(d).type == "cuda" for d in devices)
+
+
+SPIN_S = 0.25  # ssd: seconds a side polls for the other before it sleeps (channel.wait_for)
+
+
+def spin_seconds(cores, ranks, target_threads, draft_threads, target_device, draft_device) -> float:
+    """SPIN_S when the verifier (all its ranks) and the speculator have CPU cores of their own, else
+    0: a side that polls would take the core the other one computes on. A process on a GPU needs
+    one core for its own thread."""
+    def cores_of(device, threads):
+        return threads if torch.device(device).type == "cpu" else 1
+    used = ranks * cores_of(target_device, target_threads) + cores_of(draft_device, draft_threads)
+    return SPIN_S if used <= cores else 0.0
+
+
+def split_cores(cores: int) -> tuple[int, int]:
+    """ssd on the CPU: (target threads, draft threads), the verifier taking the larger half."""
+    return max(1, cores - cores // 2), max(1, cores // 2)
