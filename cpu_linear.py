@@ -13,9 +13,9 @@ plain, 0.74 packed for 4). docs/design.md section 10 has the measurements.
 use_forms(model, rows) is called where a model is loaded for a run (engine.build_engine for the
 verifier, draft.load_draft for the draft), outside any decode clock: it swaps the model's
 nn.Linear layers for FormLinear (the same parameters), and for each row count in `rows` reads each
-weight shape's form from this machine's cache file (forms_file) or, where one is missing, times the forms over
-the whole model (choose_forms, 1-3 s for SmolLM2-135M) and writes the choice there. A row count
-it was not given runs plain: a forward never times.
+weight shape's form from this machine's cache file (forms_file) or, where one is missing, times
+the forms over the whole model (choose_forms, 1-3 s for SmolLM2-135M) and writes the choice
+there. A row count it was not given runs plain: a forward never times.
 """
 import json
 import os
