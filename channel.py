@@ -230,10 +230,11 @@ class SpeculatorProcess:
             raise
         self.startup_s = time.perf_counter() - self.startup_s
 
-    def add(self, prompts):
-        """Rows joining: their prompts cross once (pickled: per request, not per round); the
-        speculator prefills them and, when they start a batch, pre-speculates their round 0."""
-        self.control(("add", prompts))
+    def add(self, prompts, first):
+        """Rows joining, numbered from `first`: their prompts cross once (pickled: per request,
+        not per round); the speculator prefills them and, when they start a batch, pre-speculates
+        their round 0."""
+        self.control(("add", (prompts, first)))
 
     def leave(self, rows):
         """Rows that left: the speculator frees their KV and branches now."""
@@ -250,6 +251,10 @@ class SpeculatorProcess:
 
     def used_blocks(self) -> int:
         return int(self.ch.draft_blocks[0])
+
+    def check(self):
+        if not self.proc.is_alive():
+            raise RuntimeError("the speculator process died")
 
     def respond(self, rows, n, t, round_seconds=None) -> Proposals:
         self.ch.send_outcome(rows, n, t, round_seconds)
@@ -349,8 +354,9 @@ def control(spec, message, rows) -> list[int]:
     rows."""
     kind, arg = message
     if kind == "add":
-        new = list(range(len(spec.rows), len(spec.rows) + len(arg)))
-        spec.add(arg)
+        prompts, first = arg
+        new = list(range(first, first + len(prompts)))
+        spec.add(prompts, first)
         if not rows:
             spec.pre_speculate(new)
         return rows + new

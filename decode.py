@@ -157,7 +157,7 @@ def sd_round(verifier, drafter, rows):
 class NoDraft:
     """Autoregressive decoding is SD with K = 0: no proposals, the bonus token is the next token."""
 
-    def add(self, prompts):
+    def add(self, prompts, first=None):
         return None
 
     def draft(self, rows) -> Proposals:
@@ -193,7 +193,7 @@ class SDRounds:
         """Prefill new rows (round 0: no proposals, its outcome is (0, t0)) and emit their first
         tokens; they run from the next round on. -> their row numbers."""
         new = self.out.add(max_new_tokens)
-        q0 = self.drafter.add(prompts)
+        q0 = self.drafter.add(prompts, new[0])
         t0 = self.verifier.add(prompts)
         wait_for_devices(q0, t0)
         self.drafter.commit(new, torch.zeros_like(t0), t0)  # n = 0, on t0's device
@@ -212,6 +212,9 @@ class SDRounds:
     def kv_used(self) -> tuple[int, int]:
         """KV blocks in use: (the target's, the draft's)."""
         return self.verifier.used_blocks(), self.drafter.used_blocks()
+
+    def check(self):
+        """Nothing to check: both sides run in this process."""
 
     def round(self):
         p, n, t, verify_s = sd_round(self.verifier, self.drafter, self.rows)
@@ -255,7 +258,7 @@ class SSDRounds:
     def join(self, prompts, max_new_tokens: list[int]) -> list[int]:
         new = self.out.add(max_new_tokens)
         # None in two processes: the speculator prefills over there
-        q0 = self.speculator.add(prompts)
+        q0 = self.speculator.add(prompts, new[0])
         if not self.rows:  # a batch starting from empty: round 0's outcome is (0, t0), guess t0
             self.speculator.pre_speculate(new)
         t0 = self.verifier.add(prompts)
@@ -282,6 +285,17 @@ class SSDRounds:
         """KV blocks in use: (the target's, the draft's: in two processes, as of its last
         message)."""
         return self.verifier.used_blocks(), self.speculator.used_blocks()
+
+    def check(self):
+        """Raise if the speculator's process has died (a server checks while idle, too)."""
+        self.speculator.check()
+
+    def restart(self, speculator):
+        """A new speculator (its process died; engine.restart_speculator): the verifier frees every
+        row it runs (their requests have ended with the error), the next join starts a batch."""
+        self.verifier.leave(self.rows)
+        self.speculator, self.rows, self.n, self.t = speculator, [], None, None
+        self.verify_start, self.theirs = None, Captures(speculator)
 
     def round(self):
         round_s = time.perf_counter() - self.verify_start if self.verify_start else None

@@ -142,10 +142,14 @@ class Drafter:
         self.V = model.config.vocab_size
         self.rows: list[Row] = []
 
-    def add(self, prompts: list[list[int]]):
+    def add(self, prompts: list[list[int]], first: int | None = None):
         """Rows joining (a static batch's all at once; continuous batching's at a round boundary,
-        scheduler.py): cache their prompts; they are numbered on from the rows already here.
-        Returns the draft's next-token probabilities [len(prompts), V] for them."""
+        scheduler.py): cache their prompts; they are numbered on from the rows already here, or
+        from `first`, the caller's number for the first of them (a speculator started anew after
+        the last one died never saw the rows before it). Returns the draft's next-token
+        probabilities [len(prompts), V] for them."""
+        if first is not None:
+            self.rows += [None] * (first - len(self.rows))
         new = [Row(self.cache.new_seq(), list(p)) for p in prompts]
         logits = self.model.prefill(self.cache, [row.seq for row in new], prompts)
         self.rows += new
@@ -266,12 +270,12 @@ class Speculator(Drafter):
         looks at the channel instead (channel.speculator_main); tests force an arrival at a step."""
         return False
 
-    def add(self, prompts):
+    def add(self, prompts, first=None):
         """As Drafter's, and each new row starts as after a prefill: round 0 proposes nothing, its
         outcome will be (0, t0), and q0 [1, V] is what its guesses of t0 rank by. It has a branch
         only if the caller pre-speculates for it (a batch starting from empty), so a row joining a
         running batch misses once: the fallback proposes its first round."""
-        q0 = super().add(prompts)  # [b, V]: the draft's guess of the verifier's first token
+        q0 = super().add(prompts, first)  # [b, V]: the draft's guess of the verifier's first token
         for i, row in enumerate(self.rows[len(self.rows) - len(prompts):]):
             row.guess_probs = q0[i:i + 1]
         return q0
@@ -474,6 +478,9 @@ class Speculator(Drafter):
                 "branches_finished": self.finished, **self.policy.stats()}
 
     # -- continuous batching (scheduler.py)
+
+    def check(self):
+        """Nothing to check: it runs in the caller's process (channel.py's may die)."""
 
     def leave(self, rows):
         """As Drafter's, and the branches pre-speculated for these rows are freed now, not at the

@@ -8,6 +8,7 @@ scheduler.py Scheduler. Between the two the caller sizes the KV caches: generate
 (kv_sizes), a server for its flags (load_engine). What an engine is (EngineConfig) is
 generate()'s parameters less the request's, so a setting cannot reach one caller and not the other.
 """
+import functools
 import os
 import threading
 import warnings
@@ -110,6 +111,7 @@ class Started:
     (docs/design.md section 9)."""
     workers: TPWorkers | TorchrunWorld | None = None  # ranks 1.. of a tensor-parallel target
     speculator: object = None         # a SpeculatorProcess, or the Speculator in this process
+    respawn: object = None            # two processes: starts a new SpeculatorProcess like this one
 
     def stop(self):
         try:
@@ -152,6 +154,23 @@ class Engine:
     @property
     def temperature(self) -> float:
         return self.settings.temperature
+
+    def restart_speculator(self) -> str:
+        """After the speculator's process died (a server's engine: the requests in flight have
+        ended with the error): stop what is left of it, start a new one with the same settings
+        and go on in SSD from an empty batch; the target keeps its model and frees the rows it
+        held. Returns what the old process said, if anything. Only SSD in two processes has a
+        process to restart: anything else raises, as a bug in this process would."""
+        if self.started.respawn is None:
+            raise RuntimeError(f"{self.mode} in one process has no speculator process to restart")
+        said = ""
+        try:
+            self.started.speculator.close()
+        except RuntimeError as e:  # its own error, if it had time to send one
+            said = str(e)
+        self.started.speculator = self.started.respawn()
+        self.scheduler.rounds.restart(self.started.speculator)
+        return said
 
     def stats(self, prefill_s: float, decode_s: float) -> dict:
         """A run's speed and acceptance (decode.Output.stats), the speculator's, and the settings
@@ -349,10 +368,11 @@ def make_rounds(cfg: EngineConfig, verifier, dcfg: DraftConfig, out: Output, whe
     spin = (spin_seconds(where.cores, len(where.target_devices or [where.target_device]),
                          where.target_threads, where.draft_threads, where.target_device,
                          where.draft_device) if cfg.two_processes else 0.0)
-    started.speculator = (
-        SpeculatorProcess(dcfg, max_batch, verifier.model.config.vocab_size, where.draft_threads,
-                          pin=any_cuda(where.target_device, where.draft_device), spin=spin)
-        if cfg.two_processes else load_draft(dcfg))
+    if cfg.two_processes:
+        started.respawn = functools.partial(
+            SpeculatorProcess, dcfg, max_batch, verifier.model.config.vocab_size,
+            where.draft_threads, pin=any_cuda(where.target_device, where.draft_device), spin=spin)
+    started.speculator = started.respawn() if cfg.two_processes else load_draft(dcfg)
     return SSDRounds(verifier, started.speculator, out)
 
 

@@ -143,16 +143,18 @@ class Scheduler:
     def serve(self, stopping: threading.Event):
         """The engine thread of a server: rounds while there are rows, asleep while there are none,
         until `stopping` is set. An error in a round ends every request in flight with it and is
-        raised (the caller decides whether the engine can go on)."""
+        raised; the waiting ones stay queued (the caller decides whether the engine can go on, and
+        fails them too if not)."""
         while not stopping.is_set():
-            with self.wake:
-                if not self.waiting and not self.running:
-                    self.wake.wait(timeout=0.1)
-                    continue
             try:
+                self.rounds.check()  # a speculator that died while idle fails before a join
+                with self.wake:
+                    if not self.waiting and not self.running:
+                        self.wake.wait(timeout=0.1)
+                        continue
                 self.step()
             except BaseException as e:
-                self.fail(f"{type(e).__name__}: {e}")
+                self.fail(f"{type(e).__name__}: {e}", waiting=False)
                 raise
 
     def admit(self):
@@ -197,12 +199,18 @@ class Scheduler:
             self.done(req, "cancelled" if req.cancelled else
                       "stop" if req.stopped or eos else "length")
 
-    def fail(self, error: str):
-        """The engine failed: every request in flight or waiting ends with the error."""
+    def fail(self, error: str, waiting: bool = True):
+        """The engine failed: every request in flight (and the waiting ones) ends with the error.
+        The rows are the rounds' to free (SSDRounds.restart), or the engine is down."""
         with self.wake:
-            reqs = list(self.running.values()) + list(self.waiting)
-            self.running.clear(), self.waiting.clear()
-            self.used = [0, 0]
+            reqs = list(self.running.values()) + (list(self.waiting) if waiting else [])
+            if self.forget:
+                for r in self.running:
+                    self.out.forget(r)
+            self.running.clear()
+            if waiting:
+                self.waiting.clear()
+            self.used = [0, 0]  # nothing runs: what the waiting need is reserved on admission
         for req in reqs:
             req.error = error
             self.done(req, "error")

@@ -236,7 +236,7 @@ class API:
             f = check_fields(body, kind == "chat", self.engine, self.model_id, self.defaults)
         except BadRequest as e:
             return error(400, str(e), e.param, e.code)
-        if not self.state["healthy"]:
+        if self.state["down"]:  # while the speculator restarts, requests wait in the queue
             return error(503, f"the engine is down: {self.state['error']}", kind="server_error",
                          code="engine_down")
         reply = Reply(self.engine, f["stop"], asyncio.get_running_loop())
@@ -296,8 +296,9 @@ class API:
 
     async def health(self):
         ok = self.state["healthy"]
-        body = {"status": "ok" if ok else "error", "mode": self.engine.mode,
-                "error": self.state["error"], "restarts": self.state["restarts"]}
+        status = "ok" if ok else "down" if self.state["down"] else "restarting the speculator"
+        body = {"status": status, "mode": self.engine.mode, "error": self.state["error"],
+                "restarts": self.state["restarts"]}
         return JSONResponse(body, status_code=200 if ok else 503)
 
     async def metrics(self):
@@ -336,6 +337,8 @@ def metrics_text(engine: Engine, state: dict) -> str:
               out.accepted / out.proposed if out.proposed else 0.0),
              ("gauge", "ssd_cache_hit_rate", "ssd: rounds answered from the speculation cache",
               out.rounds_hit / looked if looked else 0.0),
+             ("counter", "ssd_cache_hits_total", "ssd: row-rounds answered from the cache",
+              out.rounds_hit),
              ("counter", "ssd_engine_restarts_total", "speculator restarts", state["restarts"])]
     for cache, blocks in s.kv_blocks().items():
         if blocks is not None:
@@ -357,12 +360,30 @@ def metrics_text(engine: Engine, state: dict) -> str:
 # The engine's thread and the command line
 
 def run_engine(engine: Engine, stopping: threading.Event, state: dict):
-    """Rounds until the server stops. If a round fails (the speculator's process died), every
-    request in flight has ended with the error; the engine is then down (/health says why)."""
-    try:
-        engine.scheduler.serve(stopping)
-    except BaseException as e:  # noqa: BLE001 - reported by /health, in-flight requests got it
-        state["healthy"], state["error"] = False, f"{type(e).__name__}: {e}"
+    """Rounds until the server stops. If a round fails, every request in flight has ended with
+    the error. When the speculator's process died (SSD in two processes), a new one is started
+    with the same settings and the queued requests go on in SSD, never in another mode; anything
+    else, or a restart that fails, leaves the engine down. /health says which."""
+    while not stopping.is_set():
+        try:
+            engine.scheduler.serve(stopping)
+            return
+        except BaseException as e:  # noqa: BLE001 - reported by /health, in-flight requests got it
+            state["error"] = f"{type(e).__name__}: {e}"
+        state["healthy"] = False
+        if engine.started.respawn is None:
+            break
+        try:
+            said = engine.restart_speculator()
+        except BaseException as e:  # noqa: BLE001
+            state["error"] += f"; restarting the speculator failed: {type(e).__name__}: {e}"
+            break
+        state["error"] += f" ({said})" if said else ""
+        state["healthy"], state["restarts"] = True, state["restarts"] + 1
+    else:
+        return  # the server is stopping
+    state["down"] = True
+    engine.scheduler.fail(f"the engine is down: {state['error']}")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -400,7 +421,8 @@ def main(argv=None):
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    state = {"healthy": True, "error": None, "restarts": 0}
+    # healthy: the models are up; down: the engine will not serve again; error: the last one
+    state = {"healthy": True, "down": False, "error": None, "restarts": 0}
     stopping = threading.Event()
     thread = threading.Thread(target=run_engine, args=(engine, stopping, state), daemon=True)
     thread.start()

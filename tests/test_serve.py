@@ -7,7 +7,10 @@
 - a client that disconnects mid-stream: its row leaves, the KV blocks return to their baseline,
   the other stream goes on unchanged;
 - a full KV cache: requests wait in the queue and all finish exactly; one that could never fit is
-  a 400.
+  a 400;
+- the speculator's process killed: the stream in flight ends with an error event, the server starts
+  a new speculator and serves the next request in SSD, exactly; SIGTERM lets a stream in flight
+  finish, then the server exits 0 and leaves no process behind.
 """
 import json
 import os
@@ -279,3 +282,62 @@ def test_the_server_builds_generates_engine(monkeypatch):
         assert drafts[0].vocab_size == eng.config.vocab_size and eng.scheduler.max_batch == 4
     finally:
         eng.started.stop()
+
+
+def speculator_pid(server_pid: int) -> int:
+    """The server's speculator: its child process started by multiprocessing's spawn (not the
+    resource tracker)."""
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            ppid = int(proc.joinpath("stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmd = proc.joinpath("cmdline").read_bytes().replace(b"\0", b" ")
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+        if ppid == server_pid and b"multiprocessing" in cmd and b"resource_tracker" not in cmd:
+            return int(proc.name)
+    raise AssertionError(f"no speculator process under {server_pid}")
+
+
+def wait_health(s: Server, ok, timeout=60) -> dict:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        body = httpx.get(s.url + "/health", timeout=5).json()
+        if ok(body):
+            return body
+        time.sleep(0.2)
+    raise AssertionError(f"/health never got there: {body}")
+
+
+def test_speculator_killed_then_sigterm(target, alone):
+    """SSD in two processes. The speculator killed mid-stream: that stream ends with an error
+    event, /health reports the restart, the next request is served in SSD again with exactly the
+    tokens it has alone. Then SIGTERM with a stream in flight: it finishes, the server exits 0
+    and leaves no process behind."""
+    s = Server("--mode", "ssd", "--k", "3", "--grace", "30")
+    client = s.client()
+    old = speculator_pid(s.proc.pid)
+    stream = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=200,
+                                       stream=True)
+    with pytest.raises(openai.APIError, match="engine failed"):
+        for i, _ in enumerate(stream):
+            if i == 1:
+                os.kill(old, 9)
+    body = wait_health(s, lambda b: b["status"] == "ok" and b["restarts"] == 1)
+    assert body["mode"] == "ssd" and "speculator" in body["error"], body
+    new = speculator_pid(s.proc.pid)
+    assert new != old
+    hits = s.metrics()["ssd_cache_hits_total"]
+    text = client.completions.create(model="tiny", prompt=PROMPTS[1],
+                                     max_tokens=MAX_NEW - 1).choices[0].text
+    assert text == alone[1]
+    assert s.metrics()["ssd_cache_hits_total"] > hits  # SSD again: the new speculator's cache hits
+    # SIGTERM while a request streams: it finishes (within --grace), then the server exits 0
+    got = []
+    t = threading.Thread(target=lambda: got.append(stream_text(client, PROMPTS[2], MAX_NEW - 2)))
+    t.start()
+    time.sleep(0.5)
+    s.proc.terminate()
+    t.join(timeout=60)
+    assert got == [alone[2]]
+    assert s.proc.wait(timeout=60) == 0
+    assert not Path(f"/proc/{new}").exists() or b"zombie" in Path(f"/proc/{new}/status").read_bytes()
