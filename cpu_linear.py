@@ -240,11 +240,13 @@ def use_forms(model: nn.Module, rows, path: Path | None = None) -> float:
     machine's cache file or timed now (then written there), and pack the weights that chose
     "packed": all before decoding starts. Returns the seconds spent timing (0.0 on a cache hit).
     A model on another device, or tensor-parallel, stays plain."""
-    if next(model.parameters()).device.type != "cpu" or getattr(model, "tp", None) is not None:
-        return 0.0
+    rows = sorted(set(rows) & set(ROWS))
+    if (not rows or next(model.parameters()).device.type != "cpu"
+            or getattr(model, "tp", None) is not None):
+        return 0.0  # nn.Linear as it is: no layer pays FormLinear's lookup (AR's 1-row steps)
     layers, threads, path = form_layers(model), torch.get_num_threads(), path or forms_file()
     known, new, spent, here = read_forms(path), {}, 0.0, machine()
-    for M in sorted(set(rows) & set(ROWS)):
+    for M in rows:
         for layer in layers:
             key = form_key(here, layer, M, threads)
             if (M, threads) not in layer.forms and known.get(key) in FORMS:

@@ -186,6 +186,33 @@ def test_bad_input(server):
         server.client().completions.create(model="tiny", prompt="x", top_p=0.5)
 
 
+def test_bad_requests_change_no_good_stream(server, alone):
+    """1,000 bad requests (every case of BAD in turn) sent while 4 greedy streams run: each is a
+    400, and the streams' texts are the ones they have alone. SSD only (the one with a second
+    process to disturb): the other modes answer bad input by the same code."""
+    if httpx.get(server.url + "/health").json()["mode"] != "ssd":
+        pytest.skip("ssd's server carries this one")
+    client, texts, codes = server.client(), [None] * 4, []
+
+    def good(i):
+        texts[i] = stream_text(client, PROMPTS[i], MAX_NEW - i, delay=0.05 * i)
+
+    def bad():
+        with httpx.Client(base_url=server.url, timeout=10) as http:
+            for k in range(1000):
+                body, _ = BAD[k % len(BAD)]
+                content = body if isinstance(body, bytes) else json.dumps(body).encode()
+                codes.append(http.post("/v1/completions", content=content).status_code)
+    threads = [threading.Thread(target=good, args=(i,)) for i in range(4)]
+    threads.append(threading.Thread(target=bad))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert texts == alone[:4]
+    assert codes == [400] * 1000
+
+
 def test_disconnect_frees_its_row(server, alone):
     """A stream closed after two chunks leaves within a round: the KV blocks return to their
     baseline; a stream running beside it is unchanged."""
