@@ -74,19 +74,24 @@ async def stream_one(client, url, body, timeout):
     return sent, chunks
 
 
-async def run_load(base, model, prompts, clients, requests, rate, max_tokens, seed, timeout=600):
-    """Send `requests` completions (Poisson arrivals, at most `clients` in flight)."""
+async def run_load(base, model, prompts, clients, requests, rate, max_tokens, seed, chat=False,
+                   timeout=600):
+    """Send `requests` completions (Poisson arrivals, at most `clients` in flight); chat: as
+    chat completions, each prompt the user's message."""
     import httpx
     rng = random.Random(seed)
     gate = asyncio.Semaphore(clients)
-    body = lambda p: {"model": model, "prompt": p, "max_tokens": max_tokens, "temperature": 0,
-                      "stream": True}
+    url = f"{base}/v1/chat/completions" if chat else f"{base}/v1/completions"
+
+    def body(p):
+        text = {"messages": [{"role": "user", "content": p}]} if chat else {"prompt": p}
+        return {"model": model, **text, "max_tokens": max_tokens, "temperature": 0,
+                "stream": True}
 
     async def one(i, delay):
         await asyncio.sleep(delay)
         async with gate:
-            prompt = prompts[i % len(prompts)]
-            return await stream_one(client, f"{base}/v1/completions", body(prompt), timeout)
+            return await stream_one(client, url, body(prompts[i % len(prompts)]), timeout)
 
     delays, t = [], 0.0
     for _ in range(requests):
@@ -144,10 +149,10 @@ def bench_server(kind, a, prompts, count_tokens) -> list[dict]:
     try:
         wait_healthy(base, proc, a.startup_timeout)
         model = a.hf_model or a.target if kind == "hf" else a.target
-        asyncio.run(run_load(base, model, prompts, 2, 2, 0, a.max_tokens, a.seed))  # warm-up
-        for c in a.clients:
+        asyncio.run(run_load(base, model, prompts, 2, 2, 0, a.max_tokens, a.seed, a.chat))
+        for c in a.clients:  # after the warm-up above
             start, results = asyncio.run(run_load(base, model, prompts, c, a.requests, a.rate,
-                                                  a.max_tokens, a.seed))
+                                                  a.max_tokens, a.seed, a.chat))
             rows.append({"server": kind, "clients": c, **summarise(start, results, count_tokens)})
             print(json.dumps(rows[-1]), flush=True)
     finally:
@@ -186,6 +191,8 @@ def parse_args(argv=None):
                     help="Poisson arrivals a second (0: all at once)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--prompt-file", default=None, help="one prompt per line, or JSONL 'prompt'")
+    ap.add_argument("--chat", action="store_true",
+                    help="send chat completions (instruct models): each prompt a user message")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--startup-timeout", type=float, default=300)
     ap.add_argument("--log-dir", default="/tmp", help="where the servers' logs go")
