@@ -161,14 +161,17 @@ def check_length(ids, max_tokens, engine, prompt_param, tokens_param):
 class Reply:
     """One request's text as the engine produces it. on_tokens and on_done run in the engine's
     thread; they decode, cut at a stop string (which ends the request) and post to the event
-    loop."""
+    loop. A whole answer with no stop string is decoded once, at the end, not every round."""
 
-    def __init__(self, engine: Engine, stop: list[str], loop):
+    def __init__(self, engine: Engine, stop: list[str], loop, stream: bool):
         self.tok, self.stop, self.loop = engine.tokenizer, stop, loop
+        self.each_round = stream or bool(stop)
         self.queue: asyncio.Queue = asyncio.Queue()
         self.text = ""
 
     def on_tokens(self, tokens) -> bool:
+        if not self.each_round:
+            return False
         self.text = self.tok.decode(tokens, skip_special_tokens=True)
         cut = min((i for i in (self.text.find(s) for s in self.stop) if i >= 0), default=-1)
         if cut >= 0:
@@ -177,6 +180,8 @@ class Reply:
         return cut >= 0
 
     def on_done(self, req):
+        if not self.each_round:
+            self.text = self.tok.decode(req.tokens, skip_special_tokens=True)
         self.loop.call_soon_threadsafe(self.queue.put_nowait, req)
 
     def ready(self, done: bool) -> str:
@@ -239,7 +244,7 @@ class API:
         if self.state["down"]:  # while the speculator restarts, requests wait in the queue
             return error(503, f"the engine is down: {self.state['error']}", kind="server_error",
                          code="engine_down")
-        reply = Reply(self.engine, f["stop"], asyncio.get_running_loop())
+        reply = Reply(self.engine, f["stop"], asyncio.get_running_loop(), f["stream"])
         req = Request(f["ids"], f["max_tokens"], reply.on_tokens, reply.on_done)
         try:
             self.sched.submit(req)
