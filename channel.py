@@ -110,7 +110,9 @@ class Channel:
     # -- speculator -> verifier
     def send_proposals(self, p: Proposals, capture_seconds: float = 0.0):
         pairs = [(self.tokens, p.tokens), (self.deterministic, p.deterministic), (self.hit, p.hit)]
-        if self.q is not None:
+        # a round of greedy rows has no q: the verifier tests them one-hot, never reading the
+        # buffer's stale laws
+        if self.q is not None and p.q is not None:
             pairs.append((self.q, p.q))
         for buf, x in pairs:
             put(buf, x)
@@ -216,8 +218,10 @@ class SpeculatorProcess:
     error."""
 
     def __init__(self, cfg: DraftConfig, b: int, V: int, threads: int | None, pin: bool,
-                 spin: float = 0.0):
-        self.ch = Channel(b, cfg.K, V, send_q=cfg.temperature > 0, pin=pin, spin=spin)
+                 spin: float = 0.0, per_row: bool = False):
+        # q crosses when a row may sample: at a temperature > 0, or whenever rows bring their
+        # own (per_row: a server's requests)
+        self.ch = Channel(b, cfg.K, V, send_q=cfg.temperature > 0 or per_row, pin=pin, spin=spin)
         ctx = mp.get_context("spawn")
         self.inbox, self.errors = ctx.Queue(), ctx.Queue()
         self.ch.pin_here()
@@ -230,11 +234,11 @@ class SpeculatorProcess:
             raise
         self.startup_s = time.perf_counter() - self.startup_s
 
-    def add(self, prompts, first):
-        """Rows joining, numbered from `first`: their prompts cross once (pickled: per request,
-        not per round); the speculator prefills them and, when they start a batch, pre-speculates
-        their round 0."""
-        self.control(("add", (prompts, first)))
+    def add(self, prompts, first, temps=None, seeds=None):
+        """Rows joining, numbered from `first`, with their temperatures and seeds (None: the
+        speculator's defaults): these cross once (pickled: per request, not per round); the
+        speculator prefills them and, when they start a batch, pre-speculates their round 0."""
+        self.control(("add", (prompts, first, temps, seeds)))
 
     def leave(self, rows):
         """Rows that left: the speculator frees their KV and branches now."""
@@ -354,9 +358,9 @@ def control(spec, message, rows) -> list[int]:
     rows."""
     kind, arg = message
     if kind == "add":
-        prompts, first = arg
+        prompts, first, temps, seeds = arg
         new = list(range(first, first + len(prompts)))
-        spec.add(prompts, first)
+        spec.add(prompts, first, temps, seeds)
         if not rows:
             spec.pre_speculate(new)
         return rows + new

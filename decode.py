@@ -157,7 +157,7 @@ def sd_round(verifier, drafter, rows):
 class NoDraft:
     """Autoregressive decoding is SD with K = 0: no proposals, the bonus token is the next token."""
 
-    def add(self, prompts, first=None):
+    def add(self, prompts, first=None, temps=None, seeds=None):
         return None
 
     def draft(self, rows) -> Proposals:
@@ -189,12 +189,13 @@ class SDRounds:
         self.rows: list[int] = []  # the rows the next round runs
         self.captures = Captures(verifier, drafter)
 
-    def join(self, prompts, max_new_tokens: list[int]) -> list[int]:
+    def join(self, prompts, max_new_tokens: list[int], temps=None, seeds=None) -> list[int]:
         """Prefill new rows (round 0: no proposals, its outcome is (0, t0)) and emit their first
-        tokens; they run from the next round on. -> their row numbers."""
+        tokens; they run from the next round on. temps, seeds: each row's own (None: the sides'
+        defaults, saguaro_sample.row_settings). -> their row numbers."""
         new = self.out.add(max_new_tokens)
-        q0 = self.drafter.add(prompts, new[0])
-        t0 = self.verifier.add(prompts)
+        q0 = self.drafter.add(prompts, new[0], temps, seeds)
+        t0 = self.verifier.add(prompts, temps, seeds)
         wait_for_devices(q0, t0)
         self.drafter.commit(new, torch.zeros_like(t0), t0)  # n = 0, on t0's device
         self.out.first(new, t0)
@@ -255,13 +256,13 @@ class SSDRounds:
         self.verify_start, self.wait = None, 0.0  # wait: seconds the verifier waited for proposals
         self.ours, self.theirs = Captures(verifier), Captures(speculator)
 
-    def join(self, prompts, max_new_tokens: list[int]) -> list[int]:
+    def join(self, prompts, max_new_tokens: list[int], temps=None, seeds=None) -> list[int]:
         new = self.out.add(max_new_tokens)
         # None in two processes: the speculator prefills over there
-        q0 = self.speculator.add(prompts, new[0])
+        q0 = self.speculator.add(prompts, new[0], temps, seeds)
         if not self.rows:  # a batch starting from empty: round 0's outcome is (0, t0), guess t0
             self.speculator.pre_speculate(new)
-        t0 = self.verifier.add(prompts)
+        t0 = self.verifier.add(prompts, temps, seeds)
         wait_for_devices(q0, t0)
         n0 = torch.zeros_like(t0)
         self.n = n0 if self.n is None else torch.cat([self.n, n0])

@@ -14,6 +14,7 @@ bonus t (and x_K after an all-accepted round), then x_1..x_{K-1}; in SSD, pendin
 proposals not fed yet: x_K, all of a fast backup's (`Row` says what each field holds, phase by
 phase).
 """
+import numbers
 import time
 from dataclasses import dataclass, field
 
@@ -26,7 +27,8 @@ from cpu_linear import ROWS, use_forms
 from devices import device_index, to_device, to_host
 from kv_cache import PagedKVCache
 from model import Transformer
-from saguaro_sample import exp_noise, probs_from_logits, sample, saguaro
+from saguaro_sample import (exp_noise, probs_from_logits, row_seed, row_settings, row_temperatures,
+                            sample, saguaro)
 from spec_cache import SpecCache, check_fan_out, guess_triples, select_guesses_batch
 from spec_policy import SpecPolicy
 
@@ -41,28 +43,39 @@ class Proposals:
     hit: torch.Tensor            # [b] bool: answered from the speculation cache
 
 
+# row_seed's streams of a row's draft-side draws (verify.py's is 0)
+NOISE_STREAM, RANDOM_STREAM = 1, 2
+
+
+def greedy(temperature) -> bool:
+    """Every row at temperature 0 (temperature: one float, or a tensor [b] of them)."""
+    return isinstance(temperature, numbers.Real) and temperature == 0
+
+
 def guess_probs_from_logits(logits, temperature):
     """The probabilities SSD's guesses rank the tokens by (and SD's prefill returns): at
     temperature T > 0 the draft's own law q. At T = 0 the draft is greedy, its law one-hot, which
     ranks nothing after the top token: the temperature-1 softmax then, a ranking, not a law any
-    token is drawn from."""
+    token is drawn from. temperature: one float, or a tensor [b] of them."""
+    if isinstance(temperature, torch.Tensor):
+        return probs_from_logits(logits, torch.where(temperature > 0, temperature, 1.0))
     return probs_from_logits(logits, temperature if temperature > 0 else 1.0)
 
 
-def draw(logits, temperature, generator, f=None, c=1.0, of_batch=None):
+def draw(logits, temperature, noise, f=None, c=1.0):
     """One draft token per row: (token [b], q_drawn [b, V], guess_probs [b, V]). q_drawn is the law
     the token was drawn from (Saguaro's q' when f is set and C < 1; at T = 0 the token is the
     argmax and q_drawn unused), guess_probs what the guesses rank by (guess_probs_from_logits).
-    of_batch (M, rows): these rows are `rows` of a batch of M drawn with `generator`: draw the
-    batch's noise and keep theirs."""
+    temperature: one float, or a tensor [b]; noise [b, V]: the Exp(1) noise each row draws with
+    (Drafter.noise; None when every row is greedy)."""
     probs = guess_probs_from_logits(logits, temperature)
-    if temperature == 0:
+    if greedy(temperature):
         return probs.argmax(-1), probs, probs
     q = saguaro(probs, f, c) if f is not None and c < 1 else probs
-    noise = None
-    if of_batch is not None:
-        noise = exp_noise((of_batch[0], q.shape[-1]), generator)[of_batch[1]]
-    return sample(q, generator, noise), q, probs
+    x = sample(q, None, noise)
+    if isinstance(temperature, torch.Tensor):  # its rows at T = 0 are greedy (tested one-hot)
+        x = torch.where(temperature > 0, x, probs.argmax(-1))
+    return x, q, probs
 
 
 @dataclass
@@ -89,13 +102,15 @@ class Drafted:
                 torch.stack(self.guess_probs, 1))
 
 
-def draft_k(model: Transformer, cache: PagedKVCache, seqs, first, K, temperature, generator,
-            F=None, c=1.0, stop=None, done: Drafted | None = None, of_batch=None) -> Drafted:
+def draft_k(model: Transformer, cache: PagedKVCache, seqs, first, K, temperature, noise,
+            F=None, c=1.0, stop=None, done: Drafted | None = None, of=None) -> Drafted:
     """Feed each sequence its `first` tokens (a list per row, e.g. [t] or [x_K, t]), then draft K
-    tokens one step at a time, all rows together. With F (K ints) and C < 1, step i samples from
-    Saguaro's q' (its set: the top F[i] + 1 tokens); stop(step) -> True ends the drafting before
-    that step (SSD: the verifier's outcome arrived); done continues an earlier call's steps;
-    of_batch: see `draw`."""
+    tokens one step at a time, all rows together. temperature: one float, or a tensor [b]; noise
+    [n, K, V]: what step i draws with (noise[:, i]; None when greedy), row of[s] of it for
+    sequence s (a LongTensor [b]: SSD's branches share their row's; None: row s). With F (K ints)
+    and C < 1, step i samples from Saguaro's q' (its set: the top F[i] + 1 tokens); stop(step) ->
+    True ends the drafting before that step (SSD: the verifier's outcome arrived); done continues
+    an earlier call's steps."""
     d = done if done is not None else Drafted()
     while d.steps < K and not (stop is not None and stop(d.steps)):
         i = d.steps
@@ -104,8 +119,8 @@ def draft_k(model: Transformer, cache: PagedKVCache, seqs, first, K, temperature
         else:
             step_in, counts = d.tokens[i - 1], [1] * len(seqs)
         logits = model.forward_cached(cache, seqs, step_in, counts, last_only=True)  # [b, V]
-        x, q, probs = draw(logits, temperature, generator, None if F is None else F[i], c,
-                           of_batch)
+        e = None if noise is None else noise[:, i] if of is None else noise[:, i].index_select(0, of)
+        x, q, probs = draw(logits, temperature, e, None if F is None else F[i], c)
         d.tokens.append(x), d.q.append(q), d.guess_probs.append(probs)
     return d
 
@@ -128,6 +143,10 @@ class Row:
     # either), K + 1 once pre-speculation feeds the pending tokens: what its guesses rank by
     guess_probs: torch.Tensor | None = None
     fast_backup: bool = False  # a fast backup (n-gram, random) proposed: it sets a for the fan-out
+    temperature: float = 0.0   # the row's own
+    seed: int = 0              # the row's own: its draws are keyed to it (Drafter.noise)
+    drafts: int = 0            # proposal sets made for it so far: the next one's index d
+    gen: torch.Generator | None = None  # reseeded for each of its draws (Drafter.noise)
 
 
 class Drafter:
@@ -138,33 +157,54 @@ class Drafter:
                  block_size=16):
         self.model, self.K, self.temperature = model, K, temperature
         self.cache = model.new_cache(kv_tokens, block_size)
-        self.gen = torch.Generator(device=model.device).manual_seed(seed)
+        self.seeds = torch.Generator().manual_seed(seed)  # of rows that give no seed
         self.V = model.config.vocab_size
         self.rows: list[Row] = []
 
-    def add(self, prompts: list[list[int]], first: int | None = None):
+    def add(self, prompts: list[list[int]], first: int | None = None, temps=None, seeds=None):
         """Rows joining (a static batch's all at once; continuous batching's at a round boundary,
         scheduler.py): cache their prompts; they are numbered on from the rows already here, or
         from `first`, the caller's number for the first of them (a speculator started anew after
-        the last one died never saw the rows before it). Returns the draft's next-token
+        the last one died never saw the rows before it). temps, seeds: each row's
+        (saguaro_sample.row_settings: None, the defaults). Returns the draft's next-token
         probabilities [len(prompts), V] for them."""
         if first is not None:
             self.rows += [None] * (first - len(self.rows))
-        new = [Row(self.cache.new_seq(), list(p)) for p in prompts]
+        temps, seeds = row_settings(len(prompts), temps, seeds, self.temperature, self.seeds)
+        new = [Row(self.cache.new_seq(), list(p), temperature=T, seed=s,
+                   gen=torch.Generator(device=self.model.device))
+               for p, T, s in zip(prompts, temps, seeds)]
         logits = self.model.prefill(self.cache, [row.seq for row in new], prompts)
         self.rows += new
-        return guess_probs_from_logits(logits, self.temperature)
+        return guess_probs_from_logits(logits, row_temperatures(temps, logits.device))
+
+    def temperature_of(self, rows):
+        """The temperature argument for these rows (saguaro_sample.row_temperatures)."""
+        return row_temperatures([self.rows[r].temperature for r in rows], self.model.device)
+
+    def noise(self, rows):
+        """The Exp(1) noise [b, K, V] the rows' next proposals x_1..x_K are drawn with (None when
+        every row is greedy). Row r's is a function of its seed and its proposal index d alone
+        (row_seed(seed, NOISE_STREAM, d)): a round's tokens do not depend on the batch, and SSD's
+        branch for the outcome that happens draws what its fallback would have (section 8)."""
+        if all(self.rows[r].temperature == 0 for r in rows):
+            return None
+        gens = [self.rows[r].gen.manual_seed(row_seed(self.rows[r].seed, NOISE_STREAM,
+                                                      self.rows[r].drafts)) for r in rows]
+        return exp_noise((len(rows), self.K, self.V), gens)
 
     def draft(self, rows: list[int]) -> Proposals:
         """Draft K tokens for the given rows (in SD the verifier waits for this)."""
+        T = self.temperature_of(rows)
         tok, q, _ = draft_k(self.model, self.cache, [self.rows[r].seq for r in rows],
-                            [self.rows[r].pending for r in rows], self.K, self.temperature,
-                            self.gen).stack()
+                            [self.rows[r].pending for r in rows], self.K, T,
+                            self.noise(rows)).stack()
         for r, proposed in zip(rows, to_host(tok)):
-            self.rows[r].proposed, self.rows[r].pending = proposed, []  # fed by draft_k
+            row = self.rows[r]
+            row.proposed, row.pending, row.drafts = proposed, [], row.drafts + 1  # fed by draft_k
         b = len(rows)
-        return Proposals(tok, q if self.temperature > 0 else None,
-                         torch.full((b,), self.temperature == 0, device=tok.device),
+        return Proposals(tok, None if greedy(T) else q,
+                         torch.tensor([self.rows[r].temperature == 0 for r in rows], device="cpu"),
                          torch.zeros(b, dtype=torch.bool, device="cpu"))
 
     def commit(self, rows, n, t):
@@ -244,6 +284,9 @@ class Branches:
     drafted: Drafted      # their draft steps: K, or fewer if the outcome arrived first
     prior: list[int]      # the F whose Saguaro sets they were drafted with (SpecPolicy.prior)
     fan_outs: dict        # row -> the F_0..F_K its guesses used (the power-law fit reads F_n)
+    owner: list[int]      # [M] the row each one drafts for
+    noise: torch.Tensor | None  # [rows, K, V] the rows' noise (Drafter.noise), or None (greedy)
+    of: list[int]         # [M] each one's row of `noise`: a row's branches share its noise
 
 
 class Speculator(Drafter):
@@ -259,9 +302,6 @@ class Speculator(Drafter):
         self.policy = SpecPolicy(ssd, ssd.K)
         self.spec_cache = SpecCache(ssd.K)        # (row, n, t) -> branch index m
         self.branches: Branches | None = None     # set by pre_speculate, used up by respond
-        # branch noise: a generator reseeded each round from a host-side one (no device sync)
-        self.seeds = torch.Generator().manual_seed(seed)
-        self.branch_gen = torch.Generator(device=model.device)
         self.finished = 0                         # branches finished alone after a stop
 
     def arrived(self, step: int) -> bool:
@@ -270,12 +310,12 @@ class Speculator(Drafter):
         looks at the channel instead (channel.speculator_main); tests force an arrival at a step."""
         return False
 
-    def add(self, prompts, first=None):
+    def add(self, prompts, first=None, temps=None, seeds=None):
         """As Drafter's, and each new row starts as after a prefill: round 0 proposes nothing, its
         outcome will be (0, t0), and q0 [1, V] is what its guesses of t0 rank by. It has a branch
         only if the caller pre-speculates for it (a batch starting from empty), so a row joining a
         running batch misses once: the fallback proposes its first round."""
-        q0 = super().add(prompts, first)  # [b, V]: the draft's guess of the verifier's first token
+        q0 = super().add(prompts, first, temps, seeds)  # [b, V]: the draft's guess of the verifier's first token
         for i, row in enumerate(self.rows[len(self.rows) - len(prompts):]):
             row.guess_probs = q0[i:i + 1]
         return q0
@@ -298,14 +338,17 @@ class Speculator(Drafter):
         seqs = [self.cache.fork(self.rows[r].seq, len(self.rows[r].history) + j)
                 for r, j in zip(owner, depth)]
         prior = self.policy.prior()  # a hit answers with the draft's proposals
-        self.branch_gen.manual_seed(
-            torch.randint(2**62, (1,), generator=self.seeds, device="cpu").item())
+        # every branch of a row draws with the row's noise for its next proposals: the one that
+        # hits proposes what the fallback would have (Drafter.noise)
+        at = {r: i for i, r in enumerate(rows)}
+        noise, of = (self.noise(rows) if seqs else None), [at[r] for r in owner]
         drafted = Drafted()
         if seqs:
             drafted = draft_k(self.model, self.cache, seqs, [[g] for g in guess], self.K,
-                              self.temperature, self.branch_gen, F=prior[:self.K],
-                              c=self.ssd.saguaro_c, stop=self.arrived)
-        self.branches = Branches(seqs, guess, drafted, prior, fan_outs)
+                              self.temperature_of(owner), noise, F=prior[:self.K],
+                              c=self.ssd.saguaro_c, stop=self.arrived,
+                              of=device_index(of, self.model.device))
+        self.branches = Branches(seqs, guess, drafted, prior, fan_outs, owner, noise, of)
         for m, (r, j, g) in enumerate(zip(owner, depth, guess)):
             self.spec_cache.put(r, j, g, m)
         self.policy.pre_speculated(time.perf_counter() - start,
@@ -322,7 +365,8 @@ class Speculator(Drafter):
         counts = [len(self.rows[r].pending) for r in todo]
         logits = self.model.forward_cached(self.cache, [self.rows[r].seq for r in todo],
                                            [x for r in todo for x in self.rows[r].pending], counts)
-        for r, new in zip(todo, guess_probs_from_logits(logits, self.temperature).split(counts)):
+        T = self.temperature_of([r for r, c in zip(todo, counts) for _ in range(c)])  # per token
+        for r, new in zip(todo, guess_probs_from_logits(logits, T).split(counts)):
             row = self.rows[r]
             probs = new if row.guess_probs is None else torch.cat([row.guess_probs, new])
             # after t, x_1..x_K: a fast backup's pending also holds earlier committed tokens when
@@ -373,11 +417,12 @@ class Speculator(Drafter):
         if misses:
             backup = self.propose_on_miss([rows[i] for i in misses], len(rows), skipped)
             parts.append((misses, backup.tokens, backup.q))
-        tokens, q = in_row_order(parts, len(rows), self.V if self.temperature > 0 else None)
+        greedy_rows = [self.rows[r].temperature == 0 for r in rows]
+        tokens, q = in_row_order(parts, len(rows), None if all(greedy_rows) else self.V)
         # deterministic: greedy, or a fast backup's rows (not sampled: tested one-hot)
         one_hot = set(misses) if backup is not None and backup.q is None else set()
         missed = set(misses)
-        flags = [[self.temperature == 0 or i in one_hot, i not in missed] for i in range(len(rows))]
+        flags = [[greedy_rows[i] or i in one_hot, i not in missed] for i in range(len(rows))]
         deterministic, hit = torch.tensor(flags, device="cpu").unbind(1)  # on the host
         self.policy.answered(sum(n_r + 1 for n_r, _ in outcome))
         return Proposals(tokens, q, deterministic, hit)
@@ -419,22 +464,22 @@ class Speculator(Drafter):
             row = self.rows[r]
             self.cache.free(row.seq)
             row.seq, row.proposed, row.guess_probs = self.branches.seqs[m], proposed, p
-            row.pending, row.fast_backup = proposed[-1:], False
+            row.pending, row.fast_backup, row.drafts = proposed[-1:], False, row.drafts + 1
         return tokens, q
 
     def finish_branches(self, ms):
         """The proposals of the branches that hit: tokens [h, K], q [h, K, V], guess_probs
         [h, K, V]. If pre-speculation stopped before x_K was drawn, these branches (and no others)
-        draft their remaining steps now, with the noise they would have had in the full batch: the
-        same tokens as without the stop. Feeding x_K waits for the next pre-speculation."""
-        br = self.branches
-        idx = device_index(ms, self.model.device)
-        d = br.drafted.rows(idx)
+        draft their remaining steps now, with their rows' noise: the same tokens as without the
+        stop. Feeding x_K waits for the next pre-speculation."""
+        br, dev = self.branches, self.model.device
+        d = br.drafted.rows(device_index(ms, dev))
         if d.steps < self.K:
             d = draft_k(self.model, self.cache, [br.seqs[m] for m in ms],
-                        [[br.guess[m]] for m in ms], self.K, self.temperature, self.branch_gen,
+                        [[br.guess[m]] for m in ms], self.K,
+                        self.temperature_of([br.owner[m] for m in ms]), br.noise,
                         F=br.prior[:self.K], c=self.ssd.saguaro_c, done=d,
-                        of_batch=(len(br.seqs), idx))
+                        of=device_index([br.of[m] for m in ms], dev))
             self.finished += len(ms)
         return d.stack()
 
@@ -453,15 +498,20 @@ class Speculator(Drafter):
 
         def neural():  # the draft, just in time: good tokens, costs SD's drafting (K steps)
             return draft_k(self.model, self.cache, [self.rows[r].seq for r in miss_rows],
-                           [self.rows[r].pending for r in miss_rows], self.K, self.temperature,
-                           self.gen, F=prior[:self.K], c=self.ssd.saguaro_c).stack()
+                           [self.rows[r].pending for r in miss_rows], self.K,
+                           self.temperature_of(miss_rows), self.noise(miss_rows),
+                           F=prior[:self.K], c=self.ssd.saguaro_c).stack()
 
+        gens = [self.rows[r].gen for r in miss_rows]
+        if kind == "random":  # a row's random tokens are keyed to it, as its noise is
+            gens = [g.manual_seed(row_seed(self.rows[r].seed, RANDOM_STREAM, self.rows[r].drafts))
+                    for g, r in zip(gens, miss_rows)]
         backup = fallback.propose(kind, [self.rows[r].history for r in miss_rows], self.K, self.V,
-                                  self.gen, neural)
+                                  gens, neural)
         fast = backup.guess_probs is None
         for k, (r, proposed) in enumerate(zip(miss_rows, to_host(backup.tokens))):
             row = self.rows[r]
-            row.proposed, row.fast_backup = proposed, fast
+            row.proposed, row.fast_backup, row.drafts = proposed, fast, row.drafts + 1
             # tokens the draft has not fed yet go in at the start of pre_speculate (feed_pending):
             # all of a fast backup's, x_K of the neural one's
             row.guess_probs, row.pending = ((None, row.pending + proposed) if fast

@@ -308,7 +308,7 @@ def build_engine(cfg: EngineConfig, loaded: Loaded, kv_tokens: int, draft_kv: in
                        cfg.seed + 1, draft_kv, cfg.block_size, cfg.ssd, cfg.graphs,
                        model.config.vocab_size)  # a draft padded to another size reads ours
     out = Output([] if cfg.ignore_eos else eos_ids(model.config, tok), cfg.K)
-    rounds = make_rounds(cfg, verifier, dcfg, out, where, started, max_batch)
+    rounds = make_rounds(cfg, verifier, dcfg, out, where, started, max_batch, per_row=forget)
     sched = Scheduler(rounds, kv_budget(kv_tokens, dcfg, cfg.mode), max_batch, forget=forget)
     return Engine(sched, tok, model.config, cfg, where, started)
 
@@ -358,9 +358,10 @@ def eos_ids(cfg, tok) -> list[int]:
 
 
 def make_rounds(cfg: EngineConfig, verifier, dcfg: DraftConfig, out: Output, where: Placement,
-                started: Started, max_batch: int):
+                started: Started, max_batch: int, per_row: bool = False):
     """decode.SDRounds (ar: NoDraft; sd: a Drafter) or SSDRounds (a Speculator here, or in its own
-    process when two_processes: its channel holds max_batch rows)."""
+    process when two_processes: its channel holds max_batch rows, and the laws q whenever a row
+    may sample: per_row, a server's rows bring their own temperatures)."""
     if cfg.mode == "ar":
         return SDRounds(verifier, NoDraft(), out)
     if cfg.mode == "sd":
@@ -371,7 +372,8 @@ def make_rounds(cfg: EngineConfig, verifier, dcfg: DraftConfig, out: Output, whe
     if cfg.two_processes:
         started.respawn = functools.partial(
             SpeculatorProcess, dcfg, max_batch, verifier.model.config.vocab_size,
-            where.draft_threads, pin=any_cuda(where.target_device, where.draft_device), spin=spin)
+            where.draft_threads, pin=any_cuda(where.target_device, where.draft_device), spin=spin,
+            per_row=per_row)
     started.speculator = started.respawn() if cfg.two_processes else load_draft(dcfg)
     return SSDRounds(verifier, started.speculator, out)
 

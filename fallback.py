@@ -74,11 +74,14 @@ def ngram_propose(tokens, K: int, max_n: int = 4) -> list[int]:
     return cont + [cont[-1]] * (K - len(cont))
 
 
-def random_propose(b: int, K: int, V: int, generator: torch.Generator) -> torch.Tensor:
-    """b x K uniform random token ids in [0, V), LongTensor [b, K] on the generator's device."""
+def random_propose(b: int, K: int, V: int, generator) -> torch.Tensor:
+    """b x K uniform random token ids in [0, V), LongTensor [b, K] on the generator's device
+    (generator: one, or a list of b: row i's from generator[i])."""
     if V < 1:
         raise ValueError(f"vocabulary size V must be >= 1, got {V}")
-    return torch.randint(V, (b, K), generator=generator, device=generator.device)
+    if isinstance(generator, torch.Generator):
+        return torch.randint(V, (b, K), generator=generator, device=generator.device)
+    return torch.stack([torch.randint(V, (K,), generator=g, device=g.device) for g in generator])
 
 
 # --------------------------------------------------------------------------------------------------
@@ -187,7 +190,9 @@ class Backup:
 def propose(kind, histories, K, V, generator, neural) -> Backup:
     """Proposals from backup `kind` for the rows that missed, one committed token list per row in
     `histories`. `neural()` runs the draft model just in time and returns (tokens, q,
-    guess_probs). The fast backups are deterministic (tested with a one-hot q)."""
+    guess_probs); generator: the random backup's (one, or one per row; its device is the
+    proposals'). The fast backups are deterministic (tested with a one-hot q)."""
+    device = (generator if isinstance(generator, torch.Generator) else generator[0]).device
     if kind == "neural":
         return Backup(kind, *neural())
     if kind == "ngram":  # on the host, then one copy to the draft's device
@@ -197,4 +202,4 @@ def propose(kind, histories, K, V, generator, neural) -> Backup:
         tokens = random_propose(len(histories), K, V, generator)
     else:
         raise ValueError(f"unknown backup {kind!r}; choose one of {', '.join(BACKUPS)}")
-    return Backup(kind, to_device(tokens, generator.device), None, None)
+    return Backup(kind, to_device(tokens, device), None, None)

@@ -3,37 +3,92 @@ sampling (the paper's Definition 14), which moves probability off the cached gue
 rejections land on them.
 
 Pure functions on torch tensors, batched over any leading dims ([..., V]), float32 math, randomness
-only from an explicit torch.Generator (never the global RNG): a run is reproducible from its seed.
+only from explicit torch.Generators (never the global RNG): a run is reproducible from its seed.
+Each row of a batch may have its own temperature (a tensor [b] instead of a float) and its own
+generator (a list of b generators instead of one): a row's draws then come from its generator alone,
+so a seeded request samples the same tokens whatever else is in the batch (docs/design.md
+section 8).
 """
 import numbers
 
+import numpy as np
 import torch
 
+from devices import to_device
 
-def probs_from_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+
+def probs_from_logits(logits: torch.Tensor, temperature) -> torch.Tensor:
     """softmax(logits / T) in float32, [..., V]. T = 0 gives the one-hot of argmax (ties -> lowest
-    index, as torch.argmax): greedy decoding is the temperature-0 case of the same code path."""
+    index, as torch.argmax): greedy decoding is the temperature-0 case of the same code path.
+    temperature: one float for every row, or a tensor [b] (b = logits.shape[0]), one T per row."""
+    logits = logits.float()  # softmax over 150k tokens needs float32 to keep small masses
+    if isinstance(temperature, torch.Tensor):
+        if temperature.shape != logits.shape[:1] or not temperature.dtype.is_floating_point:
+            raise ValueError(f"per-row temperatures must be a float tensor [b] = "
+                             f"[{logits.shape[0]}], got {temperature.dtype} "
+                             f"{list(temperature.shape)}")
+        T = temperature.float().view(-1, *[1] * (logits.dim() - 1))           # [b, 1, ..]
+        soft = torch.softmax(logits / torch.where(T > 0, T, 1.0), dim=-1)
+        return torch.where(T > 0, soft, one_hot_argmax(logits))
     if not (isinstance(temperature, numbers.Real) and temperature >= 0):
         raise ValueError(f"temperature must be a number >= 0 (0 = greedy), got {temperature!r}")
-    logits = logits.float()  # softmax over 150k tokens needs float32 to keep small masses
     if temperature == 0:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+        return one_hot_argmax(logits)
     return torch.softmax(logits / temperature, dim=-1)
 
 
-def exp_noise(shape, generator: torch.Generator) -> torch.Tensor:
-    """Exp(1) draws of `shape`, float32, on the generator's device (never exactly 0)."""
-    e = torch.empty(shape, device=generator.device).exponential_(generator=generator)
+def one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+
+
+def row_temperatures(temps: list[float], device):
+    """The temperature argument for rows at temps: the one float when they agree (every static
+    batch: the same arithmetic as one temperature), else a tensor [b] on `device` (from the host
+    without blocking)."""
+    if len(set(temps)) <= 1:
+        return temps[0] if temps else 0.0
+    return to_device(torch.tensor(temps, dtype=torch.float32, device="cpu"), device)
+
+
+def row_seed(seed: int, *stream: int) -> int:
+    """A 63-bit seed for one stream of a row's draws (stream: which side, which round), from the
+    row's seed: numpy's SeedSequence mixes them, so streams of nearby seeds are unrelated."""
+    words = np.random.SeedSequence([seed % 2**64, *stream]).generate_state(2, np.uint32)
+    return (int(words[0]) << 31 ^ int(words[1])) & (2**63 - 1)
+
+
+def rows_of(shape, generator, draw) -> torch.Tensor:
+    """`draw(tensor, generator)` filling a new float32 tensor of `shape`, on the generator's device:
+    with one generator, all at once; with a list of shape[0] generators, row i from generator[i]."""
+    if isinstance(generator, torch.Generator):
+        return draw(torch.empty(shape, device=generator.device), generator)
+    if len(generator) != shape[0]:
+        raise ValueError(f"{len(generator)} generators for {shape[0]} rows: give one per row")
+    if not generator:
+        return torch.empty(shape)
+    return torch.stack([draw(torch.empty(shape[1:], device=g.device), g) for g in generator])
+
+
+def uniform(shape, generator) -> torch.Tensor:
+    """U[0, 1) draws of `shape` (generator: one, or one per row)."""
+    return rows_of(shape, generator, lambda x, g: x.uniform_(generator=g))
+
+
+def exp_noise(shape, generator) -> torch.Tensor:
+    """Exp(1) draws of `shape`, float32 (never exactly 0; generator: one, or one per row)."""
+    e = rows_of(shape, generator, lambda x, g: x.exponential_(generator=g))
     return e.clamp_min_(torch.finfo(torch.float32).tiny)
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator, noise=None) -> torch.Tensor:
+def sample(probs: torch.Tensor, generator, noise=None) -> torch.Tensor:
     """One token per row of probs [..., V] (>= 0 with a positive sum, not necessarily normalised):
     argmax(probs / E) with E ~ Exp(1) i.i.d. per entry (the exponential race: token x wins with
-    chance probs(x) / sum(probs); a zero-probability token never wins). Returns LongTensor [...].
+    chance probs(x) / sum(probs); a zero-probability token never wins, so a one-hot row gives its
+    token whatever E is). Returns LongTensor [...].
 
-    noise: E, given (shape of probs) or drawn here with `generator`. Drawn apart from probs, it
-    lets SSD give a branch the noise it would have had in the full batch (draft.draft_k)."""
+    noise: E, given (shape of probs) or drawn here with `generator` (one, or one per row). Drawn
+    apart from probs, it lets the draft key its noise to a row's round (draft.Drafter.noise), so
+    SSD's branches and its fallback draw a round's tokens alike."""
     if noise is None:
         noise = exp_noise(probs.shape, generator)
     return (probs.float() / noise).argmax(-1)
@@ -79,3 +134,16 @@ def saguaro(q: torch.Tensor, f, c: float) -> torch.Tensor:
     # Z = 0 (C = 0, no mass outside S): q' is 0/0; keep q, its limit as C -> 0. Exact either way:
     # the verifier tests with whatever law the draft sampled from.
     return torch.where(Z > 0, scaled / torch.where(Z > 0, Z, 1.0), q)
+
+
+def row_settings(n: int, temps, seeds, temperature: float, seeder: torch.Generator):
+    """n joining rows' (temperatures, seeds): each row's own where given (temps, seeds: lists with
+    None for a row that gives none, or None for all), else the default `temperature` and a seed
+    drawn from `seeder` (the side's own generator: a run stays reproducible from its seed)."""
+    temps, seeds = temps or [None] * n, seeds or [None] * n
+    if len(temps) != n or len(seeds) != n:
+        raise ValueError(f"{len(temps)} temperatures and {len(seeds)} seeds for {n} rows")
+    temps = [temperature if T is None else float(T) for T in temps]
+    seeds = [int(torch.randint(2**62, (1,), generator=seeder)) if s is None else int(s)
+             for s in seeds]
+    return temps, seeds

@@ -63,6 +63,8 @@ class Request:
     # on_tokens(tokens so far) after each round that added some; True ends the request there
     on_tokens: Callable | None = None
     on_done: Callable | None = None   # on_done(request) once it has left
+    temperature: float | None = None  # its own (None: the engine's)
+    seed: int | None = None           # its own (None: one drawn from the engine's seed)
     tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" (EOS or a stop string), "length", "cancelled",
                                       #   "error" (then `error` says why)
@@ -174,7 +176,8 @@ class Scheduler:
             return
         first = len(self.out.tokens)  # the rows they get (join numbers them on)
         self.running.update({first + i: req for i, req in enumerate(new)})
-        self.rounds.join([req.prompt for req in new], [req.max_tokens for req in new])
+        self.rounds.join([req.prompt for req in new], [req.max_tokens for req in new],
+                         [req.temperature for req in new], [req.seed for req in new])
 
     def stream(self, row, tokens) -> bool:
         """Output's stream: hand each request its tokens; True when the request ends itself."""

@@ -302,8 +302,8 @@ class TPVerifier:
     def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
         return self.call("prefill", prompts)
 
-    def add(self, prompts: list[list[int]]) -> torch.Tensor:  # rows joining (scheduler.py)
-        return self.call("add", prompts)
+    def add(self, prompts: list[list[int]], temps=None, seeds=None) -> torch.Tensor:
+        return self.call("add", prompts, temps, seeds)  # rows joining (scheduler.py)
 
     def verify(self, rows: list[int], tokens, q, deterministic):
         return self.call("verify", rows, tokens, q, deterministic)  # q=None (T = 0) does not travel

@@ -16,11 +16,14 @@ import numbers
 import torch
 
 from devices import device_index, to_device, to_host
-from saguaro_sample import probs_from_logits, sample
+from saguaro_sample import (probs_from_logits, row_seed, row_settings, row_temperatures, sample,
+                            uniform)
+
+VERIFY_STREAM = 0  # row_seed's stream of a row's verifier draws (draft.py's are 1 and 2)
 
 
 def accept_reject(target_logits: torch.Tensor, draft_tokens: torch.Tensor, draft_probs,
-                  deterministic, temperature: float, generator: torch.Generator):
+                  deterministic, temperature, generator):
     """One round's verification outcome (n, t) for b rows.
 
     target_logits [b, K+1, V]: the target's logits p_0..p_K (p_i: its next-token law after x_i).
@@ -29,12 +32,17 @@ def accept_reject(target_logits: torch.Tensor, draft_tokens: torch.Tensor, draft
         None when no row needs it (temperature 0, or every row deterministic).
     deterministic [b] bool: rows whose proposals were not sampled (greedy, n-gram, random): tested
         with a one-hot q at x_i; their draft_probs are ignored (may be garbage).
-    generator: torch.Generator on the tensors' device (unused at temperature 0).
+    temperature: one float for all rows, or a tensor [b] (one T >= 0 per row). A row at T = 0 has
+        p one-hot at argmax: the test then accepts x_{i+1} iff it is the argmax (u q < 1 always,
+        u q < 0 never) and the bonus is the argmax (the residual's only mass, or p_K itself):
+        greedy_accept's outcome, through the sampled path.
+    generator: torch.Generator on the tensors' device (unused at temperature 0), or one per row
+        (a list of b): each row's uniforms and bonus then come from its own.
     Returns n [b] long (accepted, 0..K) and t [b] long (the bonus); the round emits x_1..x_n, t.
     """
     draft_probs = check_round(target_logits, draft_tokens, draft_probs, deterministic, temperature)
     x = draft_tokens.long()
-    if temperature == 0:
+    if isinstance(temperature, numbers.Real) and temperature == 0:
         return greedy_accept(target_logits, x)
     p = probs_from_logits(target_logits, temperature)                          # [b, K+1, V] float32
     n = stochastic_accept(p, x, draft_probs, deterministic, generator)         # [b]
@@ -55,10 +63,14 @@ def check_round(target_logits, draft_tokens, draft_probs, deterministic, tempera
     if deterministic.shape != (b,) or deterministic.dtype != torch.bool:
         raise ValueError(f"deterministic must be a bool tensor [b] = [{b}], "
                          f"got {deterministic.dtype} {list(deterministic.shape)}")
-    if not (isinstance(temperature, numbers.Real) and temperature >= 0):
+    per_row = isinstance(temperature, torch.Tensor)
+    if per_row and (temperature.shape != (b,) or not temperature.dtype.is_floating_point):
+        raise ValueError(f"per-row temperatures must be a float tensor [b] = [{b}], "
+                         f"got {temperature.dtype} {list(temperature.shape)}")
+    if not per_row and not (isinstance(temperature, numbers.Real) and temperature >= 0):
         raise ValueError(f"temperature must be a number >= 0 (0 = greedy), got {temperature!r}")
     if draft_probs is None:
-        if temperature > 0 and K > 0 and not bool(deterministic.all()):
+        if (per_row or temperature > 0) and K > 0 and not bool(deterministic.all()):
             raise ValueError("draft_probs is None but some rows were sampled: pass their laws q")
         return target_logits.new_zeros(()).expand(b, K, V)  # never read
     if draft_probs.shape != (b, K, V):
@@ -91,7 +103,7 @@ def stochastic_accept(p, x, draft_probs, deterministic, generator):
     qx = torch.where(deterministic[:, None], 1.0, qx)
     # u < p/q with u ~ U[0, 1), written u q < p so that q = 0 needs no division. All K uniforms at
     # once; n counts the accepts before the first rejection.
-    u = torch.rand(b, K, generator=generator, device=p.device)
+    u = uniform((b, K), generator).to(p.device)
     return leading_accepts(u * qx < px)
 
 
@@ -128,29 +140,39 @@ class Verifier:
 
     def __init__(self, model, temperature: float, seed: int, kv_tokens: int, block_size: int = 16,
                  reuse_cache: bool = False):
+        # temperature: a joining row's unless it gives its own; seed: of the seeds drawn for rows
+        # that give none
         self.model, self.temperature = model, temperature
+        self.seeds = torch.Generator().manual_seed(seed)
         # reuse_cache: the model's own pool (Transformer.new_cache), for a model decoded with again
         self.cache = model.new_cache(kv_tokens, block_size, reuse=reuse_cache)
-        self.gen = torch.Generator(device=model.device).manual_seed(seed)
         self.seqs: list[int | None] = []  # per row: its sequence in the cache (None once finished)
         self.last = None                   # [b] per row: r, the last bonus token, not yet cached
+        self.temps: list[float] = []       # per row: its temperature
+        self.gens: list = []               # per row: its generator (None once finished)
 
     def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
         """A static batch: the first rows of an empty verifier (`add` to an empty one)."""
-        self.seqs, self.last = [], None
+        self.seqs, self.last, self.temps, self.gens = [], None, [], []
         return self.add(prompts)
 
-    def add(self, prompts: list[list[int]]) -> torch.Tensor:
+    def add(self, prompts: list[list[int]], temps=None, seeds=None) -> torch.Tensor:
         """Rows joining (continuous batching: scheduler.py): cache their prompt tokens and draw each
         one's first token t0 (round 0: no proposals). They are numbered on from the rows already
-        here; returns t0 [len(prompts)] of the new rows."""
+        here; temps, seeds: each row's (saguaro_sample.row_settings: None, the defaults). Every
+        draw of a row comes from its own generator, seeded from its seed. Returns t0
+        [len(prompts)] of the new rows."""
+        temps, seeds = row_settings(len(prompts), temps, seeds, self.temperature, self.seeds)
+        gens = [torch.Generator(device=self.model.device).manual_seed(row_seed(s, VERIFY_STREAM))
+                for s in seeds]
         new = [self.cache.new_seq() for _ in prompts]
         logits = self.model.prefill(self.cache, new, prompts)  # [b, V]
         b, V = logits.shape
         none = torch.zeros(b, 0, dtype=torch.long, device=logits.device)
         every = torch.ones(b, dtype=torch.bool, device=logits.device)  # nothing was sampled
-        _, t0 = accept_reject(logits[:, None, :], none, None, every, self.temperature, self.gen)
-        self.seqs += new
+        _, t0 = accept_reject(logits[:, None, :], none, None, every,
+                              row_temperatures(temps, logits.device), gens)
+        self.seqs, self.temps, self.gens = self.seqs + new, self.temps + temps, self.gens + gens
         self.last = t0.clone() if self.last is None else torch.cat([self.last, t0])
         return t0
 
@@ -169,7 +191,9 @@ class Verifier:
         inp = torch.cat([self.last.index_select(0, idx)[:, None], tokens], 1)        # [b, K+1]
         logits = self.model.forward_cached(self.cache, seqs, inp.flatten(), [K + 1] * b)
         logits = logits.view(b, K + 1, -1)                                          # [b, K+1, V]
-        n, t = accept_reject(logits, inp[:, 1:], q, deterministic, self.temperature, self.gen)
+        n, t = accept_reject(logits, inp[:, 1:], q, deterministic,
+                             row_temperatures([self.temps[r] for r in rows], dev),
+                             [self.gens[r] for r in rows])
         for s, L, n_r in zip(seqs, start, to_host(n)):
             self.cache.truncate(s, L + 1 + n_r)  # the rejected tokens never happened
         self.last.index_copy_(0, idx, t)
@@ -183,7 +207,7 @@ class Verifier:
         """Free the KV of rows that ended (EOS or max_new_tokens)."""
         for r in rows:
             self.cache.free(self.seqs[r])
-            self.seqs[r] = None
+            self.seqs[r] = self.gens[r] = None
 
     def leave(self, rows):
         """Rows that left the batch (done or cancelled): their KV freed now."""

@@ -85,9 +85,9 @@ def run_waves(sched: Scheduler, run: Run | None = None) -> Run:
     run = run or Run(out.tokens, [], set(), 0)
     join = rounds.join
 
-    def recording_join(prompts, max_new):
+    def recording_join(prompts, max_new, *sampling):
         running = list(rounds.rows)
-        new = join(prompts, max_new)
+        new = join(prompts, max_new, *sampling)
         run.prompt += [PROMPTS.index(p) for p in prompts]
         if running:
             run.late.update(new)

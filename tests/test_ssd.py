@@ -161,7 +161,7 @@ def arrive_at(monkeypatch, j):
 @pytest.mark.parametrize("j", range(4))  # K = 3: steps 0..2; j = 3 never stops (the reference)
 def test_stopped_pre_speculation_same_tokens(ckpts, monkeypatch, j):
     """Greedy and at temperature 1: wherever pre-speculation stops, the tokens are those of a run that never
-    stops (a hit's branch is finished alone with the noise it would have had in the whole batch)."""
+    stops (a hit's branch is finished alone with its row's noise, which does not depend on the batch)."""
     greedy = dict(mode="ssd", k=3, max_new_tokens=NEW, parallel=False, pre_spec="always")
     sampled = dict(greedy, fan_out=[2, 2, 2, 2], fallback="neural", saguaro_c=0.5, temperature=1.0, seed=3)
     ref = gen(PROMPTS, ckpts["target"], ckpts["different"], **sampled)
@@ -378,8 +378,8 @@ def test_ssd_law_negative_control_wrong_q(small_vocab, monkeypatch):
     Patched at draft.draw, the one place where the law a token was drawn from (q') and the raw q part ways."""
     orig = draft_module.draw
 
-    def draw_reporting_raw_q(logits, temperature, generator, f=None, c=1.0, of_batch=None):
-        token, q_drawn, q_raw = orig(logits, temperature, generator, f, c, of_batch)
+    def draw_reporting_raw_q(logits, temperature, noise, f=None, c=1.0):
+        token, q_drawn, q_raw = orig(logits, temperature, noise, f, c)
         return token, q_raw, q_raw
 
     monkeypatch.setattr(draft_module, "draw", draw_reporting_raw_q)
