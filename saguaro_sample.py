@@ -65,7 +65,7 @@ def rows_of(shape, generator, draw) -> torch.Tensor:
     if len(generator) != shape[0]:
         raise ValueError(f"{len(generator)} generators for {shape[0]} rows: give one per row")
     if not generator:
-        return torch.empty(shape)
+        return torch.empty(shape, device="cpu")
     return torch.stack([draw(torch.empty(shape[1:], device=g.device), g) for g in generator])
 
 
@@ -144,6 +144,6 @@ def row_settings(n: int, temps, seeds, temperature: float, seeder: torch.Generat
     if len(temps) != n or len(seeds) != n:
         raise ValueError(f"{len(temps)} temperatures and {len(seeds)} seeds for {n} rows")
     temps = [temperature if T is None else float(T) for T in temps]
-    seeds = [int(torch.randint(2**62, (1,), generator=seeder)) if s is None else int(s)
-             for s in seeds]
+    seeds = [int(s) if s is not None else
+             int(torch.randint(2**62, (1,), generator=seeder, device="cpu")) for s in seeds]
     return temps, seeds
