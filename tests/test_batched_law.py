@@ -76,19 +76,23 @@ class Run:
     prompt: list        # every row's prompt, as an index into PROMPTS
     late: set           # the rows that joined a running batch
     mid_joins: int      # joins that found rows mid-generation (past their first token)
+    temp: list = None   # every row's own temperature (None: the engine's)
 
 
-def run_waves(sched: Scheduler, run: Run | None = None) -> Run:
-    """Submit WAVES between rounds, alternating PROMPTS; run until every request has left. `run`
-    fills as rows join (a negative control reads it during the run)."""
+def run_waves(sched: Scheduler, run: Run | None = None, temps=(None,)) -> Run:
+    """Submit WAVES between rounds, alternating PROMPTS, request i at temperature
+    temps[i % len(temps)] (None: the engine's); run until every request has left. `run` fills as
+    rows join (a negative control reads it during the run)."""
     rounds, out = sched.rounds, sched.out
     run = run or Run(out.tokens, [], set(), 0)
+    run.temp = []
     join = rounds.join
 
-    def recording_join(prompts, max_new, *sampling):
+    def recording_join(prompts, max_new, temperatures=None, seeds=None):
         running = list(rounds.rows)
-        new = join(prompts, max_new, *sampling)
+        new = join(prompts, max_new, temperatures, seeds)
         run.prompt += [PROMPTS.index(p) for p in prompts]
+        run.temp += temperatures or [None] * len(prompts)
         if running:
             run.late.update(new)
             run.mid_joins += any(len(out.tokens[r]) > 1 for r in running)
@@ -98,7 +102,8 @@ def run_waves(sched: Scheduler, run: Run | None = None) -> Run:
     i = 0
     for size in WAVES:
         for _ in range(size):
-            sched.submit(Request(list(PROMPTS[i % len(PROMPTS)]), MAX_TOKENS[i % len(MAX_TOKENS)]))
+            sched.submit(Request(list(PROMPTS[i % len(PROMPTS)]), MAX_TOKENS[i % len(MAX_TOKENS)],
+                                 temperature=temps[i % len(temps)]))
             i += 1
         sched.step()
     while sched.step() or sched.waiting:
@@ -179,3 +184,51 @@ def test_proposals_follow_their_rows_when_hits_and_misses_interleave():
                                       (misses, tokens[misses], None)], b, V)
     assert torch.equal(got_tokens, tokens) and torch.equal(got_q[hits], q[hits])
     assert not got_q[misses].any()
+
+
+# --------------------------------------------------------------------------------------------------
+# Rows at their own temperatures (issue 43, "Serve SSD"): greedy and sampled rows in one batch
+
+MIXED_T = (0.5, 1.0, 0.0, 0.5, 1.0)  # request i's temperature: a cycle of 5 against PROMPTS' 2
+
+
+@pytest.fixture(scope="module")
+def mixed_laws(small_vocab):
+    """The target's law of 3 tokens per prompt at T = 0.5 (small_vocab has 1.0), and each prompt's
+    greedy tokens as the engine gives them to a request alone."""
+    tgt, dft, laws = small_vocab
+    laws = {0.5: [exact_law(tgt, p, 3, 0.5) for p in PROMPTS], 1.0: laws[1.0]}
+    sched, _ = engine("sd", tgt, dft, 1.0, seed=1)
+    alone = [sched.submit(Request(list(p), max(MAX_TOKENS), temperature=0.0)) for p in PROMPTS]
+    sched.run()
+    return laws, [req.tokens for req in alone]
+
+
+@pytest.mark.parametrize("mode", ["sd", "ssd"])
+def test_mixed_temperatures_each_row_follows_its_own(small_vocab, mixed_laws, mode):
+    """Requests at T = 0, 0.5 and 1 join, run beside each other and leave (the engine's default is
+    1): each sampled row's law is the target's at its own T, per prompt; each greedy row's tokens
+    are the greedy tokens of its prompt alone (a T = 0 row goes through the sampled test with a
+    one-hot p, which accepts exactly what the greedy test does). Negative control, on the same
+    rows: measured against the other temperature's law, the check fails (prompt 1, whose laws at
+    0.5 and 1 are 0.40 apart in TV)."""
+    tgt, dft, _ = small_vocab
+    laws, greedy = mixed_laws
+    sched, drafter = engine(mode, tgt, dft, 1.0, seed=33)
+    run = run_waves(sched, temps=MIXED_T)
+    if mode == "ssd":
+        s = drafter.stats()
+        assert s["hits"] > 0 and s["misses"] > 0, s
+
+    def rows(T, i):
+        return [run.tokens[r] for r in range(N_ALL) if run.temp[r] == T and run.prompt[r] == i]
+
+    for i in range(len(PROMPTS)):
+        assert all(x == greedy[i][:len(x)] for x in rows(0.0, i))
+    checks = [(tv(empirical_law(rows(T, i), 3), laws[T][i]),
+               tv_bound(laws[T][i], len(rows(T, i)), DELTA)) for T in (0.5, 1.0) for i in (0, 1)]
+    assert all(d < bound for d, bound in checks), checks
+    wrong = [(tv(empirical_law(rows(T, 1), 3), laws[other][1]),
+              tv_bound(laws[other][1], len(rows(T, 1)), DELTA))
+             for T, other in ((0.5, 1.0), (1.0, 0.5))]
+    assert all(d > bound for d, bound in wrong), wrong
