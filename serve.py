@@ -6,11 +6,12 @@
 
 Endpoints: POST /v1/chat/completions and /v1/completions (streamed as server-sent events with
 "stream": true), GET /v1/models (the model id is --target as given), GET /health, GET /metrics
-(Prometheus text). Every decoding flag of run.py applies; the server decodes at --temperature: a
-request asking another temperature, or a seed at a temperature > 0 (rows of one batch share the
-sampler's generator, so a per-request seed could not be honoured), gets a 400 naming the field, as
-does any other field the engine cannot honour exactly (top_p != 1, n > 1, logprobs, ...). Errors
-have OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
+(Prometheus text). Every decoding flag of run.py applies; --temperature is the default of a
+request that gives none. A request may give its own `temperature` (0 to 2) and `seed` (an integer):
+its row samples at its own T from its own generators, so a seed gives the same text whatever else
+is in the batch (in SSD when every proposal is the draft's: docs/design.md section 8). A field the
+engine cannot honour exactly (top_p != 1, n > 1, logprobs, ...) is a 400 naming it. Errors have
+OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
 
 This file speaks HTTP only: the engine (engine.load_engine: scheduler.py over decode.py's rounds)
 runs in its own thread, which hands each request's tokens to the asyncio side. FastAPI and uvicorn
@@ -79,20 +80,7 @@ def check_fields(body, chat: bool, engine: Engine, model_id: str, defaults) -> d
     param = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     if not is_int(max_tokens) or max_tokens < 1:
         raise BadRequest(f"{param} must be an integer >= 1", param, "invalid_type")
-    temperature = body.get("temperature", engine.temperature)
-    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool):
-        raise BadRequest("temperature must be a number", "temperature", "invalid_type")
-    if temperature != engine.temperature:
-        raise BadRequest(f"temperature={temperature}: this server decodes at temperature "
-                         f"{engine.temperature}; leave it out, or start the server with "
-                         f"--temperature {temperature}", "temperature", "unsupported_value")
-    seed = body.get("seed")
-    if seed is not None and not is_int(seed):
-        raise BadRequest("seed must be an integer", "seed", "invalid_type")
-    if seed is not None and engine.temperature > 0:
-        raise BadRequest("seed: rows of one batch share the sampler's generator, so a "
-                         "per-request seed cannot be honoured at temperature > 0; leave it out",
-                         "seed", "unsupported_parameter")
+    temperature, seed = sampling_fields(body)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest("stream must be true or false", "stream", "invalid_type")
@@ -104,7 +92,22 @@ def check_fields(body, chat: bool, engine: Engine, model_id: str, defaults) -> d
                          "invalid_type")
     ids = chat_ids(body, engine) if chat else prompt_ids(body, engine)
     check_length(ids, max_tokens, engine, "messages" if chat else "prompt", param)
-    return {"ids": ids, "max_tokens": max_tokens, "stop": stop, "stream": stream}
+    return {"ids": ids, "max_tokens": max_tokens, "stop": stop, "stream": stream,
+            "temperature": temperature, "seed": seed}
+
+
+def sampling_fields(body) -> tuple:
+    """The request's own (temperature, seed); None where it gives none (the server's
+    --temperature; a seed drawn from the server's --seed)."""
+    temperature, seed = body.get("temperature"), body.get("seed")
+    if temperature is not None and not (isinstance(temperature, (int, float))
+                                        and not isinstance(temperature, bool)
+                                        and 0 <= temperature <= 2):
+        raise BadRequest(f"temperature must be a number from 0 to 2 (0 = greedy), got "
+                         f"{temperature!r}", "temperature", "invalid_value")
+    if seed is not None and not is_int(seed):
+        raise BadRequest("seed must be an integer", "seed", "invalid_type")
+    return temperature, seed
 
 
 def is_int(x) -> bool:
@@ -245,7 +248,8 @@ class API:
             return error(503, f"the engine is down: {self.state['error']}", kind="server_error",
                          code="engine_down")
         reply = Reply(self.engine, f["stop"], asyncio.get_running_loop(), f["stream"])
-        req = Request(f["ids"], f["max_tokens"], reply.on_tokens, reply.on_done)
+        req = Request(f["ids"], f["max_tokens"], reply.on_tokens, reply.on_done,
+                      temperature=f["temperature"], seed=f["seed"])
         try:
             self.sched.submit(req)
         except ValueError as e:

@@ -168,9 +168,44 @@ BAD = [  # (body or raw bytes, the param the error names)
     ({"prompt": "x", "top_p": 0.5}, "top_p"),                      # cannot be honoured exactly
     ({"prompt": "x", "n": 2}, "n"),
     ({"prompt": "x", "logprobs": 2}, "logprobs"),
-    ({"prompt": "x", "temperature": 0.7}, "temperature"),          # not the server's
+    ({"prompt": "x", "temperature": 2.5}, "temperature"),          # outside 0..2
+    ({"prompt": "x", "temperature": "hot"}, "temperature"),
+    ({"prompt": "x", "seed": 1.5}, "seed"),
     ({"prompt": "x", "frobnicate": 1}, "frobnicate"),
 ]
+
+
+def test_per_request_temperature_and_seed(server, alone):
+    """Requests bring their own temperature and seed. Two streams at T = 1 with the same seed,
+    started at different rounds beside greedy streams and an unseeded T = 0.7 one, have the same
+    text (AR and SD; SSD with this server's `auto` fallback may propose from the n-gram backup,
+    which depends on the batch: tests/test_row_seeds.py has SSD's case); another seed, another
+    text. The greedy streams beside them keep the text they have alone (every mode)."""
+    client, mode = server.client(), httpx.get(server.url + "/health").json()["mode"]
+    texts = {}
+
+    def one(name, prompt, max_tokens, delay, **kw):
+        time.sleep(delay)
+        chunks = client.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens,
+                                           stream=True, **kw)
+        texts[name] = "".join(c.choices[0].text for c in chunks)
+
+    jobs = [("seeded", PROMPTS[0], MAX_NEW, 0.0, dict(temperature=1.0, seed=7)),
+            ("greedy1", PROMPTS[1], MAX_NEW - 1, 0.02, {}),
+            ("warm", PROMPTS[3], MAX_NEW, 0.04, dict(temperature=0.7)),
+            ("again", PROMPTS[0], MAX_NEW, 0.1, dict(temperature=1.0, seed=7)),
+            ("greedy2", PROMPTS[2], MAX_NEW - 2, 0.15, dict(temperature=0))]
+    threads = [threading.Thread(target=one, args=job[:4], kwargs=job[4]) for job in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert texts["greedy1"] == alone[1] and texts["greedy2"] == alone[2]
+    assert texts["seeded"] and texts["warm"]
+    if mode != "ssd":
+        assert texts["again"] == texts["seeded"]
+    one("other", PROMPTS[0], MAX_NEW, 0.0, temperature=1.0, seed=8)
+    assert texts["other"] != texts["seeded"]
 
 
 def test_bad_input(server):
