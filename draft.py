@@ -119,7 +119,8 @@ def draft_k(model: Transformer, cache: PagedKVCache, seqs, first, K, temperature
         else:
             step_in, counts = d.tokens[i - 1], [1] * len(seqs)
         logits = model.forward_cached(cache, seqs, step_in, counts, last_only=True)  # [b, V]
-        e = None if noise is None else noise[:, i] if of is None else noise[:, i].index_select(0, of)
+        e = None if noise is None else noise[:, i]                                 # [n, V]
+        e = e.index_select(0, of) if e is not None and of is not None else e        # [b, V]
         x, q, probs = draw(logits, temperature, e, None if F is None else F[i], c)
         d.tokens.append(x), d.q.append(q), d.guess_probs.append(probs)
     return d
@@ -186,7 +187,8 @@ class Drafter:
         """The Exp(1) noise [b, K, V] the rows' next proposals x_1..x_K are drawn with (None when
         every row is greedy). Row r's is a function of its seed and its proposal index d alone
         (row_seed(seed, NOISE_STREAM, d)): a round's tokens do not depend on the batch, and SSD's
-        branch for the outcome that happens draws what its fallback would have (section 8)."""
+        branch for the outcome that happens draws what its fallback would have (docs/design.md,
+        Serving)."""
         if all(self.rows[r].temperature == 0 for r in rows):
             return None
         gens = [self.rows[r].gen.manual_seed(row_seed(self.rows[r].seed, NOISE_STREAM,
@@ -315,7 +317,8 @@ class Speculator(Drafter):
         outcome will be (0, t0), and q0 [1, V] is what its guesses of t0 rank by. It has a branch
         only if the caller pre-speculates for it (a batch starting from empty), so a row joining a
         running batch misses once: the fallback proposes its first round."""
-        q0 = super().add(prompts, first, temps, seeds)  # [b, V]: the draft's guess of the verifier's first token
+        # [b, V]: the draft's guess of the verifier's first token
+        q0 = super().add(prompts, first, temps, seeds)
         for i, row in enumerate(self.rows[len(self.rows) - len(prompts):]):
             row.guess_probs = q0[i:i + 1]
         return q0

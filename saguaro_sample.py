@@ -7,7 +7,7 @@ only from explicit torch.Generators (never the global RNG): a run is reproducibl
 Each row of a batch may have its own temperature (a tensor [b] instead of a float) and its own
 generator (a list of b generators instead of one): a row's draws then come from its generator alone,
 so a seeded request samples the same tokens whatever else is in the batch (docs/design.md
-section 8).
+section 7, Serving).
 """
 import numbers
 

@@ -9,9 +9,9 @@ Endpoints: POST /v1/chat/completions and /v1/completions (streamed as server-sen
 (Prometheus text). Every decoding flag of run.py applies; --temperature is the default of a
 request that gives none. A request may give its own `temperature` (0 to 2) and `seed` (an integer):
 its row samples at its own T from its own generators, so a seed gives the same text whatever else
-is in the batch (in SSD when every proposal is the draft's: docs/design.md section 8). A field the
-engine cannot honour exactly (top_p != 1, n > 1, logprobs, ...) is a 400 naming it. Errors have
-OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
+is in the batch (in SSD when every proposal is the draft's: docs/design.md, Serving). A field
+the engine cannot honour exactly (top_p != 1, n > 1, logprobs, ...) is a 400 naming it. Errors
+have OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
 
 This file speaks HTTP only: the engine (engine.load_engine: scheduler.py over decode.py's rounds)
 runs in its own thread, which hands each request's tokens to the asyncio side. FastAPI and uvicorn

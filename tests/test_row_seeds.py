@@ -8,7 +8,7 @@ and leave, emit the same tokens. In SSD this holds when every proposal comes fro
 (the neural fallback, Saguaro's C = 1): the branch that hits drew with the noise the fallback would
 have drawn with. A fast backup (n-gram, random), or C < 1 (q' depends on the fan-out, which adapts
 to the batch), makes a row's proposals depend on the batch; what holds then is that the same batch
-with the same seeds gives the same text (docs/design.md section 8).
+with the same seeds gives the same text (docs/design.md, section 7's Serving).
 """
 import pytest
 import torch
