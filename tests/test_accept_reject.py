@@ -257,3 +257,26 @@ def test_cuda_law():
     n0, t0 = accept_reject(logits.expand(B, *logits.shape), x, qb, det, 0, torch.Generator(dev))
     best = logits.argmax(-1)
     assert torch.equal(t0, best[n0])
+
+
+def test_per_row_temperature_zero_rows_accept_as_greedy_and_rows_draw_alone():
+    """Per-row temperatures and generators (issue 43): a row at T = 0 among sampled rows goes
+    through the sampled test with a one-hot p, and gets greedy_accept's (n, t) exactly; each row's
+    outcome depends on its own generator only (the same row alone, same generator: same outcome)."""
+    b, K, V = 64, 3, 7
+    g = torch.Generator().manual_seed(3)
+    logits = 2 * torch.randn(b, K + 1, V, generator=g)
+    q = torch.softmax(torch.randn(b, K, V, generator=g), -1)
+    x = torch.where(torch.rand(b, K, generator=g) < 0.5, logits[:, :K].argmax(-1),
+                    torch.randint(V, (b, K), generator=g))  # argmax often: accepts and rejects
+    T = torch.tensor([0.0, 0.7, 1.0, 0.0] * (b // 4))
+    det = T == 0  # greedy rows propose deterministically; their q is never read
+    gens = [torch.Generator().manual_seed(100 + i) for i in range(b)]
+    n, t = accept_reject(logits, x, q, det, T, gens)
+    n0, t0 = accept_reject(logits, x, q, det, 0, torch.Generator())
+    assert torch.equal(n[det], n0[det]) and torch.equal(t[det], t0[det])
+    assert (n0[det] > 0).any() and (n0[det] < K).any()
+    for i in (1, 2, 5):
+        ni, ti = accept_reject(logits[i:i + 1], x[i:i + 1], q[i:i + 1], det[i:i + 1],
+                               float(T[i]), [torch.Generator().manual_seed(100 + i)])
+        assert (int(ni), int(ti)) == (int(n[i]), int(t[i]))
