@@ -38,7 +38,7 @@ class Proposals:
     """One round's proposals for b rows: what the verifier needs to test them exactly."""
     tokens: torch.Tensor         # [b, K] x_1..x_K
     q: torch.Tensor | None       # [b, K, V] the law each x_i was drawn from (q or Saguaro's q');
-                                 #   None at temperature 0, where the test reads only the tokens
+                                 #   None when every row is greedy: the test reads the tokens
     deterministic: torch.Tensor  # [b] bool: not drawn from q (greedy, n-gram, random): one-hot test
     hit: torch.Tensor            # [b] bool: answered from the speculation cache
 
