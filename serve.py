@@ -161,6 +161,30 @@ def check_length(ids, max_tokens, engine, prompt_param, tokens_param):
 # --------------------------------------------------------------------------------------------------
 # From the engine's thread to the asyncio side
 
+class Detokenizer:
+    """A growing token list to text, each token decoded about twice however long the answer gets
+    (decoding all of it every round would cost the square of its length). Text is taken only from
+    a window that starts a few tokens back, `prefix`, so that what the tokenizer does at the start
+    of a decode (a dropped leading space) is the same in both decodes, and only once the window
+    does not end inside a character (the replacement character U+FFFD)."""
+
+    def __init__(self, tok):
+        self.tok, self.text = tok, ""
+        self.prefix = self.read = 0  # tokens[prefix:read] decode to the end of self.text
+
+    def decode(self, ids) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+    def add(self, tokens, done: bool = False) -> str:
+        """The text of `tokens` (the same list, grown since the last call) -> all text so far."""
+        before = self.decode(tokens[self.prefix:self.read])
+        now = self.decode(tokens[self.prefix:])
+        if len(now) > len(before) and (done or not now.endswith("\ufffd")):
+            self.text += now[len(before):]
+            self.prefix, self.read = self.read, len(tokens)
+        return self.text
+
+
 class Reply:
     """One request's text as the engine produces it. on_tokens and on_done run in the engine's
     thread; they decode, cut at a stop string (which ends the request) and post to the event
@@ -169,14 +193,19 @@ class Reply:
     def __init__(self, engine: Engine, stop: list[str], loop, stream: bool):
         self.tok, self.stop, self.loop = engine.tokenizer, stop, loop
         self.each_round = stream or bool(stop)
+        self.detok = Detokenizer(self.tok)
         self.queue: asyncio.Queue = asyncio.Queue()
         self.text = ""
 
     def on_tokens(self, tokens) -> bool:
         if not self.each_round:
             return False
-        self.text = self.tok.decode(tokens, skip_special_tokens=True)
-        cut = min((i for i in (self.text.find(s) for s in self.stop) if i >= 0), default=-1)
+        seen = len(self.text)
+        self.text = self.detok.add(tokens)
+        # a stop string ends within the new text: look from where one could have started
+        hold = max((len(s) - 1 for s in self.stop), default=0)
+        cut = min((i for i in (self.text.find(s, max(seen - hold, 0)) for s in self.stop)
+                   if i >= 0), default=-1)
         if cut >= 0:
             self.text = self.text[:cut]
         self.loop.call_soon_threadsafe(self.queue.put_nowait, None)  # new text
@@ -185,16 +214,17 @@ class Reply:
     def on_done(self, req):
         if not self.each_round:
             self.text = self.tok.decode(req.tokens, skip_special_tokens=True)
+        elif not req.stopped:  # the last tokens' characters, complete or not
+            self.text = self.detok.add(req.tokens, done=True)
         self.loop.call_soon_threadsafe(self.queue.put_nowait, req)
 
     def ready(self, done: bool) -> str:
-        """The text safe to send: at the end all of it; before, without an incomplete character
-        or what could be the start of a stop string."""
+        """The text safe to send: at the end all of it; before, without what could be the start
+        of a stop string (the detokenizer holds back an incomplete character)."""
         if done:
             return self.text
-        text = self.text.rstrip("\ufffd")
         hold = max((len(s) - 1 for s in self.stop), default=0)
-        return text[:len(text) - hold] if hold else text
+        return self.text[:len(self.text) - hold] if hold else self.text
 
 
 def completion(kind, rid, model_id, text, reason, usage=None, delta=False):
