@@ -4,6 +4,7 @@ speculative decoding (ssd): the `generate()` API and the command line.
     python run.py                                   # the shipped tiny pair, SSD, a code prompt
     python run.py --mode sd --k 4 --temperature 0.7 --prompt "def fib(n):"
     python run.py --target llama-70b --draft llama-1b --chat --prompt "Write a haiku"
+    python run.py --mode auto                       # measures ar, sd and ssd here, runs the fastest
 
 generate() checks the request, has engine.py place the models (devices, dtypes, CPU threads,
 tensor-parallel ranks), load them and wire the engine, and runs its prompts as a static batch of
@@ -14,16 +15,18 @@ import argparse
 import json
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 
 import torch
 
-from checkpoint import load_tokenizer
+from checkpoint import load_model, load_tokenizer
 from devices import DTYPES, check_device, resolve_dtype
 from draft import PRE_SPEC
-from engine import (Engine, EngineConfig, Started, build_engine, kv_sizes, load_target,
-                    refuse_target_devices, threads_of)
+from engine import (LOADING, Engine, EngineConfig, Started, build_engine, default_devices,
+                    kv_sizes, load_target, refuse_target_devices, threads_of)
 from fallback import POLICIES
+from model import Transformer
 from scheduler import Request
 from spec_cache import FAN_OUT_HELP, parse_fan_out
 from tp import TP_TIMEOUT_S, TorchrunEnv, serve_torchrun_rank, torchrun_device, torchrun_env
@@ -33,6 +36,9 @@ from tp import TP_TIMEOUT_S, TorchrunEnv, serve_torchrun_rank, torchrun_device, 
 # a bare final "\n" is worse: the tiny target ends the text at once. (Token healing would fix
 # both.)
 DEFAULT_PROMPT = "class Stack:\n    def __init__(self):\n        "
+
+MODES = ("ar", "sd", "ssd")
+AUTO_WARM, AUTO_TOKENS = 8, 24  # mode="auto": tokens per prompt each mode decodes, then times
 
 
 @dataclass
@@ -51,11 +57,12 @@ def generate(prompts, target="tiny", draft="tiny-draft", mode="sd", max_new_toke
              tokenizer=None, torchrun: bool = False, fixed_budget=False) -> GenerateResult:
     """Generate up to max_new_tokens for each prompt (strings, or lists of token ids).
 
-    mode: "ar" (target only), "sd" (speculative decoding, k draft tokens per round) or "ssd"
+    mode: "ar" (target only), "sd" (speculative decoding, k draft tokens per round), "ssd"
     (speculative speculative decoding with Saguaro: fan_out, budget B, fixed_budget (B kept, not
     adapted to the time), saguaro_c C, fallback policy; pre_spec "always" every round, "auto" only
     while that measures faster, "never" not at all (SD's schedule across two processes: what the
-    split alone costs); parallel=False: the speculator in this process, same tokens for a seed).
+    split alone costs); parallel=False: the speculator in this process, same tokens for a seed) or
+    "auto" (the fastest of the three, measured on these prompts first: generate_auto).
     target_devices: two or more devices (["cuda:0", ..., "cuda:3"]) run the target tensor parallel,
     one rank per device (it replaces target_device); torchrun=True: this process is rank 0 of a
     torchrun world and the target runs over all its ranks, on every node (the others run
@@ -71,6 +78,8 @@ def generate(prompts, target="tiny", draft="tiny-draft", mode="sd", max_new_toke
     not built twice. target may also be a model load_model() gave (on its device, in its dtype; not
     tensor parallel): calls that pass the same one (a bench sweep) load it once, and on a GPU replay
     the CUDA graphs they captured on its KV pool."""
+    if mode == "auto":
+        return generate_auto(**locals())  # every parameter, as given
     prompts = check_request(prompts, max_new_tokens)
     cfg = EngineConfig(target=target, draft=draft, mode=mode, temperature=temperature, k=k,
                        seed=seed, ignore_eos=ignore_eos, fan_out=fan_out, budget=budget,
@@ -96,6 +105,49 @@ def generate(prompts, target="tiny", draft="tiny-draft", mode="sd", max_new_toke
     finally:
         torch.set_num_threads(old_threads)
         started.stop()
+
+
+def generate_auto(prompts, mode, target, tokenizer, chat, stream, max_new_tokens,
+                  **kw) -> GenerateResult:
+    """generate(mode="auto"): load the target once, decode AUTO_WARM + AUTO_TOKENS tokens of each
+    prompt in every mode and time the last AUTO_TOKENS (measure), say on stderr what each gave
+    and which it chose, and generate in that mode. Each run builds its own engine, whose random
+    streams start from the seed, so the answer is the chosen mode's for that seed at any
+    temperature: the measurement draws from none of its streams. stats["auto_tok_s"]: the
+    measured tokens/s per mode."""
+    prompts = check_request(prompts, max_new_tokens)
+    if kw["target_devices"] or kw["torchrun"]:
+        raise ValueError("mode='auto' measures each mode on a target loaded once, which a "
+                         "tensor-parallel target cannot be: choose the mode (ar, sd or ssd)")
+    if not isinstance(target, Transformer):
+        with LOADING:
+            target, tok = load_model(target, device=kw["target_device"] or default_devices()[0],
+                                     dtype=kw["dtype"], tokenizer=tokenizer is None)
+        tokenizer = tokenizer or tok
+    rates = {m: measure(prompts, m, target, tokenizer, chat, kw) for m in MODES}
+    chosen = max(rates, key=rates.get)
+    print(f"mode auto: {', '.join(f'{m} {r:.1f}' for m, r in rates.items())} tok/s over "
+          f"{AUTO_TOKENS} tokens per prompt -> {chosen}, the fastest here", file=sys.stderr)
+    res = generate(prompts, target=target, mode=chosen, tokenizer=tokenizer, chat=chat,
+                   stream=stream, max_new_tokens=max_new_tokens, **kw)
+    res.stats["auto_tok_s"] = rates
+    return res
+
+
+def measure(prompts, mode, target, tokenizer, chat, kw) -> float:
+    """Tokens/s of `mode` on the prompts (EOS ignored: a fixed length): every row's tokens from
+    the AUTO_WARM-th on (the first rounds pay for first calls: a process starting, caches
+    growing) over the seconds they took, clocked as the rounds hand them over."""
+    marks, counts = [], {}  # (time, tokens so far over all rows) per handover; tokens per row
+
+    def clock(row, tokens):
+        counts[row] = len(tokens)
+        marks.append((time.perf_counter(), sum(counts.values())))
+    res = generate(prompts, target=target, mode=mode, tokenizer=tokenizer, chat=chat, stream=clock,
+                   max_new_tokens=AUTO_WARM + AUTO_TOKENS, **{**kw, "ignore_eos": True,
+                                                               "kv_tokens": None})
+    (t0, n0), (t1, n1) = next(m for m in marks if m[1] >= AUTO_WARM * len(prompts)), marks[-1]
+    return (n1 - n0) / (t1 - t0) if t1 > t0 else res.stats["decode_tok_s"]  # one round timed
 
 
 def check_request(prompts, max_new_tokens) -> list:
@@ -173,7 +225,7 @@ def parser() -> argparse.ArgumentParser:
     g = ap.add_argument_group("what to generate")
     add_prompt_options(g)
     add_decoding_options(g)
-    add_algorithm_options(ap.add_argument_group("models and algorithm"))
+    add_algorithm_options(ap.add_argument_group("models and algorithm"), auto=True)
     add_device_options(ap.add_argument_group("devices and memory"))
     add_output_options(ap.add_argument_group("output"))
     return ap
@@ -199,7 +251,9 @@ def add_decoding_options(g):
                         "(default: %(default)s)")
 
 
-def add_algorithm_options(g):
+def add_algorithm_options(g, auto=False):
+    """The models and the algorithm (serve.py takes these too, without auto: it has no prompt to
+    measure on before it starts)."""
     g.add_argument("--target", default="tiny", metavar="MODEL",
                    help="target model: an HF directory, an HF hub id in the local cache, or an "
                         "alias (llama-70b, llama-8b, llama-1b, qwen-8b, tiny, ...; see README) "
@@ -207,9 +261,11 @@ def add_algorithm_options(g):
     g.add_argument("--draft", default="tiny-draft", metavar="MODEL",
                    help="draft model (sd, ssd), same forms as --target; must share the target's "
                         "vocabulary (default: %(default)s)")
-    g.add_argument("--mode", default="ssd", choices=["ar", "sd", "ssd"],
+    g.add_argument("--mode", default="ssd", choices=[*MODES, "auto"] if auto else MODES,
                    help="ar: target alone; sd: speculative decoding; ssd: speculative speculative "
-                        "decoding (default: %(default)s)")
+                        "decoding" + ("; auto: decode a few tokens of the prompt in each, say on "
+                                      "stderr what each gave, and go on in the fastest" if auto
+                                      else "") + " (default: %(default)s)")
     g.add_argument("--k", type=int, default=4, metavar="K",
                    help="K: draft tokens proposed per round (sd, ssd) (default: %(default)s)")
     g.add_argument("--fan-out", default="geometric", metavar="F",
@@ -330,6 +386,19 @@ def print_stats(s: dict):
         print(f"{k_:>16}  {v}")
 
 
+def ssd_on_cpu_cores(a: argparse.Namespace) -> bool:
+    """Whether SSD's speculator process takes CPU cores the target could use: the target and the
+    draft both on the CPU. SSD's premise, a device for the draft that the target cannot use, then
+    does not hold, and SD (the target on every core) may be faster."""
+    if a.mode != "ssd" or a.no_parallel:
+        return False
+    targets = a.target_devices.split(",") if a.target_devices else None
+    dev_t, dev_d = default_devices(len(targets) if targets else 1)
+    targets = targets or [a.target_device or a.device or dev_t]
+    draft = a.draft_device or a.device or dev_d
+    return all(d.split(":")[0] == "cpu" for d in [*targets, draft])
+
+
 def serve_rank(a: argparse.Namespace, env: TorchrunEnv):
     """Ranks 1.. of a torchrun world: this rank's slices of the target serve rank 0's verifier
     calls until it ends the run (every rank has the same flags: target, dtype, threads, timeout)."""
@@ -352,6 +421,10 @@ def main(argv=None):
         if env:
             print(f"run.py: rank 0 of a torchrun world of {env.world} ranks on {env.nodes} "
                   f"node(s): the target runs tensor parallel across all of them", file=sys.stderr)
+        elif ssd_on_cpu_cores(a):
+            print("run.py: ssd on the CPU: the speculator takes cores the target could use (SSD's "
+                  "premise, a draft device the target cannot use, does not hold here); --mode sd "
+                  "or --mode auto may be faster", file=sys.stderr)
         if not a.json:
             tokenizer = load_tokenizer(a.target)  # generate() uses it too: built once
             # a chat answer starts on its own line; a plain prompt is continued where it ends

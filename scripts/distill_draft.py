@@ -64,6 +64,7 @@ The default --work-dir is in ~/.cache, outside the repository, so that a long ru
 checkout. On a GPU, --device cuda runs every stage there (minutes instead of hours).
 """
 import argparse
+import functools
 import hashlib
 import json
 import math
@@ -205,7 +206,8 @@ def held_out(text: str, percent: int) -> bool:
     return int(hashlib.md5(text.encode()).hexdigest(), 16) % 100 < percent
 
 
-def stdlib_docstrings(limit: int) -> list[str]:
+@functools.cache  # parsing ~400 files takes seconds; build_prompts asks twice a run
+def stdlib_docstrings(limit: int) -> tuple[str, ...]:
     """First paragraphs (80-400 characters) of module docstrings of the running Python's standard
     library, in a fixed order: real, varied English on every machine, no download."""
     import ast
@@ -221,7 +223,7 @@ def stdlib_docstrings(limit: int) -> list[str]:
             out.append(para)
         if len(out) >= limit:
             break
-    return out
+    return tuple(out)
 
 
 def build_prompts(n_train: int, n_heldout: int, seed: int, template_set: int = 0,

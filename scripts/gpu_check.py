@@ -533,7 +533,14 @@ def count_host_syncs(device):
 def tiny_run(a, mode, prompts, **kw):
     return generate(prompts, target="tiny", draft="tiny-draft", mode=mode, k=K,
                     target_device=a.device, draft_device=kw.pop("draft_device", a.device),
-                    dtype="bfloat16", ignore_eos=True, **kw)
+                    dtype="bfloat16", ignore_eos=True, target_threads=threads(a), **kw)
+
+
+def threads(a) -> int | None:
+    """The target's CPU threads: on the CPU those main gave this process (one side's share, as
+    in SSD; the tiny pair gains nothing from more, and a busy machine slows every extra thread
+    down), on a GPU generate's default."""
+    return torch.get_num_threads() if a.device == "cpu" else None
 
 
 # syncs per decode round the loop is designed for (tests/test_generate.py counts them on the CPU)
@@ -633,7 +640,7 @@ def check_sampling(a, work: Path):
         res = generate([LAW_PROMPT] * N, target=str(target), draft=str(draft), mode=mode, k=2,
                        budget=3, temperature=1.0, max_new_tokens=LAW_TOKENS, seed=1,
                        target_device=a.device, draft_device=a.device, dtype="float32",
-                       ignore_eos=True, **kw)
+                       ignore_eos=True, target_threads=threads(a), **kw)
         counts = {}
         for row in res.tokens:
             counts[tuple(row)] = counts.get(tuple(row), 0) + 1

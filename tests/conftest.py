@@ -96,3 +96,27 @@ def make_ckpt(tmp_path_factory):
     def make(kind="llama", sharded=False, **overrides):
         return make_checkpoint(tmp_path_factory.mktemp(kind), kind, sharded, **overrides)
     return make
+
+
+@pytest.fixture
+def untimed_forms(monkeypatch):
+    """cpu_linear's product forms chosen without timing them (timing every row count of a 135M
+    model takes tens of seconds): "packed" for 3 rows (a verification at K = 2, as a Xeon chooses),
+    "transposed" for any other count (as an EPYC does). Written to this session's forms file as a
+    timed choice would be, so a spawned speculator reads them. For the real model's tests, whose
+    tokens must not depend on the form: its shapes still run both non-plain forms.
+    tests/test_cpu_linear.py tests the timing."""
+    import cpu_linear
+
+    def choose(layers, M, reps=3, clock=None):
+        for layer in layers:
+            layer.forms[M, torch.get_num_threads()] = "packed" if M == 3 else "transposed"
+    monkeypatch.setattr(cpu_linear, "choose_forms", choose)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    """SmolLM2-135M-Instruct's tokenizer, built once for the session from its GGUF file's metadata
+    (seconds each build): tests/test_gguf.py and tests/test_real_pair.py."""
+    from checkpoint import load_tokenizer
+    return load_tokenizer("smollm2-135m")

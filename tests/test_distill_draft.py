@@ -138,11 +138,12 @@ def test_greedy_sd_rounds_are_the_rounds_the_engines_sd_takes():
     greedy text, greedy_sd_rounds counts exactly the rounds run.generate's SD takes (tiny pair)."""
     from run import generate
     draft, tok = load_model("tiny-draft")
+    target = load_model("tiny", tokenizer=False)[0]  # loaded once for the six runs
     for prompt in ("def parse_args(argv):\n    ", "class Stack:\n    def __init__(self):\n"):
         ids = tok(prompt)["input_ids"]
         for K in (2, 3, 4):
-            res = generate([ids], target="tiny", draft="tiny-draft", mode="sd", k=K,
-                           temperature=0.0, max_new_tokens=48, ignore_eos=True)
+            res = generate([ids], target=target, draft="tiny-draft", mode="sd", k=K,
+                           temperature=0.0, max_new_tokens=48, ignore_eos=True, target_threads=1)
             out = res.tokens[0]  # the target's greedy text: SD at T = 0 emits exactly it
             with torch.no_grad():
                 logits = draft(torch.tensor([ids + out[:-1]]))[0, len(ids) - 1:]  # [48, V]

@@ -352,6 +352,25 @@ def test_a_loaded_target_decodes_as_its_name_does(ckpts, mode, parallel):
     assert pools[0] is not None and pools[1] is pools[0]
 
 
+def test_auto_decodes_in_the_mode_it_measured_fastest(ckpts, capsys):
+    """mode="auto": every mode measured on these prompts, one stderr line with the numbers and the choice,
+    and the tokens of generate(mode=chosen) at T = 1 with the same seed (the measurement runs draw from none
+    of the chosen run's random streams)."""
+    kw = dict(k=3, temperature=1.0, max_new_tokens=12, seed=5, parallel=False, target_threads=1,
+              draft_threads=1, draft=str(ckpts["perturbed"]))
+    res = generate(PROMPTS, target=str(ckpts["target"]), mode="auto", **kw)
+    rates, chosen = res.stats["auto_tok_s"], res.stats["mode"]
+    assert list(rates) == list(run.MODES) and all(r > 0 for r in rates.values())
+    assert chosen == max(rates, key=rates.get)
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("mode auto:")]
+    assert len(lines) == 1, lines
+    assert all(f"{m} {r:.1f}" in lines[0] for m, r in rates.items()) and f"-> {chosen}," in lines[0]
+    assert res.tokens == generate(PROMPTS, target=str(ckpts["target"]), mode=chosen, **kw).tokens
+    with pytest.raises(ValueError) as e:  # nothing to load once: refused before anything loads
+        generate(PROMPTS, target=str(ckpts["target"]), mode="auto", target_devices=["cpu", "cpu"])
+    assert "\n" not in str(e.value) and "tensor-parallel" in str(e.value)
+
+
 def test_a_loaded_target_runs_where_it_is(ckpts):
     from checkpoint import load_model
     model = load_model(ckpts["target"], tokenizer=False)[0]
@@ -456,6 +475,23 @@ def test_cli_bad_target_is_one_error_line(capsys, tmp_path):
     lines = [x for x in err.splitlines() if x.strip()]
     assert rc == 1
     assert len(lines) == 1 and lines[0].startswith("error: "), err
+
+
+@pytest.mark.parametrize("argv,hint", [([], True), (["--mode", "ssd", "--device", "cpu"], True),
+                                        (["--no-parallel"], False), (["--mode", "sd"], False),
+                                        (["--mode", "ar"], False), (["--mode", "auto"], False),
+                                        (["--draft-device", "cuda:0"], False)])
+def test_cli_hints_at_sd_where_ssd_shares_the_cpu(monkeypatch, capsys, argv, hint):
+    """SSD (the default) with both models on the CPU: one stderr line says the speculator takes cores the
+    target could use and names --mode sd / auto; not for ar, sd, auto, one-process ssd, or a draft on
+    another device (SSD's premise holds). generate is a stub here: the line comes before any decoding."""
+    got = {}
+    monkeypatch.setattr(run, "generate", lambda prompts, **kw: got.update(kw) or run.GenerateResult([[3]], None))
+    assert run.main(argv + ["--json"]) == 0
+    err = capsys.readouterr().err
+    assert got["mode"] == (argv[argv.index("--mode") + 1] if "--mode" in argv else "ssd")
+    assert ("--mode sd or --mode auto may be faster" in err) == hint, err
+    assert len(err.splitlines()) == hint, err
 
 
 def save_word_tokenizer(path: Path, V: int):

