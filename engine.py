@@ -66,6 +66,9 @@ class EngineConfig:
     fixed_budget: bool
     block_size: int = 16
     torchrun: bool = False
+    # CPU cores left to other work on this machine: serve.py leaves one to its HTTP side (the
+    # event loop, and clients here): a target computing on every core stalls whenever they run
+    reserve_cores: int = 0
     ssd: SSDConfig | None = field(init=False, default=None)  # ssd's knobs, checked
 
     def __post_init__(self):
@@ -75,6 +78,8 @@ class EngineConfig:
             raise ValueError(f"k={self.k} is impossible: use 1 <= k <= 64 draft tokens per round")
         if self.temperature < 0:
             raise ValueError(f"temperature={self.temperature} must be >= 0")
+        if self.reserve_cores < 0:
+            raise ValueError(f"reserve_cores={self.reserve_cores} must be >= 0")
         if self.mode == "ssd":
             self.ssd = SSDConfig(self.K, self.fan_out, self.budget, self.saguaro_c, self.fallback,
                                  pre_spec=self.pre_spec, fixed_budget=self.fixed_budget)
@@ -241,7 +246,8 @@ def place(cfg: EngineConfig) -> Placement:
                       f"draft its own GPU (--draft-device) or use --mode sd", stacklevel=4)
     cores = os.cpu_count() or 1
     target_threads, draft_threads = threads_of(cfg.two_processes, cfg.target_threads,
-                                               cfg.draft_threads, cores)
+                                               cfg.draft_threads,
+                                               max(1, cores - cfg.reserve_cores))
     return Placement(target_device, draft_device, target_devices, target_dtype, draft_dtype,
                      target_threads, draft_threads, cores, env)
 

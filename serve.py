@@ -435,6 +435,10 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
     g.add_argument("--max-batch", type=int, default=16, metavar="N",
                    help="rows per round at most; more requests wait (default: %(default)s)")
+    g.add_argument("--http-cores", type=int, default=1, metavar="N",
+                   help="CPU cores left to the HTTP side (the event loop, and clients on this "
+                        "machine); the engine's threads take the rest. 0: every core to the "
+                        "engine, as run.py (default: %(default)s)")
     g.add_argument("--grace", type=float, default=10.0, metavar="SECONDS",
                    help="on SIGTERM / Ctrl-C, seconds in-flight requests get to finish "
                         "(default: %(default)s)")
@@ -450,7 +454,9 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
     kw = run.generate_kwargs(a)
     if kw.pop("max_new_tokens") < 1:
         raise ValueError(f"--max-new-tokens={a.max_new_tokens} must be >= 1")
-    return EngineConfig(**kw)
+    if a.http_cores < 0:
+        raise ValueError(f"--http-cores={a.http_cores} must be >= 0")
+    return EngineConfig(**kw, reserve_cores=a.http_cores)
 
 
 def main(argv=None):

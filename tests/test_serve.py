@@ -329,7 +329,7 @@ def test_the_server_builds_generates_engine(monkeypatch):
     import serve
     fields = {f.name for f in dataclasses.fields(engine.EngineConfig) if f.init}
     request = {"prompts", "max_new_tokens", "chat", "stream", "tokenizer"}
-    assert fields == set(inspect.signature(generate).parameters) - request
+    assert fields - {"reserve_cores"} == set(inspect.signature(generate).parameters) - request
     cfg = serve.engine_config(serve.parser().parse_args(["--fixed-budget", "--budget", "3", "--k", "2"]))
     assert cfg.mode == "ssd" and cfg.ssd.fixed_budget and cfg.ssd.budget == 3 and cfg.K == 2
     rows, drafts = [], []
@@ -344,6 +344,24 @@ def test_the_server_builds_generates_engine(monkeypatch):
         assert drafts[0].vocab_size == eng.config.vocab_size and eng.scheduler.max_batch == 4
     finally:
         eng.started.stop()
+
+
+def test_http_cores_are_left_to_the_http_side(monkeypatch):
+    """--http-cores N: the engine's threads take the other cores (a target computing on every core
+    stalls whenever the event loop or a client runs); SSD's sides still poll where each has a core."""
+    import engine
+    import serve
+    monkeypatch.setattr(engine.os, "cpu_count", lambda: 4)
+
+    def placed(*flags):
+        return engine.place(serve.engine_config(serve.parser().parse_args(list(flags))))
+    assert placed("--mode", "sd").target_threads == 3  # default: one core for HTTP
+    assert placed("--mode", "sd", "--http-cores", "0").target_threads == 4
+    where = placed("--mode", "ssd")
+    assert (where.target_threads, where.draft_threads, where.cores) == (2, 1, 4)
+    assert placed("--mode", "ar", "--http-cores", "9").target_threads == 1  # never below one
+    with pytest.raises(ValueError, match="--http-cores=-1 must be >= 0"):
+        placed("--http-cores", "-1")
 
 
 def speculator_pid(server_pid: int) -> int:
