@@ -193,6 +193,7 @@ class Reply:
     def __init__(self, engine: Engine, stop: list[str], loop, stream: bool):
         self.tok, self.stop, self.loop = engine.tokenizer, stop, loop
         self.each_round = stream or bool(stop)
+        self.hold = max((len(s) - 1 for s in stop), default=0)  # a stop string's start, held back
         self.detok = Detokenizer(self.tok)
         self.queue: asyncio.Queue = asyncio.Queue()
         self.text = ""
@@ -203,8 +204,7 @@ class Reply:
         seen = len(self.text)
         self.text = self.detok.add(tokens)
         # a stop string ends within the new text: look from where one could have started
-        hold = max((len(s) - 1 for s in self.stop), default=0)
-        cut = min((i for i in (self.text.find(s, max(seen - hold, 0)) for s in self.stop)
+        cut = min((i for i in (self.text.find(s, max(seen - self.hold, 0)) for s in self.stop)
                    if i >= 0), default=-1)
         if cut >= 0:
             self.text = self.text[:cut]
@@ -223,8 +223,7 @@ class Reply:
         of a stop string (the detokenizer holds back an incomplete character)."""
         if done:
             return self.text
-        hold = max((len(s) - 1 for s in self.stop), default=0)
-        return self.text[:len(self.text) - hold] if hold else self.text
+        return self.text[:len(self.text) - self.hold] if self.hold else self.text
 
 
 def completion(kind, rid, model_id, text, reason, usage=None, delta=False):
