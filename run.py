@@ -206,11 +206,12 @@ def encode(tokenizer, prompt, chat):
         return list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
                                                   add_generation_prompt=True, tokenize=True,
                                                   return_dict=False))
+    # the tokenizer's own special tokens, as transformers adds them: a Llama's (and the tiny pair's)
+    # put BOS first, SmolLM2's none (its "BOS" <|im_start|> opens a chat turn: raw text after one
+    # is a turn with no role, which the model often ends at once)
     ids = tokenizer(prompt)["input_ids"]
-    if not ids:
+    if not prompt or not ids:  # (a BOS alone is not a prompt)
         raise ValueError(f"prompt {prompt!r} tokenizes to no tokens: give a prompt with text")
-    if tokenizer.bos_token_id is not None and (not ids or ids[0] != tokenizer.bos_token_id):
-        ids = [tokenizer.bos_token_id] + ids
     return ids
 
 
@@ -350,16 +351,40 @@ def generate_kwargs(a: argparse.Namespace) -> dict:
                 target_devices=a.target_devices.split(",") if a.target_devices else None)
 
 
+class Detokenizer:
+    """A growing token list to text, each token decoded about twice however long the answer gets
+    (decoding all of it every round would cost the square of its length). Text is taken only from
+    a window that starts a few tokens back, `prefix`, so that what the tokenizer does at the start
+    of a decode (a dropped leading space) is the same in both decodes, and only once the window
+    does not end inside a character (the replacement character U+FFFD)."""
+
+    def __init__(self, tok):
+        self.tok, self.text = tok, ""
+        self.prefix = self.read = 0  # tokens[prefix:read] decode to the end of self.text
+
+    def decode(self, ids) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+    def add(self, tokens, done: bool = False) -> str:
+        """The text of `tokens` (the same list, grown since the last call) -> all text so far."""
+        before = self.decode(tokens[self.prefix:self.read])
+        now = self.decode(tokens[self.prefix:])
+        if len(now) > len(before) and (done or not now.endswith("\ufffd")):
+            self.text += now[len(before):]
+            self.prefix, self.read = self.read, len(tokens)
+        return self.text
+
+
 def text_printer(tokenizer):
     """A generate() stream that prints the first prompt's decoded text as it is accepted (nothing
     without a tokenizer)."""
-    printed = 0
+    detok, printed = Detokenizer(tokenizer), 0
 
     def stream(row, tokens):
         nonlocal printed
         if row != 0 or tokenizer is None:
             return
-        text = tokenizer.decode(tokens, skip_special_tokens=True)
+        text = detok.add(tokens)
         sys.stdout.write(text[printed:])
         sys.stdout.flush()
         printed = len(text)

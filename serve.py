@@ -161,30 +161,6 @@ def check_length(ids, max_tokens, engine, prompt_param, tokens_param):
 # --------------------------------------------------------------------------------------------------
 # From the engine's thread to the asyncio side
 
-class Detokenizer:
-    """A growing token list to text, each token decoded about twice however long the answer gets
-    (decoding all of it every round would cost the square of its length). Text is taken only from
-    a window that starts a few tokens back, `prefix`, so that what the tokenizer does at the start
-    of a decode (a dropped leading space) is the same in both decodes, and only once the window
-    does not end inside a character (the replacement character U+FFFD)."""
-
-    def __init__(self, tok):
-        self.tok, self.text = tok, ""
-        self.prefix = self.read = 0  # tokens[prefix:read] decode to the end of self.text
-
-    def decode(self, ids) -> str:
-        return self.tok.decode(ids, skip_special_tokens=True)
-
-    def add(self, tokens, done: bool = False) -> str:
-        """The text of `tokens` (the same list, grown since the last call) -> all text so far."""
-        before = self.decode(tokens[self.prefix:self.read])
-        now = self.decode(tokens[self.prefix:])
-        if len(now) > len(before) and (done or not now.endswith("\ufffd")):
-            self.text += now[len(before):]
-            self.prefix, self.read = self.read, len(tokens)
-        return self.text
-
-
 class Reply:
     """One request's text as the engine produces it. on_tokens and on_done run in the engine's
     thread; they decode, cut at a stop string (which ends the request) and post to the event
@@ -194,7 +170,7 @@ class Reply:
         self.tok, self.stop, self.loop = engine.tokenizer, stop, loop
         self.each_round = stream or bool(stop)
         self.hold = max((len(s) - 1 for s in stop), default=0)  # a stop string's start, held back
-        self.detok = Detokenizer(self.tok)
+        self.detok = run.Detokenizer(self.tok)
         self.queue: asyncio.Queue = asyncio.Queue()
         self.text = ""
 

@@ -342,6 +342,8 @@ def make_answers(target, tok, prompts: list[str], share: float | None, args, wor
         # dir reused with other prompts (another --template-set) or another --greedy-share answers
         # them, never hands back answers of another kind
         key = "\n".join(chunk)
+        if not chat:  # raw: the text's tokens and the tokenizer's own special tokens (BOS or none)
+            key += f"\nids {[encode(tok, p) for p in chunk]}"
         if not all(greedy):
             key += f"\n{greedy} T={args.sample_temp} seed={args.seed}"
         digest = hashlib.md5(key.encode()).hexdigest()[:8]

@@ -67,8 +67,9 @@ DRAFT_ARCH = dict(hidden_size=192, intermediate_size=768, num_hidden_layers=1,
 # Data: which files, the tokenizer, the token stream
 
 def train_tokenizer(paths, out_dir: Path):
-    """Byte-level BPE with BOS/EOS specials, saved as a transformers fast tokenizer -> the tokenizer."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    """Byte-level BPE with BOS/EOS specials, saved as a transformers fast tokenizer -> the tokenizer.
+    It puts BOS before a text itself (as a Llama's does): the models are trained on BOS + file."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -76,6 +77,8 @@ def train_tokenizer(paths, out_dir: Path):
     trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=[BOS, EOS], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator((read_text(p) for p in paths), trainer=trainer)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B:1", special_tokens=[(BOS, tok.token_to_id(BOS))])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS)
     fast.save_pretrained(out_dir)
     return fast

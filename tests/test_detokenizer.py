@@ -1,12 +1,11 @@
-"""serve.Detokenizer: text streamed a few tokens at a time equals the answer decoded whole, for
+"""run.Detokenizer: text streamed a few tokens at a time equals the answer decoded whole, for
 both shipped tokenizers, with multi-byte characters split across rounds."""
 import random
 
 import pytest
 
-pytest.importorskip("fastapi")
-from checkpoint import load_tokenizer  # noqa: E402
-from serve import Detokenizer  # noqa: E402
+from checkpoint import load_tokenizer
+from run import Detokenizer
 
 TEXT = ("def f(x):\n    return x  # naïve café, 日本語 😀👍🏽 ünïcödé\n\n"
         "Tips: 1) feed it, 2) keep it warm — done. «quotes» and ‘smart’ ones.")

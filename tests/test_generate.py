@@ -494,14 +494,17 @@ def test_cli_hints_at_sd_where_ssd_shares_the_cpu(monkeypatch, capsys, argv, hin
     assert len(err.splitlines()) == hint, err
 
 
-def save_word_tokenizer(path: Path, V: int):
-    """A word-level tokenizer over V tokens "<unk>", "<s>", "</s>", "w3" .. "w{V-1}" (ids = their index)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+def save_word_tokenizer(path: Path, V: int, bos: bool = True):
+    """A word-level tokenizer over V tokens "<unk>", "<s>", "</s>", "w3" .. "w{V-1}" (ids = their
+    index); bos: it puts "<s>" before a text itself, as a Llama's does (SmolLM2's puts nothing)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders, processors
     from transformers import PreTrainedTokenizerFast
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, V)}}
     tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tk.decoder = decoders.WordPiece()  # joins word-level tokens with spaces
+    if bos:
+        tk.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>",
                             unk_token="<unk>").save_pretrained(path)
 
@@ -516,7 +519,7 @@ def test_cli_json_with_tokenizer(ckpts, tmp_path, capsys):
     lines = out.strip().splitlines()
     assert len(lines) == 1, out
     got = json.loads(lines[0])
-    # the prompt is encoded with BOS (id 1) first; EOS is the tokenizer's "</s>" (id 2), kept if emitted
+    # the tokenizer puts BOS (id 1) first; EOS is the tokenizer's "</s>" (id 2), kept if emitted
     ref, _ = hf_greedy(tgt, [[1, 5, 7, 9]], 5, eos=2)
     assert got["tokens"] == ref[0]
     # the text skips the special tokens <unk>, <s>, </s> (ids 0-2); the token ids keep them
@@ -526,6 +529,16 @@ def test_cli_json_with_tokenizer(ckpts, tmp_path, capsys):
                 "mean_tokens_per_round", "acceptance_rate", "accept_len_histogram"):
         assert key in s, key
     assert s["mode"] == "sd" and s["new_tokens"] == len(got["tokens"])
+
+
+def test_raw_prompt_gets_the_tokenizers_own_special_tokens(tmp_path):
+    """A prompt without --chat is encoded as transformers encodes it: BOS first only where the
+    tokenizer puts one (a Llama's); SmolLM2's BOS, <|im_start|>, opens a chat turn and is not added."""
+    from transformers import AutoTokenizer
+    for bos, want in ((True, [1, 5, 7]), (False, [5, 7])):
+        save_word_tokenizer(tmp_path / str(bos), 100, bos=bos)
+        tok = AutoTokenizer.from_pretrained(tmp_path / str(bos))
+        assert run.encode(tok, "w5 w7", chat=False) == want
 
 
 def test_draft_with_another_tokenizer_of_the_same_size_is_one_line(tmp_path):

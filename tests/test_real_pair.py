@@ -39,6 +39,19 @@ def test_shipped_draft_is_small_and_loads_in_the_engine_and_transformers_alike(t
     torch.testing.assert_close(engine(x), hf_model(path)(x).logits.float(), atol=1e-4, rtol=1e-4)
 
 
+def test_a_raw_prompt_is_fed_as_transformers_feeds_it(smol):
+    """No chat template: the text's tokens alone, as transformers' tokenizer gives them. SmolLM2's
+    BOS is <|im_start|>, which opens a chat turn: put before raw text (as this engine did), the
+    model read "Explain ..." as a turn's role and often ended its answer at the first token."""
+    model, tok = smol
+    prompt = "Explain sorting a list in Python in simple terms."
+    ids = run.encode(tok, prompt, chat=False)
+    assert ids == tok(prompt)["input_ids"] and ids[0] != tok.convert_tokens_to_ids("<|im_start|>")
+    res = run.generate([prompt], target=model, mode="ar", tokenizer=tok, max_new_tokens=4,
+                       temperature=0.0, target_threads=1)
+    assert res.text[0].startswith("\n\nTo sort"), res.text  # transformers' greedy answer begins so
+
+
 def test_greedy_sd_and_ssd_emit_the_targets_tokens_for_a_chat_answer(smol):
     kw = dict(target=smol[0], draft=DRAFT, max_new_tokens=24, chat=True, tokenizer=smol[1],
               temperature=0.0, target_threads=1, draft_threads=1)
