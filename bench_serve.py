@@ -110,12 +110,15 @@ def summarise(start, results, count_tokens) -> dict:
         if not chunks:
             continue
         ttft.append(chunks[0][0] - sent)
+        # a chunk's tokens, re-tokenised alone, share out its wait; the answer's tokens are counted
+        # whole (a chunk of several tokens can re-tokenise into fewer: BPE merges across them)
         counts = [count_tokens(text) for _, text in chunks]
-        total += sum(counts)
+        n = count_tokens("".join(text for _, text in chunks))
+        total += n
         for (t_prev, _), (t_now, _), k in zip(chunks, chunks[1:], counts[1:]):
             itl += [(t_now - t_prev) / max(k, 1)] * max(k, 1)
-        if sum(counts) > 1 and chunks[-1][0] > chunks[0][0]:
-            decode.append((sum(counts) - counts[0]) / (chunks[-1][0] - chunks[0][0]))
+        if n > counts[0] and chunks[-1][0] > chunks[0][0]:
+            decode.append((n - counts[0]) / (chunks[-1][0] - chunks[0][0]))
         end = max(end, chunks[-1][0])
     ms = lambda xs, p: 1000 * percentile(xs, p)
     return {"output_tok_s": total / (end - start) if end > start else 0.0, "tokens": total,

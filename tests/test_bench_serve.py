@@ -17,6 +17,18 @@ def test_summarise_counts_each_token_of_a_chunk_its_share_of_the_wait():
     assert s["decode_tok_s_median"] == pytest.approx(10)
 
 
+def test_an_answer_counts_its_tokens_whole_however_it_was_chunked():
+    """The same text sent one token a chunk (AR) or several (SD, SSD) counts the same tokens: a
+    BPE tokenizer can merge across a chunk's tokens, so chunks re-tokenised apart sum to another
+    count (SmolLM2's chat answers: 1,668 through SD against 1,679 through AR, the same texts)."""
+    def count(text):  # "ab" is one token, any other character one
+        return len(text) - text.count("ab")
+    one_by_one = [(0.0, [(0.1, "a"), (0.2, "b"), (0.3, "c")])]
+    merged = [(0.0, [(0.2, "ab"), (0.3, "c")])]  # (chunks counted apart: 3 and 2)
+    assert bench_serve.summarise(0.0, one_by_one, count)["tokens"] == 2
+    assert bench_serve.summarise(0.0, merged, count)["tokens"] == 2
+
+
 def test_args():
     a = bench_serve.parse_args(["--servers", "ar,ssd", "--clients", "1,8", "--", "--budget", "4"])
     assert a.servers == ["ar", "ssd"] and a.clients == [1, 8] and a.serve_args == ["--budget", "4"]
