@@ -729,6 +729,8 @@ def main(argv=None):
     only = set(a.only.split(",")) if a.only else None
     report = {"command": " ".join(["python scripts/gpu_check.py"] + (argv or sys.argv[1:])),
               "date": time.strftime("%Y-%m-%d"), "checks": []}
+    out = Path(a.out or REPO / "docs" / f"gpu_check_{a.device.replace(':', '')}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
     for name, fn in checks:
         if only and name.split(":")[0] not in only:
             continue
@@ -741,9 +743,8 @@ def main(argv=None):
         res = {"name": name, **res, "check_seconds": time.perf_counter() - start}
         report["checks"].append(res)
         print(f"{'ok ' if res['ok'] else 'FAIL'} {name:<22} {summary(res)}", flush=True)
-    out = Path(a.out or REPO / "docs" / f"gpu_check_{a.device.replace(':', '')}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1, default=str) + "\n")
+        # written after every check: a run cut short (a machine lent for minutes) keeps its part
+        out.write_text(json.dumps(report, indent=1, default=str) + "\n")
     print(f"report written to {out}")
     return 0 if all(c["ok"] for c in report["checks"]) else 1
 
