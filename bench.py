@@ -237,7 +237,8 @@ def run_engine(cfg: Config, batches, a, first=0, target=None):
                      fixed_budget=cfg.fixed_budget,
                      target_threads=cfg.threads,
                      draft_threads=cfg.draft_threads, dtype=a.dtype,
-                     graphs=False if a.no_graphs else None).stats
+                     graphs=False if a.no_graphs else None,
+                     compile=False if a.no_compile or a.no_graphs else None).stats
         c = counters(cfg, s)
         tot = c if tot is None else add_counters(tot, c)
     return tot
@@ -517,6 +518,8 @@ def add_machine_args(ap):
     ap.add_argument("--no-graphs", action="store_true",
                     help="on CUDA, run this engine's decode steps and verifications eagerly "
                          "instead of as CUDA graphs")
+    ap.add_argument("--no-compile", action="store_true",
+                    help="on CUDA, capture the eager layers in the graphs, not torch.compile's")
 
 
 def add_action_args(ap):

@@ -45,6 +45,8 @@ class FormLinear(nn.Linear):
         self.packs = {}  # M -> (the weight's identity when packed, its packed copy or None)
 
     def forward(self, x):
+        if torch.compiler.is_compiling():  # a compiled layer (model.compiled_halves): Inductor's
+            return F.linear(x, self.weight, self.bias)  # own product, traced as one op
         rows = x.reshape(-1, x.shape[-1])                                            # [M, in]
         form = self.forms.get((rows.shape[0], torch.get_num_threads()), "plain")
         if x.device.type != "cpu" or form == "plain":

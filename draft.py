@@ -581,6 +581,7 @@ class DraftConfig:
     ssd: SSDConfig | None = None  # None: plain SD
     graphs: bool | None = None    # static shapes / CUDA graphs (Transformer.use_graphs)
     vocab_size: int | None = None  # the target's: a draft padded to another size is read over it
+    compile: bool | None = None   # torch.compile the graphs' layers (Transformer.use_graphs)
 
 
 def load_draft(c: DraftConfig) -> Drafter:
@@ -588,7 +589,7 @@ def load_draft(c: DraftConfig) -> Drafter:
     model, _ = load_model(c.name, device=c.device, dtype=c.dtype, tokenizer=False,
                           vocab_size=c.vocab_size)
     use_forms(model, ROWS)  # the CPU's product forms for any rows a round drafts (cpu_linear.py)
-    model.use_graphs(c.graphs)
+    model.use_graphs(c.graphs, c.compile)
     if c.ssd is None:
         return Drafter(model, c.K, c.temperature, c.seed, c.kv_tokens, c.block_size)
     return Speculator(model, c.ssd, c.temperature, c.seed, c.kv_tokens, c.block_size)

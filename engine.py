@@ -66,6 +66,7 @@ class EngineConfig:
     fixed_budget: bool
     block_size: int = 16
     torchrun: bool = False
+    compile: bool | None = None  # torch.compile the graphs' layers (Transformer.use_graphs)
     # CPU cores left to other work on this machine: serve.py leaves one to its HTTP side (the
     # event loop, and clients here): a target computing on every core stalls whenever they run
     reserve_cores: int = 0
@@ -203,7 +204,7 @@ def load_target(cfg: EngineConfig, started: Started, tokenizer=None) -> Loaded:
     where = place(cfg)
     torch.set_num_threads(where.target_threads)
     if isinstance(cfg.target, Transformer):  # loaded by the caller
-        cfg.target.use_graphs(cfg.graphs)
+        cfg.target.use_graphs(cfg.graphs, cfg.compile)
         return Loaded(cfg.target, tokenizer, where, started)
     with LOADING:
         tp = None
@@ -217,7 +218,7 @@ def load_target(cfg: EngineConfig, started: Started, tokenizer=None) -> Loaded:
             tp = started.workers.rank0
         model, tok = load_model(cfg.target, device=where.target_device, dtype=where.target_dtype,
                                 tp=tp, tokenizer=tokenizer is None)
-    model.use_graphs(cfg.graphs)
+    model.use_graphs(cfg.graphs, cfg.compile)
     return Loaded(model, tokenizer or tok, where, started)
 
 
@@ -312,7 +313,8 @@ def build_engine(cfg: EngineConfig, loaded: Loaded, kv_tokens: int, draft_kv: in
                 else Verifier(model, *settings, reuse_cache=model is cfg.target))
     dcfg = DraftConfig(cfg.draft, where.draft_device, where.draft_dtype, cfg.K, cfg.temperature,
                        cfg.seed + 1, draft_kv, cfg.block_size, cfg.ssd, cfg.graphs,
-                       model.config.vocab_size)  # a draft padded to another size reads ours
+                       model.config.vocab_size,  # a draft padded to another size reads ours
+                       cfg.compile)
     out = Output([] if cfg.ignore_eos else eos_ids(model.config, tok), cfg.K)
     rounds = make_rounds(cfg, verifier, dcfg, out, where, started, max_batch, per_row=forget)
     sched = Scheduler(rounds, kv_budget(kv_tokens, dcfg, cfg.mode), max_batch, forget=forget)

@@ -38,8 +38,9 @@ class StaticSteps:
     MAX_T = 16       # longer uniform steps (prefill pieces) stay on the dynamic path
     MAX_ROWS = 512   # so do larger batches: a bucket keeps its logits, [rows * T, V] float32
 
-    def __init__(self, capture: bool):
+    def __init__(self, capture: bool, halves=None):
         self.capture = capture
+        self.halves = halves  # the layers' compiled halves (model.compiled_halves), or None
         self.buckets: dict[tuple, Bucket] = {}
         self.pool = None    # one memory pool for all of a model's graphs (they never run at once)
         self.captures = 0
@@ -68,7 +69,7 @@ class StaticSteps:
         bk.tokens[:b * T].copy_(tokens)
 
         def run():
-            return model.run(cache, bk.tokens, cache.meta(bk.ints, *shape))
+            return model.run(cache, bk.tokens, cache.meta(bk.ints, *shape), halves=self.halves)
         if not self.capture:
             return run()[:b * T]
         if bk.graph is None:

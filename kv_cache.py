@@ -14,8 +14,10 @@ from devices import to_device
 # --------------------------------------------------------------------------------------------------
 # The paged KV cache
 #
-# One pool for the whole model, kv[layer, 0 or 1 (K or V), block, slot, kv_head, head_dim], so that
-# kv[l, 0] is layer l's [num_blocks, block_size, n_kv_heads, head_dim] pool of keys. A sequence is a
+# One pool for the whole model, kv[layer, block, slot, 0 or 1 (K or V), kv_head, head_dim], so that
+# kv[l] is layer l's [num_blocks, block_size, 2, n_kv_heads, head_dim] pool, each token's K and V
+# side by side: a forward writes both with one indexed copy and reads a sequence's K and V back
+# with one gather (a kernel each on a GPU, not two). A sequence is a
 # block table (list of block ids) plus a length. Blocks are reference counted so that SSD's branches
 # can share the blocks of their common prefix (`fork`); a block is copied before it is written while
 # shared (copy on write), so no sequence ever sees another's writes.
@@ -37,6 +39,7 @@ class AttnMeta:
                                #   -inf elsewhere; g = query heads per KV head (see paged_attention)
     T: int                     # most new tokens of any sequence in this batch
     last: torch.Tensor         # [b] index in [N] of each sequence's last new token
+    ragged: bool               # rows with fewer than T new tokens (else the padded [b, T] is [N])
 
 
 class PagedKVCache:
@@ -50,7 +53,7 @@ class PagedKVCache:
         self.block_size = block_size
         self.group = cfg.num_attention_heads // cfg.num_key_value_heads  # g: q heads per KV head
         self.num_blocks = -(-num_tokens // block_size)
-        self.kv = torch.zeros(cfg.num_hidden_layers, 2, self.num_blocks, block_size,
+        self.kv = torch.zeros(cfg.num_hidden_layers, self.num_blocks, block_size, 2,
                               cfg.num_key_value_heads, cfg.head_dim, device=device, dtype=dtype)
         self.refcount = [0] * self.num_blocks
         self.free_blocks = list(range(self.num_blocks - 1, -1, -1))  # a stack: pop() gives block 0
@@ -106,7 +109,7 @@ class PagedKVCache:
             self.refcount[b] += 1
         if rem:
             b = self._alloc()
-            self.kv[:, :, b, :rem] = self.kv[:, :, src.blocks[n_full], :rem]
+            self.kv[:, b, :rem] = self.kv[:, src.blocks[n_full], :rem]
             blocks = blocks + [b]
         new = self.new_seq()
         self.seqs[new] = Seq(blocks, length)
@@ -151,7 +154,7 @@ class PagedKVCache:
         if s.length % bs and self.refcount[s.blocks[first]] > 1:
             # the partial last block is shared (a truncated fork of a longer one): copy on write
             old, new = s.blocks[first], self._alloc()
-            self.kv[:, :, new] = self.kv[:, :, old]
+            self.kv[:, new] = self.kv[:, old]
             self._release(old)
             s.blocks[first] = new
         while len(s.blocks) * bs < s.length + n:
@@ -223,7 +226,8 @@ class PagedKVCache:
         # additive float mask, built once per forward (SDPA would convert a bool mask per layer)
         mask = torch.zeros(allowed.shape, dtype=self.kv.dtype, device=ints.device)
         mask.masked_fill_(~allowed, float("-inf"))
-        return AttnMeta(slots, positions, table.view(b, max_blocks), query_index, mask, T, last)
+        return AttnMeta(slots, positions, table.view(b, max_blocks), query_index, mask, T, last,
+                        ragged=N != b * T)
 
 
 def bucket(n: int) -> int:
@@ -240,19 +244,19 @@ def paged_attention(q, k, v, kv_layer, meta: AttnMeta):
     read one KV head become g * T queries of that head, so SDPA sees as many heads in q as in K/V
     and needs no `enable_gqa` (with which, and a mask, CUDA falls back to the math kernel that
     materialises every score); the mask is built for that layout (PagedKVCache.prepare)."""
-    k_pool, v_pool = kv_layer[0], kv_layer[1]  # [num_blocks, block_size, nkv, hd]
-    nb, bs, nkv, hd = k_pool.shape
-    k_pool.view(nb * bs, nkv, hd).index_copy_(0, meta.slots, k.to(k_pool.dtype))
-    v_pool.view(nb * bs, nkv, hd).index_copy_(0, meta.slots, v.to(v_pool.dtype))
+    nb, bs, _, nkv, hd = kv_layer.shape
+    # one write of the new tokens' K and V, [N, 2, nkv, hd], into their slots
+    kv_layer.view(nb * bs, 2, nkv, hd)[meta.slots] = torch.stack((k, v), 1).to(kv_layer.dtype)
     b, T, nh = meta.block_table.shape[0], meta.T, q.shape[1]
-    blocks = meta.block_table.flatten()  # index_select copies whole blocks: faster than indexing
-    # [b * max_blocks, bs, nkv, hd] -> [b, nkv, L, hd]
-    keys = k_pool.index_select(0, blocks).view(b, -1, nkv, hd).transpose(1, 2)
-    vals = v_pool.index_select(0, blocks).view(b, -1, nkv, hd).transpose(1, 2)
-    qp = q.new_zeros(b * T, nh, hd).index_copy_(0, meta.query_index, q)
+    # index_select copies whole blocks, K and V together: faster than indexing token by token
+    # [b * max_blocks, bs, 2, nkv, hd] -> [b, L, 2, nkv, hd] -> K, V [b, nkv, L, hd]
+    kv = kv_layer.index_select(0, meta.block_table.flatten()).view(b, -1, 2, nkv, hd)
+    keys, vals = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
+    # rows with fewer than T new tokens are padded to [b, T]; a uniform step is that layout already
+    qp = q.new_zeros(b * T, nh, hd).index_copy_(0, meta.query_index, q) if meta.ragged else q
     # [b*T, nh, hd] -> [b, T, nkv, g, hd] -> [b, nkv, g, T, hd] -> [b, nkv, g*T, hd]
     qp = qp.view(b, T, nkv, nh // nkv, hd).permute(0, 2, 3, 1, 4).reshape(b, nkv, -1, hd)
     y = F.scaled_dot_product_attention(qp, keys, vals, attn_mask=meta.mask)  # [b, nkv, g*T, hd]
     # [b, nkv, g*T, hd] -> [b, nkv, g, T, hd] -> [b, T, nkv, g, hd] -> [b*T, nh, hd]
     y = y.view(b, nkv, nh // nkv, T, hd).permute(0, 3, 1, 2, 4).reshape(b * T, nh, hd)
-    return y[meta.query_index]
+    return y[meta.query_index] if meta.ragged else y

@@ -12,6 +12,7 @@ into it is checkpoint.py's job; static shapes and CUDA graphs are graphs.py's; h
 product of a few rows fastest, cpu_linear.py's.
 """
 import math
+import types
 from dataclasses import dataclass, replace
 
 import torch
@@ -185,16 +186,18 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def forward(self, x, cos, sin, kv_layer=None, meta=None):
-        q, k, v = self.qkv(x, cos, sin)
+    def attend(self, q, k, v, kv_layer=None, meta=None):
         if kv_layer is None:
-            # full forward: x [B, T, hidden]; plain causal attention
+            # full forward: q [B, T, nh, hd], k/v [B, T, nkv, hd]; plain causal attention
             y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
                                                v.transpose(1, 2), is_causal=True,
                                                enable_gqa=True)  # [B, nh, T, hd]
-            return all_reduce(self.o_proj(y.transpose(1, 2).flatten(-2)), self.tp)
-        # paged: x [N, hidden] holds the new tokens of all sequences back to back
-        y = paged_attention(q, k, v, kv_layer, meta)  # [N, nh, hd]
+            return y.transpose(1, 2)  # [B, T, nh, hd]
+        # paged: the new tokens of all sequences back to back, q [N, nh, hd] -> [N, nh, hd]
+        return paged_attention(q, k, v, kv_layer, meta)
+
+    def out(self, y):
+        # y [..., nh, hd] -> [..., hidden]
         return all_reduce(self.o_proj(y.flatten(-2)), self.tp)
 
 
@@ -227,9 +230,43 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, tp)
 
-    def forward(self, x, cos, sin, kv_layer=None, meta=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_layer, meta)
+    def forward(self, x, cos, sin, kv_layer=None, meta=None, halves=None):
+        """halves: (pre_attention, post_attention) compiled (graphs.StaticSteps), else these."""
+        pre, post = halves or (Block.pre_attention, Block.post_attention)
+        q, k, v = pre(self, x, cos, sin)
+        return post(self, x, self.self_attn.attend(q, k, v, kv_layer, meta))
+
+    # A layer's two halves around attention, which writes the KV cache. torch.compile fuses each
+    # half's elementwise work into few kernels; the cache write stays outside, in the pool itself.
+    def pre_attention(self, x, cos, sin):
+        return self.self_attn.qkv(self.input_layernorm(x), cos, sin)
+
+    def post_attention(self, x, y):
+        x = x + self.self_attn.out(y)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def compiled_halves(tag: str):
+    """Block.pre_attention and Block.post_attention through torch.compile (Inductor): a layer's
+    norms, RoPE, SiLU and residual adds fused into a few kernels around its GEMMs, where eager
+    PyTorch launches one kernel per operation (a GPU's decode step is mostly launches and their
+    gaps). One compiled graph serves every layer of a model (the layer is an argument). The first
+    step compiles for its token count; the second count seen compiles once more with that count
+    symbolic (torch.compile's automatic dynamic shapes), which every later bucket reuses, while
+    the model's own sizes stay constants. Compiling takes seconds, when a step's bucket first
+    comes up (on CUDA inside the graph capture, timed apart from decoding: graphs.StaticSteps).
+
+    torch.compile keeps at most 8 graphs per function (recompile_limit; a new dtype or CPU thread
+    count compiles again too) and records which sizes varied per function name: each model
+    compiles copies of the two functions named apart by `tag`, so that the other models of its
+    process (a draft, a sweep's) spend none of its graphs and turn none of its sizes symbolic."""
+    def own(fn):
+        code = fn.__code__.replace(co_name=f"{fn.__name__}_{tag}",
+                                   co_qualname=f"{fn.__qualname__}_{tag}")
+        return types.FunctionType(code, fn.__globals__, code.co_name)
+    opts = dict(fullgraph=True)
+    return (torch.compile(own(Block.pre_attention), **opts),
+            torch.compile(own(Block.post_attention), **opts))
 
 
 # A draft's own vocabulary (ModelConfig.token_ids): ids in as rows, logits out over the vocabulary
@@ -288,21 +325,29 @@ class Transformer(nn.Module):
         self.kv_pool: PagedKVCache | None = None  # the cache new_cache(reuse=True) hands back
         self.init_buffers()
 
-    def use_graphs(self, graphs: bool | None):
+    def use_graphs(self, graphs: bool | None, compile: bool | None = None):
         """graphs=None: CUDA graphs where the model is on CUDA (and not tensor parallel), the
         dynamic eager path elsewhere; True: decode steps and verifications padded to static shapes
         (StaticSteps, below), each shape captured once as a CUDA graph and replayed on CUDA, run
-        eagerly on the CPU (where tests check it); False: dynamic shapes, eager."""
+        eagerly on the CPU (where tests check it); False: dynamic shapes, eager.
+        compile: on that static path, every layer's halves through torch.compile (compiled_halves);
+        None: where graphs are captured (CUDA), whose replays launch the fused kernels."""
         on_cuda = self.device.type == "cuda"
         if graphs is None:
             graphs = on_cuda and self.tp is None
         if graphs and self.tp is not None:
             raise ValueError("CUDA graphs are not implemented with tensor parallelism: run with "
                              "--no-graphs (graphs=False)")
+        compile = on_cuda and graphs if compile is None else compile
+        if compile and not graphs:
+            raise ValueError("compile=True compiles the static-shape steps that CUDA graphs "
+                             "replay: leave graphs on, or turn compiling off (--no-compile)")
         if not graphs:
             self.static = None
-        elif self.static is None or self.static.capture != on_cuda:
-            self.static = StaticSteps(capture=on_cuda)
+        elif (self.static is None or self.static.capture != on_cuda
+              or (self.static.halves is not None) != compile):
+            halves = compiled_halves(f"{id(self):x}") if compile else None
+            self.static = StaticSteps(capture=on_cuda, halves=halves)
         else:  # a model loaded once and decoded with again (generate(target=model), a bench
             # sweep) replays the graphs captured on its reused KV pool (new_cache(reuse=True))
             self.static.keep(self.kv_pool)
@@ -430,13 +475,15 @@ class Transformer(nn.Module):
             return logits.view(len(seq_ids), counts[0], -1)[:, -1] if last_only else logits
         return self.run(cache, tokens, cache.prepare(seq_ids, counts), last_only)
 
-    def run(self, cache: PagedKVCache, tokens, meta: AttnMeta, last_only: bool = False):
+    def run(self, cache: PagedKVCache, tokens, meta: AttnMeta, last_only: bool = False,
+            halves=None):
         """The device's part of a cached forward, given its plan's metadata: tokens [N] -> float32
-        logits [N, V] ([b, V] if last_only). It reads no host values (a CUDA graph can hold it)."""
+        logits [N, V] ([b, V] if last_only). It reads no host values (a CUDA graph can hold it).
+        halves: every layer's compiled halves (Block.forward)."""
         cos, sin = rope_cos_sin(self.inv_freq, meta.positions, self.lm_head.weight.dtype)
         x = self.embed(tokens)  # [N, hidden]
         for l, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, cache.kv[l], meta)
+            x = layer(x, cos, sin, cache.kv[l], meta, halves)
         if last_only:
             x = x[meta.last]
         return self.head(x)

@@ -54,7 +54,8 @@ def generate(prompts, target="tiny", draft="tiny-draft", mode="sd", max_new_toke
              target_threads=None, draft_threads=None, kv_tokens=None, block_size=16, chat=False,
              stream=None, target_devices: list[str] | None = None, tp_timeout: float = TP_TIMEOUT_S,
              dtype="auto", graphs: bool | None = None, pre_spec="always",
-             tokenizer=None, torchrun: bool = False, fixed_budget=False) -> GenerateResult:
+             tokenizer=None, torchrun: bool = False, fixed_budget=False,
+             compile: bool | None = None) -> GenerateResult:
     """Generate up to max_new_tokens for each prompt (strings, or lists of token ids).
 
     mode: "ar" (target only), "sd" (speculative decoding, k draft tokens per round), "ssd"
@@ -73,6 +74,8 @@ def generate(prompts, target="tiny", draft="tiny-draft", mode="sd", max_new_toke
     graphs: None replays decode steps and verifications as CUDA graphs on CUDA (not with tensor
     parallelism) and runs them eagerly elsewhere; False turns graphs off; True pads them to the
     graphs' static shapes on any device (on the CPU, eagerly: the tests' check of that path).
+    compile: None compiles the layers of those graphs (torch.compile, fused kernels) on CUDA and
+    not elsewhere; False: not at all; True: on the static path on any device (graphs on).
     stream(row, tokens_so_far) is called as tokens are accepted. tokenizer: the target's, when the
     caller has it already (the CLI streams with it; a GGUF file's takes seconds to build), so it is
     not built twice. target may also be a model load_model() gave (on its device, in its dtype; not
@@ -88,7 +91,7 @@ def generate(prompts, target="tiny", draft="tiny-draft", mode="sd", max_new_toke
                        target_threads=target_threads, draft_threads=draft_threads,
                        kv_tokens=kv_tokens, target_devices=target_devices, tp_timeout=tp_timeout,
                        dtype=dtype, graphs=graphs, pre_spec=pre_spec, fixed_budget=fixed_budget,
-                       block_size=block_size, torchrun=torchrun)
+                       block_size=block_size, torchrun=torchrun, compile=compile)
     old_threads = torch.get_num_threads()
     started = Started()
     try:
@@ -326,6 +329,9 @@ def add_device_options(g):
     g.add_argument("--no-graphs", action="store_true",
                    help="on CUDA, run decode steps and verifications eagerly instead of replaying "
                         "them as CUDA graphs (the CPU never uses graphs)")
+    g.add_argument("--no-compile", action="store_true",
+                   help="on CUDA, replay the eager layers' kernels in the CUDA graphs instead of "
+                        "compiling them first with torch.compile (seconds per new shape)")
     g.add_argument("--kv-tokens", type=int, default=None, metavar="TOKENS",
                    help="target KV cache size in tokens (default: sized for the prompt and "
                         "--max-new-tokens); the draft's cache gets the same plus room for ssd's "
@@ -348,6 +354,7 @@ def generate_kwargs(a: argparse.Namespace) -> dict:
                 draft_device=a.draft_device or a.device, target_threads=a.target_threads,
                 draft_threads=a.draft_threads, kv_tokens=a.kv_tokens,
                 tp_timeout=a.tp_timeout, dtype=a.dtype, graphs=False if a.no_graphs else None,
+                compile=False if a.no_compile or a.no_graphs else None,
                 target_devices=a.target_devices.split(",") if a.target_devices else None)
 
 

@@ -22,7 +22,7 @@ def test_gpu_check_quick_on_cpu(tmp_path, capsys):
         torch.set_num_threads(threads)
     report = json.loads(out.read_text())
     checks = {c["name"]: c for c in report["checks"]}
-    assert set(checks) == {"versions", "load", "step:llama-1b", "step:llama-8b", "attention", "host_syncs",
+    assert set(checks) == {"versions", "load", "step:llama-1b", "step:llama-8b", "attention", "attention_speed", "host_syncs",
                            "greedy", "sampling", "ssd:cpu+cpu", "long_prefill"}
     failed = {n: c for n, c in checks.items() if not c["ok"]}
     assert rc == 0 and not failed, failed
@@ -32,7 +32,7 @@ def test_gpu_check_quick_on_cpu(tmp_path, capsys):
     for shape in ("step:llama-1b", "step:llama-8b"):  # the padded static-shape step (a graph on CUDA) = eager
         step = checks[shape]
         assert step["graph_vs_eager_same_argmax"] and step["graph_vs_eager_max_abs"] < 1e-3, step
-        assert step["graph_decode_ms"] > 0 and step["graphs_captured"] == 0  # no capture on the CPU
+        assert step["graph_decode_ms"] > 0 and step["graph_captures"] == 0  # no capture on the CPU
     # decode rounds only (counting starts at the first streamed token): exactly tests/test_generate.py's numbers
     syncs = checks["host_syncs"]
     assert syncs["ar_per_round"] == 2 and syncs["sd_per_round"] == 4 and syncs["ssd_per_round"] <= 7

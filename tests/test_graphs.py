@@ -6,6 +6,8 @@ the padded step computes what the dynamic step computes (logits, the K/V it writ
 emits), that padding never touches a sequence's blocks, and that buckets are reused, so a GPU captures a
 bounded number of graphs. The capture itself needs CUDA: scripts/gpu_check.py times it there.
 """
+import shutil
+
 import pytest
 import torch
 
@@ -28,10 +30,10 @@ def model(request, tmp_path_factory):
     return load_model(path, tokenizer=False)[0]
 
 
-def steps(model, graphs: bool):
+def steps(model, graphs: bool, compile: bool = False):
     """Prefill three ragged prompts, 6 greedy decode steps, then a verification of 4 tokens per row ->
     (every step's logits, the cache, the rows' ids)."""
-    model.use_graphs(graphs)
+    model.use_graphs(graphs, compile)
     cache = model.new_cache(1024, block_size=4)  # small blocks: the rows cross block boundaries
     ids = [cache.new_seq() for _ in PROMPTS]
     logits = [model.prefill(cache, ids, PROMPTS)]
@@ -54,11 +56,36 @@ def test_static_steps_equal_the_dynamic_path(model):
         s_d, s_s = cache_d.seqs[sid], cache_s.seqs[sid]
         assert s_d.length == s_s.length
         for bd, bs_ in zip(s_d.blocks, s_s.blocks):
-            torch.testing.assert_close(cache_s.kv[:, :, bs_], cache_d.kv[:, :, bd], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(cache_s.kv[:, bs_], cache_d.kv[:, bd], atol=1e-5, rtol=1e-5)
     # 3 rows pad to 4: decode steps over T = 1 and the verification over T = 4, each in a bucket of 4 rows
     shapes = {k[1:] for k in model.static.buckets}
     assert {(rows, T) for rows, T, _ in shapes} == {(4, 1), (4, 4)}
     assert all(blocks == bucket(blocks) for _, _, blocks in shapes)
+    model.use_graphs(False)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="torch.compile's CPU code needs a C++ compiler (g++)")
+def test_compiled_layers_compute_what_eager_computes(model):
+    """compile=True (on CUDA the default, inside the graphs): each layer's halves around attention through
+    torch.compile, here Inductor's CPU code run without capture. The steps' logits and the K/V they write are
+    the dynamic eager path's. One compiled graph per half serves every layer: the decode steps' 4 tokens
+    compile one, the verification's 16 one more with the token count symbolic, which any other step reuses
+    (automatic dynamic shapes), not a compile per bucket. Each model compiles its own (the fixture's second
+    model, compiled after the first in this process, counts exactly as many graphs)."""
+    from torch._dynamo.utils import counters
+    dynamic, cache_d, ids = steps(model, graphs=False)
+    graphs_before = counters["stats"]["unique_graphs"]
+    compiled, cache_c, _ = steps(model, graphs=True, compile=True)
+    assert counters["stats"]["unique_graphs"] - graphs_before == 4  # 2 x (pre_attention, post_attention)
+    for a, b in zip(dynamic, compiled):
+        torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
+    for sid in ids:
+        for bd, bc in zip(cache_d.seqs[sid].blocks, cache_c.seqs[sid].blocks):
+            torch.testing.assert_close(cache_c.kv[:, bc], cache_d.kv[:, bd], atol=1e-5, rtol=1e-5)
+    model.forward_cached(cache_c, ids[:2], torch.arange(6) + 3, [3] * 2)  # a new bucket: 2 rows x 3 tokens
+    assert counters["stats"]["unique_graphs"] - graphs_before == 4
+    with pytest.raises(ValueError, match="leave graphs on"):
+        model.use_graphs(False, compile=True)
     model.use_graphs(False)
 
 
@@ -72,7 +99,7 @@ def test_padding_rows_touch_no_sequence(model):
     before = cache.kv.clone()
     tok = torch.tensor([4, 5, 6])
     model.forward_cached(cache, ids, tok, [1] * 3)
-    changed = (cache.kv != before).flatten(2).any(-1).any(0).any(0).nonzero().flatten().tolist()  # blocks
+    changed = (cache.kv != before).flatten(2).any(-1).any(0).nonzero().flatten().tolist()  # blocks
     last_blocks = {cache.seqs[s].blocks[(cache.seqs[s].length - 1) // cache.block_size] for s in ids}
     assert set(changed) <= last_blocks | {pad}
     model.use_graphs(False)
@@ -116,6 +143,22 @@ def test_uneven_or_long_steps_stay_dynamic(model):
     s = StaticSteps(capture=False)
     assert s.fits([1, 1, 1]) and s.fits([5, 5]) and s.fits([StaticSteps.MAX_T])
     assert not s.fits([2, 1]) and not s.fits([StaticSteps.MAX_T + 1])  # ragged (SSD feeding backups), prefill
+
+
+def test_on_cuda_graphs_compile_by_default_and_not_without_graphs(model, monkeypatch):
+    """The defaults on CUDA, decided here with the model's device read as CUDA: graphs of compiled layers;
+    compile=False: graphs of the eager layers; graphs=False: neither (compiling needs the static path, so it
+    is off, not an error, unless asked for)."""
+    monkeypatch.setattr(type(model), "device", property(lambda self: torch.device("cuda")))
+    model.use_graphs(None)
+    assert model.static.capture and model.static.halves is not None
+    model.use_graphs(None, compile=False)
+    assert model.static.capture and model.static.halves is None
+    model.use_graphs(False)
+    assert model.static is None
+    with pytest.raises(ValueError, match="leave graphs on"):
+        model.use_graphs(False, compile=True)
+    model.use_graphs(False)
 
 
 def test_graphs_need_cuda_only_when_capturing(model):
