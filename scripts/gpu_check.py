@@ -448,23 +448,15 @@ def matmul_attention(q, k, v, attn_mask=None):
     """Attention as two batched products around a float32 softmax: SDPA's contract for the engine's
     calls (q [b, h, n, hd], k/v [b, h, L, hd], an additive mask). A candidate for few queries (a
     decode step's g x T per KV head), where a fused kernel's tile of 64 or more queries runs
-    mostly empty and one block per head walks all L keys alone."""
+    mostly empty and one block per head walks all L keys alone. (Its scores are rounded to the
+    inputs' dtype before the softmax, which SDPA's kernels do not do. FlexAttention with a
+    score_mod reading the mask was measured too, slower than either: docs/models.md.)"""
     scores = (q @ k.transpose(-1, -2)).float() * q.shape[-1] ** -0.5 + attn_mask  # [b, h, n, L]
     return (scores.softmax(-1).to(v.dtype) @ v)                                   # [b, h, n, hd]
 
 
-def flex_attention_sdpa(q, k, v, attn_mask=None):
-    """FlexAttention (compiled: Triton on CUDA, whose decode kernel splits the keys across blocks)
-    in SDPA's contract for the engine's calls, the additive mask read per score."""
-    from torch.nn.attention.flex_attention import flex_attention
-
-    def add_mask(score, b, h, q_idx, kv_idx):
-        return score + attn_mask[b, 0, q_idx, kv_idx]
-    return flex_attention(q, k, v, score_mod=add_mask)
-
-
 # candidates for paged_attention's SDPA call, timed by attention_speed and in whole steps (step)
-CANDIDATES = {"matmul": matmul_attention, "flex": flex_attention_sdpa}
+CANDIDATES = {"matmul": matmul_attention}
 
 
 def attention_kernels(a):
@@ -472,7 +464,6 @@ def attention_kernels(a):
     paged_attention's SDPA call that kernel."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     compiled = torch.compile(matmul_attention, fullgraph=True)
-    flex = torch.compile(flex_attention_sdpa, fullgraph=True)
     kernels = {"sdpa": nullcontext, "matmul": lambda: mock.patch.object(
         F, "scaled_dot_product_attention", matmul_attention)}
     if torch.device(a.device).type == "cuda":
@@ -480,8 +471,7 @@ def attention_kernels(a):
             "sdpa_efficient": lambda: sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]),
             "sdpa_math": lambda: sdpa_kernel([SDPBackend.MATH]),
             "matmul_compiled": lambda: mock.patch.object(F, "scaled_dot_product_attention",
-                                                         compiled),
-            "flex_compiled": lambda: mock.patch.object(F, "scaled_dot_product_attention", flex)})
+                                                         compiled)})
     return kernels
 
 
