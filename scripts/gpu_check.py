@@ -448,11 +448,18 @@ def matmul_attention(q, k, v, attn_mask=None):
     """Attention as two batched products around a float32 softmax: SDPA's contract for the engine's
     calls (q [b, h, n, hd], k/v [b, h, L, hd], an additive mask). A candidate for few queries (a
     decode step's g x T per KV head), where a fused kernel's tile of 64 or more queries runs
-    mostly empty and one block per head walks all L keys alone. (Its scores are rounded to the
-    inputs' dtype before the softmax, which SDPA's kernels do not do. FlexAttention with a
-    score_mod reading the mask was measured too, slower than either: docs/models.md.)"""
-    scores = (q @ k.transpose(-1, -2)).float() * q.shape[-1] ** -0.5 + attn_mask  # [b, h, n, L]
-    return (scores.softmax(-1).to(v.dtype) @ v)                                   # [b, h, n, hd]
+    mostly empty and one block per head walks all L keys alone. The scores are float32, as in
+    SDPA's kernels: bf16 products into a float32 result on CUDA (aten::bmm.dtype). (Measured on an
+    H200 with its scores rounded to bf16 first, and FlexAttention with a score_mod reading the
+    mask, slower than either: docs/models.md.)"""
+    b, h, n, hd = q.shape
+    if q.device.type in MM_FP32_OUT and q.dtype != torch.float32:
+        scores = torch.bmm(q.reshape(b * h, n, hd), k.transpose(-1, -2).reshape(b * h, hd, -1),
+                           out_dtype=torch.float32).view(b, h, n, -1)       # [b, h, n, L]
+    else:
+        scores = q.float() @ k.float().transpose(-1, -2)                      # [b, h, n, L]
+    probs = (scores * hd ** -0.5 + attn_mask).softmax(-1)
+    return probs.to(v.dtype) @ v                                              # [b, h, n, hd]
 
 
 # candidates for paged_attention's SDPA call, timed by attention_speed and in whole steps (step)
