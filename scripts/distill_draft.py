@@ -21,6 +21,9 @@ resumable from --work-dir (run the same command again after a kill; nothing done
                per turn, deduplicated, the degenerate dropped (user_turn says the rules; saved
                in chunks under work/prompts): the distribution of prompts the target will meet,
                which no template list covers.
+               code: raw code prompts of HumanEval's form (a function's signature and docstring,
+               no chat template) from the standard library (scripts/prompt_sets.code_prompts):
+               the target continues them with the body, as it continues HumanEval's problems.
                Held out, each measured apart (heldout_sets): "chat" (--heldout, template set 0
                over held-out material), "self" (--self-heldout, user turns from seeds no training
                turn uses) and "humaneval" (--humaneval: HumanEval's problems, raw text without the
@@ -86,8 +89,8 @@ from checkpoint import load_model, resolve  # noqa: E402  (after the path is set
 from model import vocab_maps  # noqa: E402
 from engine import check_pair  # noqa: E402  (the pairing run.py checks)
 from run import encode as run_encode  # noqa: E402
-from scripts.prompt_sets import (HUMANEVAL_SIZE, humaneval_installed, humaneval_path,  # noqa: E402
-                                 humaneval_prompts)
+from scripts.prompt_sets import (HUMANEVAL_SIZE, code_prompts, humaneval_installed,  # noqa: E402
+                                 humaneval_path, humaneval_prompts)
 from scripts.train_tiny import lr_at  # noqa: E402  (warm-up, then cosine to a tenth of the peak)
 
 # ----------------------------------------------------------------------------------------------------
@@ -843,7 +846,7 @@ def template_sets(text: str) -> list[int]:
     return sets
 
 
-SOURCES = ("templates", "self")
+SOURCES = ("templates", "self", "code")
 
 
 def prompt_sources(text: str) -> dict[str, float]:
@@ -901,7 +904,8 @@ def parse_args(argv=None):
     g.add_argument("--prompt-source", type=prompt_sources, default={"templates": 1.0},
                    help="where training prompts come from, NAME:SHARE of --prompts: templates "
                         "(TEMPLATE_SETS over topics and docstrings), self (user turns the "
-                        "target writes); e.g. templates:0.5,self:0.5 (default templates:1)")
+                        "target writes), code (the stdlib's signatures and docstrings, raw); "
+                        "e.g. templates:0.5,self:0.3,code:0.2 (default templates:1)")
     g.add_argument("--heldout", type=int, default=60,
                    help="held-out chat prompts (set 0's templates over held-out material)")
     g.add_argument("--self-heldout", type=int, default=60,
@@ -915,7 +919,7 @@ def parse_args(argv=None):
                    help="the longest user turn the self source samples (a longer one is "
                         "dropped as unfinished)")
     g.add_argument("--self-greedy-share", type=unit_share, default=None,
-                   help="the greedy share of the self prompts' answers (default: "
+                   help="the greedy share of the self and code prompts' answers (default: "
                         "--greedy-share, when it is one value)")
     g.add_argument("--max-new-tokens", type=int, default=192)
     g.add_argument("--greedy-share", type=shares, default=[0.5],
@@ -953,10 +957,10 @@ def parse_args(argv=None):
     if len(args.greedy_share) != len(args.template_set) or len(set(pairs)) < len(pairs):
         ap.error(f"--template-set {args.template_set} with --greedy-share {args.greedy_share}: "
                  f"give one share or one per set, and each (set, share) once")
-    if "self" in args.prompt_source and args.self_greedy_share is None:
+    if {"self", "code"} & set(args.prompt_source) and args.self_greedy_share is None:
         if len(set(args.greedy_share)) > 1:
-            ap.error("--prompt-source self with a --greedy-share per template set: give the "
-                     "self answers' share with --self-greedy-share")
+            ap.error("--prompt-source self or code with a --greedy-share per template set: give "
+                     "their answers' share with --self-greedy-share")
         args.self_greedy_share = args.greedy_share[0]
     if args.heldout < 1:  # the metrics' top level, as in earlier sittings, is this set's
         ap.error(f"--heldout {args.heldout}: give at least 1 held-out chat prompt")
@@ -1042,8 +1046,9 @@ def heldout_sets(target, tok, args, work: Path) -> tuple[dict, dict]:
 def training_answers(target, tok, args, work: Path, exclude: list[str]) -> list[dict]:
     """The target's answers to each --prompt-source's share of --prompts: templates (that share
     of each --template-set, answered set by set at its --greedy-share; a set's chunks keep the
-    names they have alone) and self (user turns the target writes, none of `exclude`, the
-    held-out self prompts; answered at --self-greedy-share)."""
+    names they have alone), self (user turns the target writes, none of `exclude`, the
+    held-out self prompts; answered at --self-greedy-share) and code (the stdlib's signatures
+    and docstrings, fed raw; at --self-greedy-share too)."""
     examples = []
     if "templates" in args.prompt_source:
         n = round(args.prompt_source["templates"] * args.prompts)
@@ -1057,6 +1062,10 @@ def training_answers(target, tok, args, work: Path, exclude: list[str]) -> list[
                                exclude)
         examples += make_answers(target, tok, prompts, args.self_greedy_share, args, work,
                                  split="train-self")
+    if "code" in args.prompt_source:  # raw, as HumanEval's problems are fed
+        n = round(args.prompt_source["code"] * args.prompts)
+        examples += make_answers(target, tok, code_prompts(n, args.seed), args.self_greedy_share,
+                                 args, work, split="train-code", chat=False)
     return examples
 
 

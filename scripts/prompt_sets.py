@@ -38,3 +38,43 @@ def humaneval_prompts(limit: int | None = None) -> list[str]:
     with gzip.open(humaneval_path(), "rt", encoding="utf-8") as f:
         problems = [json.loads(line) for line in f if line.strip()]
     return [p["prompt"] for p in problems[:limit]]
+
+
+# Code prompts of HumanEval's form from the standard library, a training source for a draft whose
+# target will be asked to write code (scripts/distill_draft.py --prompt-source code:SHARE). HumanEval
+# itself is never trained on; these come from the running Python's stdlib (the training side of
+# scripts/stdlib_corpus.py's split), so no download is needed.
+CODE_MAX_LINES = 30  # a longer signature and docstring is left out: HumanEval's run 5 to 25 lines
+
+
+def code_prompts(n: int, seed: int = 0) -> list[str]:
+    """n raw code prompts in HumanEval's form: a stdlib function's signature and docstring,
+    dedented (a method reads as a function), ending after the docstring's last line, for a model
+    to continue with the body. Each distinct text once, in a seeded order (the same n and seed
+    give the same list, and a smaller n a prefix of it); fewer than n if the stdlib has fewer."""
+    import ast
+    import random
+    import textwrap
+
+    from scripts.stdlib_corpus import read_text, split_files
+    found = set()
+    for path in split_files()[0]:
+        text = read_text(path)
+        try:
+            tree = ast.parse(text)
+        except (SyntaxError, ValueError):
+            continue
+        lines = text.splitlines()
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            body = node.body[0]
+            if ast.get_docstring(node) is None or len(node.body) < 2:  # a body to write
+                continue
+            first = min([node.lineno] + [d.lineno for d in node.decorator_list]) - 1
+            if body.end_lineno - first > CODE_MAX_LINES:
+                continue
+            found.add(textwrap.dedent("\n".join(lines[first:body.end_lineno])) + "\n")
+    order = sorted(found)
+    random.Random(seed).shuffle(order)
+    return order[:n]

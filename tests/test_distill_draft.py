@@ -512,3 +512,31 @@ def test_prompt_source_and_self_share_arguments():
     for bad in (["--seed", "128"], ["--humaneval", "165"], ["--heldout", "0"]):
         with pytest.raises(SystemExit):
             dd.parse_args(base + bad)
+
+
+def test_code_prompts_are_humaneval_shaped_stdlib_functions_in_a_seeded_order():
+    import ast
+    from scripts import prompt_sets
+    prompts = prompt_sets.code_prompts(200, seed=0)
+    assert len(prompts) == len(set(prompts)) == 200
+    assert prompt_sets.code_prompts(20, seed=0) == prompts[:20]  # a smaller n: a prefix
+    assert prompt_sets.code_prompts(20, seed=1) != prompts[:20]
+    for p in prompts:  # a signature and its docstring, for a body to follow
+        tree = ast.parse(p + "    pass\n")
+        fn = tree.body[0]
+        assert isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and ast.get_docstring(fn)
+        assert len(fn.body) == 2 and len(p.splitlines()) <= prompt_sets.CODE_MAX_LINES
+    humaneval = set(prompt_sets.humaneval_prompts()) if prompt_sets.humaneval_installed() else set()
+    assert not humaneval & set(prompts)
+
+
+def test_code_source_trains_on_raw_stdlib_prompts(tmp_path):
+    from scripts import prompt_sets
+    out, work = tmp_path / "d", tmp_path / "w"
+    dd.main([*TINY_ARGS, "--out", str(out), "--work-dir", str(work), "--prompts", "8",
+             "--prompt-source", "templates:0.5,code:0.5"])
+    info = json.loads((out / "distill.json").read_text())
+    assert info["prompt_source"] == {"templates": 0.5, "code": 0.5} and info["train_prompts"] == 8
+    _, tok = load_model("tiny")
+    asked = [ex["prompt"] for f in sorted((work / "answers").glob("train-code_*")) for ex in torch.load(f)]
+    assert asked == [dd.encode_raw(tok, p) for p in prompt_sets.code_prompts(4, seed=0)]  # no chat template
