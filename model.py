@@ -231,7 +231,8 @@ class Block(nn.Module):
         self.mlp = MLP(cfg, tp)
 
     def forward(self, x, cos, sin, kv_layer=None, meta=None, halves=None):
-        """halves: (pre_attention, post_attention) compiled (graphs.StaticSteps), else these."""
+        """halves: (pre_attention, post_attention) compiled (compiled_halves, which the static
+        path's graphs.StaticSteps holds), else these two as they are."""
         pre, post = halves or (Block.pre_attention, Block.post_attention)
         q, k, v = pre(self, x, cos, sin)
         return post(self, x, self.self_attn.attend(q, k, v, kv_layer, meta))
