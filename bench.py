@@ -238,7 +238,7 @@ def run_engine(cfg: Config, batches, a, first=0, target=None):
                      target_threads=cfg.threads,
                      draft_threads=cfg.draft_threads, dtype=a.dtype,
                      graphs=False if a.no_graphs else None,
-                     compile=False if a.no_compile or a.no_graphs else None).stats
+                     compile=False if a.no_compile else None).stats
         c = counters(cfg, s)
         tot = c if tot is None else add_counters(tot, c)
     return tot

@@ -354,7 +354,7 @@ def generate_kwargs(a: argparse.Namespace) -> dict:
                 draft_device=a.draft_device or a.device, target_threads=a.target_threads,
                 draft_threads=a.draft_threads, kv_tokens=a.kv_tokens,
                 tp_timeout=a.tp_timeout, dtype=a.dtype, graphs=False if a.no_graphs else None,
-                compile=False if a.no_compile or a.no_graphs else None,
+                compile=False if a.no_compile else None,
                 target_devices=a.target_devices.split(",") if a.target_devices else None)
 
 

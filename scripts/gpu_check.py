@@ -355,8 +355,7 @@ def check_step(a, name, fields):
         prof = profile_step(model, cache, seq, a.device, halves)
         out["kernels_per_compiled_step"] = prof["kernels"]
         out["compiled_kernel_ms"] = prof["kernel_ms"]
-        out["compiled_top_kernels_us"] = prof["top_kernels_us"]
-    model.use_graphs(False)
+        out["compiled_top_kernels_us"] = prof["top_kernels_us"]  # (profile_step leaves graphs off)
     for label in list(logits)[1:]:
         diff = (logits[label] - logits["eager"]).abs().max().item()
         same_argmax = torch.equal(logits[label].argmax(-1), logits["eager"].argmax(-1))
@@ -891,7 +890,7 @@ def main(argv=None):
                for d in draft_devices]
     checks.append(("long_prefill", lambda: check_long_prefill(a, shapes)))
     only = set(a.only.split(",")) if a.only else None
-    report = {"command": " ".join(["python scripts/gpu_check.py"] + (argv or sys.argv[1:])),
+    report = {"command": command(argv or sys.argv[1:]),
               "date": time.strftime("%Y-%m-%d"), "checks": []}
     out = Path(a.out or REPO / "docs" / f"gpu_check_{a.device.replace(':', '')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -911,6 +910,17 @@ def main(argv=None):
         out.write_text(json.dumps(report, indent=1, default=str) + "\n")
     print(f"report written to {out}")
     return 0 if all(c["ok"] for c in report["checks"]) else 1
+
+
+def command(args: list[str]) -> str:
+    """The command as run, less --out: where one machine wrote its report is not what it measured
+    (and a path of that machine means nothing in the repository)."""
+    kept, after_out = [], False
+    for x in args:
+        if not (after_out or x == "--out" or x.startswith("--out=")):
+            kept.append(x)
+        after_out = x == "--out"
+    return " ".join(["python scripts/gpu_check.py", *kept])
 
 
 def summary(res: dict) -> str:

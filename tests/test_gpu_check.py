@@ -21,6 +21,7 @@ def test_gpu_check_quick_on_cpu(tmp_path, capsys):
     finally:
         torch.set_num_threads(threads)
     report = json.loads(out.read_text())
+    assert report["command"] == "python scripts/gpu_check.py --device cpu --quick"  # no machine's path
     checks = {c["name"]: c for c in report["checks"]}
     assert set(checks) == {"versions", "load", "step:llama-1b", "step:llama-8b", "attention", "attention_speed", "host_syncs",
                            "greedy", "sampling", "ssd:cpu+cpu", "long_prefill"}
