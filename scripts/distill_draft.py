@@ -58,6 +58,13 @@ resumable from --work-dir (run the same command again after a kill; nothing done
                prompt order is a function of --seed, so more --prompts of the same seed in the
                same work dir answer only the new ones).
                Held-out prompts are held out by content, so neither sitting trains on them.
+               --vocab N with --init-from grows the earlier draft's own vocabulary to N rows
+               with the commonest answer tokens it lacks (grow_vocabulary): a vocabulary chosen
+               on chat answers leaves out code's tokens, which the draft can then never propose.
+               --keep-init S exports S x the --init-from weights + (1 - S) x the trained ones
+               (a weight average, WiSE-FT: Wortsman et al. 2022): a sitting on new prompts
+               (code, say) forgets some of what the earlier draft knew (the chat set), and the
+               average of the two keeps most of both, each set measured again after it.
   4. export    an HF directory (config.json, model.safetensors in bf16, the target's tokenizer
                files, distill.json with the command, data, steps, time and final metrics, each
                held-out set's under "heldout_sets", the chat and self held-out prompts as JSONL)
@@ -597,6 +604,38 @@ def draft_vocabulary(examples: list[dict], size: int, V: int, keep: set[int]) ->
     return sorted(score.argsort(descending=True)[:size - 1].tolist())
 
 
+def grow_vocabulary(draft, E: torch.Tensor, examples: list[dict], size: int, eos: set[int]):
+    """An earlier draft of its own vocabulary (--init-from) -> the same draft over `size` rows:
+    every token it has keeps its trained row, and the size - rows commonest answer tokens it lacks
+    join (draft_vocabulary with its tokens kept), so a sitting on new kinds of text (code) can
+    write their tokens. E [V, D]: the target's embedding. A new token's row (embedding and tied
+    head) starts at its target row mapped into the draft's space by the linear map that best
+    takes the target's rows of the tokens the draft has to the draft's rows of them (least
+    squares): where training has moved the draft's embedding from the target's, the new rows
+    move with it."""
+    from transformers import AutoModelForCausalLM
+    c = draft.config
+    old = list(c.target_token_ids)
+    if not len(old) + 1 <= size <= len(E):
+        raise SystemExit(f"error: --vocab {size} with --init-from: the draft has {len(old) + 1} "
+                         f"rows, and a later sitting only adds rows: give {len(old) + 1}.."
+                         f"{len(E)}, or 0 to keep them")
+    token_ids = draft_vocabulary(examples, size, len(E), set(old) | eos)
+    W_old = draft.get_input_embeddings().weight.detach()  # [rows, d], the last reads the others
+    A = torch.linalg.lstsq(E[old].double(), W_old[:-1].double()).solution.float()  # [D, d]
+    row_of = {t: r for r, t in enumerate(old)}
+    W = torch.stack([W_old[row_of[t]] if t in row_of else E[t] @ A for t in token_ids]
+                    + [W_old[-1]])  # [size, d]
+    cfg = c.__class__.from_dict({**c.to_dict(), "vocab_size": size,
+                                 "target_token_ids": token_ids})
+    grown = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    state = {k: v for k, v in draft.state_dict().items() if k != "lm_head.weight"}
+    state["model.embed_tokens.weight"] = W
+    missing = grown.load_state_dict(state, strict=False).missing_keys
+    assert set(missing) <= {"lm_head.weight"}, missing  # tied to the embedding
+    return grown
+
+
 def row_map(config) -> torch.Tensor | None:
     """Target token id -> draft row [V] for a draft with its own vocabulary (the last row for every
     token outside it); None for a draft over the target's whole vocabulary."""
@@ -722,12 +761,35 @@ def autocast(device):
     return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
 
 
+def measure_sets(draft, train_ex: list[dict], heldout: dict[str, list[dict]], args) -> dict:
+    """evaluate() on each held-out set; the top level is the "chat" set's, and
+    "train_agreement" the agreement on as many training answers as chat ones, greedy where
+    there are: agreement on text the draft trains on, beside the held-out one, says which limit
+    it is at. A draft that agrees far more on its training answers than on held-out ones has
+    stopped generalising (more of the same data moves it little; a larger draft or more varied
+    prompts might); one that agrees as little on both is short of capacity or steps."""
+    seen_ex = ([ex for ex in train_ex if ex["greedy"]] or train_ex)[:len(heldout["chat"])]
+    sets = {name: {"prompts": len(ex), **evaluate(draft, ex, args.device, args.batch_tokens)}
+            for name, ex in heldout.items()}
+    return {**sets["chat"], "train_agreement": evaluate(draft, seen_ex, args.device,
+                                                        args.batch_tokens)["agreement"],
+            "heldout_sets": sets}
+
+
+def keep_init(init: dict[str, torch.Tensor], trained: dict[str, torch.Tensor],
+              share: float) -> dict[str, torch.Tensor]:
+    """share x init + (1 - share) x trained, tensor by tensor (--keep-init). Both drafts come
+    from the same weights by small steps, so the straight line between them stays in one basin
+    of the loss, and a point on it keeps much of what each end knows better than the other
+    (WiSE-FT, Wortsman et al. 2022, for fine-tuned models)."""
+    return {name: share * init[name] + (1 - share) * w for name, w in trained.items()}
+
+
 def train(draft, train_ex: list[dict], heldout: dict[str, list[dict]], args, work: Path) -> dict:
     """AdamW on the mean top-k KL over answer positions; resumes from work/draft.pt (weights,
     optimizer, step, the data order's epoch and the seconds spent), saves every --save-every-s.
     heldout: the held-out sets by name (heldout_sets), each measured apart; the metrics' top
     level is the "chat" set's, as in earlier sittings, and "heldout_sets" holds every set's."""
-    heldout_ex = heldout["chat"]
     opt = torch.optim.AdamW(draft.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     state_path = work / "draft.pt"
     step, epoch, epoch_start, spent = 0, 0, 0, 0.0
@@ -744,19 +806,8 @@ def train(draft, train_ex: list[dict], heldout: dict[str, list[dict]], args, wor
                     "epoch": epoch, "epoch_start": epoch_start, "seconds": spent}, tmp)
         os.replace(tmp, state_path)
 
-    # as many training answers as held-out ones, greedy where there are: agreement on text the
-    # draft trains on, beside the held-out one, says which limit it is at. A draft that agrees far
-    # more on its training answers than on held-out ones has stopped generalising (more of the
-    # same data moves it little; a larger draft or more varied prompts might); one that agrees as
-    # little on both is short of capacity or steps.
-    seen_ex = ([ex for ex in train_ex if ex["greedy"]] or train_ex)[:len(heldout_ex)]
-
     def measure() -> dict:
-        sets = {name: {"prompts": len(ex), **evaluate(draft, ex, args.device, args.batch_tokens)}
-                for name, ex in heldout.items()}
-        return {**sets["chat"], "train_agreement": evaluate(draft, seen_ex, args.device,
-                                                            args.batch_tokens)["agreement"],
-                "heldout_sets": sets}
+        return measure_sets(draft, train_ex, heldout, args)
 
     rows = row_map(draft.config)
     metrics = {}
@@ -939,10 +990,15 @@ def parse_args(argv=None):
     g.add_argument("--vocab", type=int, default=0,
                    help="rows of a draft vocabulary: the target's most frequent answer tokens, "
                         "plus one row that reads every other token (0: the target's whole "
-                        "vocabulary)")
+                        "vocabulary); with --init-from, grow its vocabulary to this many rows "
+                        "(grow_vocabulary; 0: keep it)")
     g.add_argument("--init-from", default=None,
                    help="start from this draft's HF directory instead of the target (its shape "
-                        "wins over --hidden and --layers): train a draft further on new answers")
+                        "wins over --hidden and --layers; --vocab can grow its vocabulary): "
+                        "train a draft further on new answers")
+    g.add_argument("--keep-init", type=unit_share, default=0.0,
+                   help="export this share of the --init-from weights averaged with the "
+                        "trained ones (keep_init; 0: the trained draft)")
     g.add_argument("--steps", type=int, default=3000)
     g.add_argument("--batch-tokens", type=int, default=4096)
     g.add_argument("--lr", type=float, default=1e-3)
@@ -962,6 +1018,9 @@ def parse_args(argv=None):
             ap.error("--prompt-source self or code with a --greedy-share per template set: give "
                      "their answers' share with --self-greedy-share")
         args.self_greedy_share = args.greedy_share[0]
+    if args.keep_init and not args.init_from:
+        ap.error(f"--keep-init {args.keep_init}: give --init-from, the draft whose weights "
+                 f"the average keeps")
     if args.heldout < 1:  # the metrics' top level, as in earlier sittings, is this set's
         ap.error(f"--heldout {args.heldout}: give at least 1 held-out chat prompt")
     if not 0 <= args.seed < 128:  # training self seeds are --seed * 2**24 + i, below 2**31
@@ -1011,8 +1070,16 @@ def new_draft(target, args, train_ex: list[dict]):
     if args.init_from:
         draft = AutoModelForCausalLM.from_pretrained(resolve(args.init_from), dtype=torch.float32)
         c = draft.config
-        return draft.to(args.device), (f"hidden {c.hidden_size}, {c.num_hidden_layers} layers, "
-                                       f"from {args.init_from}")
+        origin = f"hidden {c.hidden_size}, {c.num_hidden_layers} layers, from {args.init_from}"
+        if args.vocab and args.vocab != c.vocab_size:
+            if getattr(c, "target_token_ids", None) is None:
+                raise SystemExit(f"error: --vocab {args.vocab} with --init-from {args.init_from}:"
+                                 f" that draft has the target's whole vocabulary; give --vocab 0")
+            E = target.checkpoint_params()["model.embed_tokens.weight"].detach().float().cpu()
+            origin += f", its vocabulary grown from {c.vocab_size} to {args.vocab} rows"
+            draft = grow_vocabulary(draft, E, train_ex, args.vocab,
+                                    set(target.config.eos_token_ids))
+        return draft.to(args.device), origin
     c = target.config
     token_ids = draft_vocabulary(train_ex, args.vocab, c.vocab_size, set(c.eos_token_ids)) \
         if args.vocab else None
@@ -1113,17 +1180,28 @@ def main(argv=None):
                   f"{k} {sum(len(e['answer']) for e in ex)}" for k, ex in heldout.items()))
 
     draft, origin = new_draft(target, args, train_ex)
+    init = {k: v.clone() for k, v in draft.state_dict().items()} if args.keep_init else None
     draft.train()
     n_params = sum(p.numel() for p in draft.parameters())
     del target  # training needs the memory, not the target: its labels are on disk
     log(work, f"draft: {n_params / 1e6:.1f}M parameters ({origin})")
     metrics = train(draft, train_ex, heldout, args, work)
+    trained = {}
+    if args.keep_init:  # work/draft.pt keeps the trained weights: a resumed run averages again
+        trained = {"trained": metrics}
+        draft.load_state_dict(keep_init(init, draft.state_dict(), args.keep_init))
+        metrics = {**measure_sets(draft, train_ex, heldout, args),
+                   "train_seconds": metrics["train_seconds"]}
+        log(work, f"keep-init {args.keep_init}: held-out agreement {metrics['agreement']:.3f} "
+                  f"(training answers {metrics['train_agreement']:.3f}) kl {metrics['kl']:.3f}"
+                  f"{others(metrics)}")
     info = {"command": command,
             "target": args.target, "target_file": resolve(args.target).name,
             "prompt_source": args.prompt_source,
             "train_prompts": len(train_ex), "heldout_prompts": len(heldout["chat"]),
             "train_tokens": sum(len(e["answer"]) for e in train_ex),
-            "steps": args.steps, "parameters": n_params, "init": origin, **metrics,
+            "steps": args.steps, "parameters": n_params, "init": origin,
+            "keep_init": args.keep_init, **metrics, **trained,
             "session_seconds": round(time.time() - t_start)}
     export(draft, tok, out, info, heldout_prompts)
     log(work, f"exported to {out}: {json.dumps(metrics)}")

@@ -96,6 +96,33 @@ def test_init_from_continues_an_earlier_draft_on_new_answers(tmp_path):
     assert new_prompts - first_prompts  # another seed: other prompts, new answers
 
 
+def test_keep_init_exports_the_average_of_the_earlier_draft_and_the_trained_one(tmp_path):
+    """--keep-init 0.25: the export is 0.25 x the --init-from draft + 0.75 x the trained weights
+    (work/draft.pt keeps those, unaveraged), measured again; 0 and 1 are the two ends."""
+    target = tiny_target(tmp_path / "target")
+    first = tmp_path / "first"
+    dd.main(["--target", str(target), "--out", str(first), "--work-dir", str(tmp_path / "w1"),
+             *ARGS])
+    common = ["--target", str(target), "--init-from", str(first), "--seed", "1", *ARGS,
+              "--work-dir", str(tmp_path / "w2")]
+    dd.main([*common, "--out", str(tmp_path / "avg"), "--keep-init", "0.25"])
+    trained = torch.load(tmp_path / "w2" / "draft.pt")["model"]
+    init = hf_model(first).state_dict()
+    avg = hf_model(tmp_path / "avg").state_dict()
+    for name, w in trained.items():  # the export is bf16
+        torch.testing.assert_close(avg[name], (0.25 * init[name] + 0.75 * w).bfloat16().float(),
+                                   atol=0, rtol=0)
+    info = json.loads((tmp_path / "avg" / "distill.json").read_text())
+    assert info["keep_init"] == 0.25 and info["trained"]["agreement"] >= 0
+    assert "keep-init 0.25: held-out agreement" in (tmp_path / "w2" / "log.txt").read_text()
+    dd.main([*common, "--out", str(tmp_path / "ends"), "--keep-init", "1"])  # resumed: 6 steps
+    for (name, a), (_, b) in zip(hf_model(first).state_dict().items(),
+                                 hf_model(tmp_path / "ends").state_dict().items()):
+        assert torch.equal(a, b), name
+    resumed = torch.load(tmp_path / "w2" / "draft.pt")["model"]  # the trained weights still
+    assert all(torch.equal(resumed[name], w) for name, w in trained.items())
+
+
 def test_init_draft_at_full_width_with_every_layer_is_the_target():
     """With d = D the projection P is a rotation: the mapped draft computes the target's logits
     exactly (the final norm's fold is exact when its weight is uniform, set so here)."""
@@ -260,6 +287,52 @@ def test_a_draft_of_its_own_vocabulary_end_to_end(tmp_path):
     logits = engine(x)  # [1, T, 4096]
     assert torch.isfinite(logits).sum() == 63 * x.shape[1]  # only its own tokens are written
     torch.testing.assert_close(logits, hf_model(out)(x).logits.float(), atol=1e-4, rtol=1e-4)
+
+
+def test_init_from_with_a_larger_vocab_grows_the_drafts_vocabulary(tmp_path):
+    """--init-from a 64-row draft with --vocab 80 (0 steps): every token it had keeps its row, so
+    on them it computes the same logits; 16 new tokens, the commonest answer tokens it lacked,
+    start from their target rows mapped by the least-squares map from the target's rows to the
+    draft's; the engine and transformers load the result alike. A smaller --vocab is refused."""
+    target = tiny_target(tmp_path / "target")
+    first, grown = tmp_path / "first", tmp_path / "grown"
+    dd.main(["--target", str(target), "--out", str(first), "--work-dir", str(tmp_path / "w1"),
+             *ARGS, "--vocab", "64"])
+    common = ["--target", str(target), "--init-from", str(first), "--seed", "1", *ARGS]
+    dd.main([*common, "--out", str(grown), "--work-dir", str(tmp_path / "w2"), "--vocab", "80",
+             "--steps", "0"])
+    old_ids = json.loads((first / "config.json").read_text())["target_token_ids"]
+    cfg = json.loads((grown / "config.json").read_text())
+    new_ids = cfg["target_token_ids"]
+    assert cfg["vocab_size"] == 80 and len(new_ids) == 79 and set(old_ids) < set(new_ids)
+    assert new_ids == sorted(new_ids)
+    info = json.loads((grown / "distill.json").read_text())
+    assert "its vocabulary grown from 64 to 80 rows" in info["init"]
+
+    engine_first, tok = load_model(first)
+    engine_grown, _ = load_model(grown)
+    x = torch.tensor([old_ids[:3] + old_ids[-4:]])  # tokens both drafts have
+    a, b = engine_first(x), engine_grown(x)  # [1, T, 4096], -inf outside each vocabulary
+    torch.testing.assert_close(b[..., old_ids], a[..., old_ids], atol=1e-5, rtol=1e-5)
+    added = sorted(set(new_ids) - set(old_ids))
+    assert torch.isfinite(b[..., added]).all() and torch.isinf(a[..., added]).all()
+    torch.testing.assert_close(b, hf_model(grown)(x).logits.float(), atol=1e-4, rtol=1e-4)
+
+    # the new rows: the target's rows of them under the map fitted on the tokens both have
+    E = load_model(target)[0].checkpoint_params()["model.embed_tokens.weight"].detach().float()
+    W_first = hf_model(first).get_input_embeddings().weight.detach().float()
+    A = torch.linalg.lstsq(E[old_ids].double(), W_first[:-1].double()).solution.float()
+    W_grown = hf_model(grown).get_input_embeddings().weight.detach().float()
+    rows = [new_ids.index(t) for t in added]
+    torch.testing.assert_close(W_grown[rows], (E[added] @ A).bfloat16().float(),
+                               atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(W_grown[-1], W_first[-1])  # the row that reads the others
+
+    for bad in ("32", "5000"):
+        with pytest.raises(SystemExit, match=re.escape("a later sitting only adds rows: give "
+                                                       "64..4096")):
+            dd.main([*common, "--out", str(tmp_path / "x"), "--work-dir", str(tmp_path / "w3"),
+                     "--vocab", bad, "--steps", "0"])
 
 
 def test_draft_vocabulary_keeps_eos_then_the_commonest_answer_tokens():
@@ -497,7 +570,7 @@ def test_qwen3_target_gets_a_qwen3_draft_with_its_qk_norms(tmp_path):
     one_line(e, "a qwen2 target", "--init-from")
 
 
-def test_prompt_source_and_self_share_arguments():
+def test_prompt_source_and_self_share_arguments(capsys):
     assert dd.prompt_sources("templates:0.25,self:0.75") == {"templates": 0.25, "self": 0.75}
     assert dd.prompt_sources("self") == {"self": 1.0}
     for bad in ("web:1", "self:0", "self:x", "self:1,self:1", ""):
@@ -509,9 +582,13 @@ def test_prompt_source_and_self_share_arguments():
         dd.parse_args(base + ["--template-set", "0,1", "--greedy-share", "1,0"])
     assert dd.parse_args(base + ["--template-set", "0,1", "--greedy-share", "1,0",
                                  "--self-greedy-share", "1"]).self_greedy_share == 1.0
-    for bad in (["--seed", "128"], ["--humaneval", "165"], ["--heldout", "0"]):
+    for bad in (["--seed", "128"], ["--humaneval", "165"], ["--heldout", "0"],
+                ["--keep-init", "2"]):
         with pytest.raises(SystemExit):
             dd.parse_args(base + bad)
+    with pytest.raises(SystemExit):  # an average needs the weights it keeps
+        dd.parse_args(base + ["--keep-init", "0.5"])
+    assert "--keep-init 0.5: give --init-from" in capsys.readouterr().err
 
 
 def test_code_prompts_are_humaneval_shaped_stdlib_functions_in_a_seeded_order():
