@@ -615,11 +615,7 @@ def grow_vocabulary(draft, E: torch.Tensor, examples: list[dict], size: int, eos
     move with it."""
     from transformers import AutoModelForCausalLM
     c = draft.config
-    old = list(c.target_token_ids)
-    if not len(old) + 1 <= size <= len(E):
-        raise SystemExit(f"error: --vocab {size} with --init-from: the draft has {len(old) + 1} "
-                         f"rows, and a later sitting only adds rows: give {len(old) + 1}.."
-                         f"{len(E)}, or 0 to keep them")
+    old = list(c.target_token_ids)  # check_shape has checked len(old) + 1 <= size <= V
     token_ids = draft_vocabulary(examples, size, len(E), set(old) | eos)
     W_old = draft.get_input_embeddings().weight.detach()  # [rows, d], the last reads the others
     A = torch.linalg.lstsq(E[old].double(), W_old[:-1].double()).solution.float()  # [D, d]
@@ -1039,6 +1035,16 @@ def check_shape(args, target, tok):
             check_pair(args.target, args.init_from, cfg, tok)
         except (FileNotFoundError, ValueError) as e:
             raise SystemExit(f"error: --init-from {args.init_from}: {e}") from None
+        if args.vocab:  # before any answering: growing the vocabulary comes after it
+            from transformers import AutoConfig
+            c = AutoConfig.from_pretrained(resolve(args.init_from))
+            if getattr(c, "target_token_ids", None) is None:
+                raise SystemExit(f"error: --vocab {args.vocab} with --init-from {args.init_from}:"
+                                 f" that draft has the target's whole vocabulary; give --vocab 0")
+            if not c.vocab_size <= args.vocab <= cfg.vocab_size:
+                raise SystemExit(f"error: --vocab {args.vocab} with --init-from: the draft has "
+                                 f"{c.vocab_size} rows, and a later sitting only adds rows: give "
+                                 f"{c.vocab_size}..{cfg.vocab_size}, or 0 to keep them")
         return
     if args.hidden % cfg.num_attention_heads:  # transformers' Llama insists, even with head_dim
         raise SystemExit(f"error: --hidden {args.hidden}: give a multiple of the target's "
@@ -1072,9 +1078,6 @@ def new_draft(target, args, train_ex: list[dict]):
         c = draft.config
         origin = f"hidden {c.hidden_size}, {c.num_hidden_layers} layers, from {args.init_from}"
         if args.vocab and args.vocab != c.vocab_size:
-            if getattr(c, "target_token_ids", None) is None:
-                raise SystemExit(f"error: --vocab {args.vocab} with --init-from {args.init_from}:"
-                                 f" that draft has the target's whole vocabulary; give --vocab 0")
             E = target.checkpoint_params()["model.embed_tokens.weight"].detach().float().cpu()
             origin += f", its vocabulary grown from {c.vocab_size} to {args.vocab} rows"
             draft = grow_vocabulary(draft, E, train_ex, args.vocab,

@@ -328,11 +328,18 @@ def test_init_from_with_a_larger_vocab_grows_the_drafts_vocabulary(tmp_path):
                                atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(W_grown[-1], W_first[-1])  # the row that reads the others
 
-    for bad in ("32", "5000"):
+    for bad in ("32", "5000"):  # refused before any answering: w3 stays without answers
         with pytest.raises(SystemExit, match=re.escape("a later sitting only adds rows: give "
                                                        "64..4096")):
             dd.main([*common, "--out", str(tmp_path / "x"), "--work-dir", str(tmp_path / "w3"),
                      "--vocab", bad, "--steps", "0"])
+        assert not (tmp_path / "w3" / "answers").exists()
+    full = tmp_path / "full"  # a draft over the target's whole vocabulary has no rows to add to
+    dd.main(["--target", str(target), "--out", str(full), "--work-dir", str(tmp_path / "w4"),
+             *ARGS])
+    with pytest.raises(SystemExit, match="that draft has the target's whole vocabulary"):
+        dd.main(["--target", str(target), "--init-from", str(full), *ARGS, "--vocab", "80",
+                 "--out", str(tmp_path / "y"), "--work-dir", str(tmp_path / "w5")])
 
 
 def test_draft_vocabulary_keeps_eos_then_the_commonest_answer_tokens():
