@@ -752,6 +752,14 @@ def others(metrics: dict) -> str:
     return f"; {', '.join(sets)}" if sets else ""
 
 
+def summary(metrics: dict) -> str:
+    """measure_sets' metrics as the log says them, after a training step or an average."""
+    return (f"held-out agreement {metrics['agreement']:.3f} (training answers "
+            f"{metrics['train_agreement']:.3f}) kl {metrics['kl']:.3f} accept_t1>= "
+            f"{metrics['accept_t1_lower']:.3f} sd tok/round K=3 "
+            f"{metrics['sd_tokens_per_round'][3]:.2f}{others(metrics)}")
+
+
 def autocast(device):
     """bf16 autocast: about 2x faster forwards on a CPU with AVX512-BF16, and on any GPU."""
     return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
@@ -830,11 +838,7 @@ def train(draft, train_ex: list[dict], heldout: dict[str, list[dict]], args, wor
             if step % args.eval_every == 0 or step == args.steps:
                 metrics = measure()
                 log(work, f"draft step {step}/{args.steps} epoch {epoch} loss {loss.item():.3f} "
-                          f"held-out agreement {metrics['agreement']:.3f} (training answers "
-                          f"{metrics['train_agreement']:.3f}) kl {metrics['kl']:.3f}"
-                          f" accept_t1>= {metrics['accept_t1_lower']:.3f} sd tok/round K=3 "
-                          f"{metrics['sd_tokens_per_round'][3]:.2f}{others(metrics)} "
-                          f"({spent:.0f}s)")
+                          f"{summary(metrics)} ({spent:.0f}s)")
                 t_last = time.time()  # evaluation is not training time
             if now - t_save > args.save_every_s or step == args.steps:
                 save()
@@ -1195,9 +1199,7 @@ def main(argv=None):
         draft.load_state_dict(keep_init(init, draft.state_dict(), args.keep_init))
         metrics = {**measure_sets(draft, train_ex, heldout, args),
                    "train_seconds": metrics["train_seconds"]}
-        log(work, f"keep-init {args.keep_init}: held-out agreement {metrics['agreement']:.3f} "
-                  f"(training answers {metrics['train_agreement']:.3f}) kl {metrics['kl']:.3f}"
-                  f"{others(metrics)}")
+        log(work, f"keep-init {args.keep_init}: {summary(metrics)}")
     info = {"command": command,
             "target": args.target, "target_file": resolve(args.target).name,
             "prompt_source": args.prompt_source,

@@ -116,8 +116,7 @@ def test_keep_init_exports_the_average_of_the_earlier_draft_and_the_trained_one(
     assert info["keep_init"] == 0.25 and info["trained"]["agreement"] >= 0
     assert "keep-init 0.25: held-out agreement" in (tmp_path / "w2" / "log.txt").read_text()
     dd.main([*common, "--out", str(tmp_path / "ends"), "--keep-init", "1"])  # resumed: 6 steps
-    for (name, a), (_, b) in zip(hf_model(first).state_dict().items(),
-                                 hf_model(tmp_path / "ends").state_dict().items()):
+    for (name, a), (_, b) in zip(init.items(), hf_model(tmp_path / "ends").state_dict().items()):
         assert torch.equal(a, b), name
     resumed = torch.load(tmp_path / "w2" / "draft.pt")["model"]  # the trained weights still
     assert all(torch.equal(resumed[name], w) for name, w in trained.items())
