@@ -18,6 +18,7 @@ import torch.nn as nn
 from devices import check_device, resolve_dtype
 from config import ARCHS, ModelConfig
 from model import TP, Transformer, over_vocab, tp_split_dim, vocab_maps
+from quantize import BLOCK, QUANTS, QuantRows, quantize_layers
 
 REPO = Path(__file__).resolve().parent
 
@@ -175,14 +176,19 @@ def materialize(model: nn.Module, device, dtype):
 
 
 def load_model(name_or_path, device="cpu", dtype=None, tp: TP | None = None,
-               tokenizer: bool = True, vocab_size: int | None = None):
+               tokenizer: bool = True, vocab_size: int | None = None, quant: str = "auto",
+               compile_quant: bool = True):
     """-> (model, tokenizer) from an HF directory or a GGUF file. dtype: "auto" or None (float32
     on CPU, bfloat16 on CUDA), a DTYPES name or a torch dtype; the parameters are allocated in it
     and the checkpoint (GGUF weights dequantised) converted tensor by tensor. The tokenizer is
     None when the model has none or tokenizer=False (callers then pass token ids). tp: this
     process's rank of a tensor-parallel model (the process group must exist); it loads only its
     slices. vocab_size: a target's, for a draft whose embedding is padded to another size (its
-    logits come out over the target's tokens: ModelConfig.padded_rows)."""
+    logits come out over the target's tokens: ModelConfig.padded_rows).
+    quant: the linear layers' weights, "none" (float, dtype), "int8", "int4" (quantize.py), or
+    "auto": a GGUF file's own precision (its Q8_0 / Q4_0 / Q4_1 blocks kept as they are), float
+    for safetensors. compile_quant: quantized products through torch.compile (False: eager,
+    dequantise-and-multiply; slower, compiles nothing)."""
     device = check_device(device)
     dtype = resolve_dtype(dtype, device)
     path = resolve(name_or_path)
@@ -195,6 +201,12 @@ def load_model(name_or_path, device="cpu", dtype=None, tp: TP | None = None,
         cfg = cfg.over_target_vocab(vocab_size)
     with torch.device("meta"):
         model = Transformer(cfg, tp)
+    plan = quant_plan(quant, cfg, gguf_file)
+    if plan is not None:
+        if model.tp is not None:
+            raise ValueError(f"quant={quant!r} with tensor parallelism is not implemented: load "
+                             f"the model with quant='none' (--quant none), or on one device")
+        quantize_layers(model, *plan, device, dtype, compiled=compile_quant)
     materialize(model, device, dtype)
     if gguf_file:
         load_gguf_weights(model, gguf_file)
@@ -233,6 +245,57 @@ def load_tokenizer(name_or_path, gguf_file: "GGUFFile | None" = None):
     if gguf_name is None:
         return AutoTokenizer.from_pretrained(folder)
     return AutoTokenizer.from_pretrained(folder, gguf_file=gguf_name)
+
+
+# --------------------------------------------------------------------------------------------------
+# Which layers are quantized, in how many bits (quantize.py has the layouts)
+
+# GGUF's weight types -> the bits of the layout that holds them: Q8_0, Q4_0 and Q4_1 blocks as they
+# are (GGUF_STORED below), the others dequantised a tensor at a time and quantized again (an
+# approximation of the file: 5- and 6-bit types into int8, Q4_K into int4); float types stay float
+GGUF_BITS = {"Q8_0": 8, "Q8_1": 8, "Q8_K": 8, "Q6_K": 8, "Q5_0": 8, "Q5_1": 8, "Q5_K": 8,
+             "Q4_0": 4, "Q4_1": 4, "Q4_K": 4}
+
+
+# checkpoint layers -> the fused layer of model.py that holds their rows
+FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
+         "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
+
+
+def quant_plan(quant: str, cfg: ModelConfig, g: "GGUFFile | None"):
+    """-> (bits_of, group_of) for quantize.quantize_layers, or None for a float model. int8 is
+    per output channel from safetensors, in groups of 32 (Q8_0's) from a GGUF file. With int4 the
+    LM head and the embedding are int8, as llama.cpp's Q4 files keep them at 6 or 8 bits: the head
+    decides every token and is where 4 bits cost agreement most."""
+    if quant not in QUANTS:
+        raise ValueError(f"unknown quant {quant!r}: use one of {', '.join(QUANTS)}")
+    if quant == "none" or (quant == "auto" and g is None):
+        return None
+    group = BLOCK if g is not None else None
+    if quant != "auto":
+        bits = 8 if quant == "int8" else 4
+        if bits == 4 and (cfg.hidden_size % BLOCK or cfg.intermediate_size % BLOCK
+                          or (cfg.num_attention_heads * cfg.head_dim) % BLOCK):
+            raise ValueError(f"int4 needs every layer's inputs in blocks of {BLOCK}; this model's "
+                             f"sizes are not: use quant='int8' or 'none'")
+        return (lambda name: 8 if name in ("lm_head", "model.embed_tokens") else bits,
+                lambda name: group)
+    layer_bits = {}  # module -> the bits of its tensors' types (None: a float type)
+    for t in g.tensors.values():
+        if t.name == "rope_freqs.weight" or len(t.shape) != 2:
+            continue
+        parent, _, leaf = gguf_param_name(t.name).rpartition(".")[0].rpartition(".")
+        module = f"{parent}.{FUSED.get(leaf, leaf)}".lstrip(".")  # the layer it fills
+        layer_bits.setdefault(module, []).append(GGUF_BITS.get(t.qtype.name))
+    if cfg.tie_word_embeddings:
+        layer_bits["lm_head"] = layer_bits["model.embed_tokens"]
+    if all(b is None for bits in layer_bits.values() for b in bits):
+        return None  # a float file (F32 / F16 / BF16)
+
+    def bits_of(name):  # a layer any of whose parts is float stays float; 8 where types mix
+        bits = layer_bits.get(name, [None])
+        return None if None in bits else max(bits)
+    return bits_of, lambda name: BLOCK
 
 
 def hf_over_target_vocab(m):
@@ -504,9 +567,9 @@ def unpermute_qk(w: torch.Tensor, head_dim: int) -> torch.Tensor:
     pairs (x0, x1), (x2, x3), ..., HF's (and ours) rotates halves (x_i, x_{i + d/2}), so its
     converter interleaves each head's rows: row 2i comes from HF row i, row 2i + 1 from row
     i + d/2. Per head, so any slice of whole heads (a tensor-parallel rank's) is undone on its own.
-    w [heads * head_dim, in]."""
-    per_head = w.reshape(-1, head_dim // 2, 2, w.shape[-1])  # [heads, d/2, 2 (pair), in]
-    # [heads, 2 (half), d/2, in] -> [heads * d, in]
+    w [heads * head_dim, ...]: a weight's rows, or a quantized weight's stored rows."""
+    per_head = w.reshape(-1, head_dim // 2, 2, *w.shape[1:])  # [heads, d/2, 2 (pair), in]
+    # [heads, 2 (half), d/2, in] -> [heads * d, in] (any trailing dims: a quantized row's blocks)
     return per_head.transpose(1, 2).reshape(w.shape)
 
 
@@ -543,8 +606,52 @@ def read_gguf_tensor(g: GGUFFile, t: GGUFTensor, name: str, param, tp: TP | None
     return w.reshape(param.shape)
 
 
+# GGUF block types that are quantize.py's layouts as they are: (bits, bytes per block of 32)
+GGUF_STORED = {"Q8_0": (8, 34), "Q4_0": (4, 18), "Q4_1": (4, 20)}
+
+
+def stored_as(t: GGUFTensor, target: QuantRows) -> bool:
+    """Whether tensor t's blocks go into target's layer without a float copy."""
+    bits = GGUF_STORED.get(t.qtype.name, (None,))[0]
+    return bits == target.layer.bits and (bits == 4 or target.layer.group == BLOCK)
+
+
+def gguf_stored(raw, qtype: str):
+    """A GGUF tensor's Q8_0 / Q4_0 / Q4_1 blocks (raw: uint8 [rows, bytes per row]) -> quantize.py's
+    layout: (q int8 [rows, in], scales) for Q8_0, (q uint8 [rows, in / 32, 16], scales, mins) for
+    Q4_0 and Q4_1. A block is a float16 scale d (Q4_1: then a float16 min m) and its 32 values:
+    Q8_0 w = d q (q int8), Q4_0 w = d (q - 8), Q4_1 w = d q + m (q in 0..15, two to a byte, element j
+    in byte j's low nibble and j + 16 in its high one)."""
+    import numpy as np
+    bits, size = GGUF_STORED[qtype]
+    blocks = raw.reshape(raw.shape[0], -1, size)  # [rows, blocks, bytes per block]
+
+    def f16(lo):  # the float16 at bytes [lo, lo + 2) of every block -> float32 [rows, blocks]
+        return torch.from_numpy(np.ascontiguousarray(blocks[..., lo:lo + 2]).view(np.float16)
+                                [..., 0].astype(np.float32))
+    d = f16(0)
+    if qtype == "Q8_0":
+        q = np.ascontiguousarray(blocks[..., 2:]).view(np.int8)
+        return torch.from_numpy(q.reshape(raw.shape[0], -1)), d
+    first = 2 if qtype == "Q4_0" else 4
+    q = torch.from_numpy(np.ascontiguousarray(blocks[..., first:]))  # [rows, blocks, 16]
+    return q, d, (-8 * d if qtype == "Q4_0" else f16(2))
+
+
+def read_gguf_blocks(g: GGUFFile, t: GGUFTensor, target: QuantRows, cfg: ModelConfig):
+    """Tensor t's stored blocks for the rows of a quantized layer, checked against its shape."""
+    if t.shape != tuple(target.shape):
+        raise ValueError(f"tensor {t.name!r} has shape {t.shape} in {g.path.name}, the config "
+                         f"implies {tuple(target.shape)}")
+    parts = gguf_stored(g.raw(t), t.qtype.name)
+    if cfg.arch.gguf_qk_permuted and t.name.endswith(("attn_q.weight", "attn_k.weight")):
+        parts = [unpermute_qk(p, cfg.head_dim) for p in parts]  # rows reordered, blocks kept
+    return parts
+
+
 def load_gguf_weights(model: Transformer, g: GGUFFile):
-    """Dequantise the tensors of a GGUF file one at a time straight into the model's parameters."""
+    """The tensors of a GGUF file one at a time straight into the model's parameters: dequantised,
+    or into a quantized layer as blocks (gguf_stored) where its layout is theirs."""
     params = model.checkpoint_params()
     filled = set()
     for t in g.tensors.values():
@@ -554,9 +661,13 @@ def load_gguf_weights(model: Transformer, g: GGUFFile):
         if name not in params:
             raise ValueError(f"unexpected tensor {t.name!r} in {g.path.name}: not a parameter of "
                              f"this {model.config.model_type} model")
-        w = read_gguf_tensor(g, t, name, params[name], model.tp, model.config)
-        with torch.no_grad():
-            params[name].copy_(w)  # converts to the parameter's dtype and device: no temporary
+        target = params[name]
+        if isinstance(target, QuantRows) and stored_as(t, target):  # the file's blocks as they are
+            target.copy_stored(*read_gguf_blocks(g, t, target, model.config))
+        else:
+            w = read_gguf_tensor(g, t, name, target, model.tp, model.config)
+            with torch.no_grad():
+                target.copy_(w)  # converts to the parameter's dtype and device (or quantizes)
         filled.add(name)
     missing = sorted(set(params) - filled)
     if missing:

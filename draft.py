@@ -27,6 +27,7 @@ from cpu_linear import ROWS, use_forms
 from devices import device_index, to_device, to_host
 from kv_cache import PagedKVCache
 from model import Transformer
+from quantize import warm_up
 from saguaro_sample import (exp_noise, probs_from_logits, row_seed, row_settings, row_temperatures,
                             sample, saguaro)
 from spec_cache import SpecCache, check_fan_out, guess_triples, select_guesses_batch
@@ -582,13 +583,15 @@ class DraftConfig:
     graphs: bool | None = None    # static shapes / CUDA graphs (Transformer.use_graphs)
     vocab_size: int | None = None  # the target's: a draft padded to another size is read over it
     compile: bool | None = None   # torch.compile the graphs' layers (Transformer.use_graphs)
+    quant: str = "auto"           # its weights (checkpoint.load_model, quantize.py)
 
 
 def load_draft(c: DraftConfig) -> Drafter:
     """Load the draft model: a Drafter for SD, a Speculator for SSD."""
     model, _ = load_model(c.name, device=c.device, dtype=c.dtype, tokenizer=False,
-                          vocab_size=c.vocab_size)
+                          vocab_size=c.vocab_size, quant=c.quant)
     use_forms(model, ROWS)  # the CPU's product forms for any rows a round drafts (cpu_linear.py)
+    warm_up(model, [1, *ROWS])  # and quantized layers' compiled products (quantize.py)
     model.use_graphs(c.graphs, c.compile)
     if c.ssd is None:
         return Drafter(model, c.K, c.temperature, c.seed, c.kv_tokens, c.block_size)

@@ -19,6 +19,7 @@ import torch
 from channel import SpeculatorProcess
 from checkpoint import load_config, load_model, load_tokenizer, resolve
 from cpu_linear import ROWS, use_forms
+from quantize import QUANTS, warm_up
 from decode import NoDraft, Output, SDRounds, SSDRounds
 from devices import check_device, resolve_dtype
 from draft import DraftConfig, SSDConfig, load_draft
@@ -67,6 +68,8 @@ class EngineConfig:
     block_size: int = 16
     torchrun: bool = False
     compile: bool | None = None  # torch.compile the graphs' layers (Transformer.use_graphs)
+    quant: str = "auto"        # the target's weights (checkpoint.load_model, quantize.py)
+    draft_quant: str = "auto"  # the draft's
     # CPU cores left to other work on this machine: serve.py leaves one to its HTTP side (the
     # event loop, and clients here): a target computing on every core stalls whenever they run
     reserve_cores: int = 0
@@ -79,6 +82,9 @@ class EngineConfig:
             raise ValueError(f"k={self.k} is impossible: use 1 <= k <= 64 draft tokens per round")
         if self.temperature < 0:
             raise ValueError(f"temperature={self.temperature} must be >= 0")
+        for name, q in (("quant", self.quant), ("draft_quant", self.draft_quant)):
+            if q not in QUANTS:
+                raise ValueError(f"unknown {name} {q!r}: use one of {', '.join(QUANTS)}")
         if self.reserve_cores < 0:
             raise ValueError(f"reserve_cores={self.reserve_cores} must be >= 0")
         if self.mode == "ssd":
@@ -217,7 +223,7 @@ def load_target(cfg: EngineConfig, started: Started, tokenizer=None) -> Loaded:
                                         where.target_threads, cfg.tp_timeout, where.target_dtype)
             tp = started.workers.rank0
         model, tok = load_model(cfg.target, device=where.target_device, dtype=where.target_dtype,
-                                tp=tp, tokenizer=tokenizer is None)
+                                tp=tp, tokenizer=tokenizer is None, quant=cfg.quant)
     model.use_graphs(cfg.graphs, cfg.compile)
     return Loaded(model, tokenizer or tok, where, started)
 
@@ -307,14 +313,16 @@ def build_engine(cfg: EngineConfig, loaded: Loaded, kv_tokens: int, draft_kv: in
             check_pair(cfg.target, cfg.draft, model.config, tok)
     # the CPU's product forms for the verifier's rows (b <= max_batch sequences x K + 1 tokens;
     # those in cpu_linear.ROWS have a choice), chosen before any decode clock starts
-    use_forms(model, [r for b in range(1, max_batch + 1) if (r := b * (cfg.K + 1)) in ROWS])
+    rows = [b * (cfg.K + 1) for b in range(1, max_batch + 1)]
+    use_forms(model, [r for r in rows if r in ROWS])
+    warm_up(model, [1, *rows])  # quantized layers' compiled products (quantize.py)
     settings = (cfg.temperature, cfg.seed, kv_tokens, cfg.block_size)
     verifier = (TPVerifier(model, settings, started.workers) if started.workers
                 else Verifier(model, *settings, reuse_cache=model is cfg.target))
     dcfg = DraftConfig(cfg.draft, where.draft_device, where.draft_dtype, cfg.K, cfg.temperature,
                        cfg.seed + 1, draft_kv, cfg.block_size, cfg.ssd, cfg.graphs,
                        model.config.vocab_size,  # a draft padded to another size reads ours
-                       cfg.compile)
+                       cfg.compile, cfg.draft_quant)
     out = Output([] if cfg.ignore_eos else eos_ids(model.config, tok), cfg.K)
     rounds = make_rounds(cfg, verifier, dcfg, out, where, started, max_batch, per_row=forget)
     sched = Scheduler(rounds, kv_budget(kv_tokens, dcfg, cfg.mode), max_batch, forget=forget)

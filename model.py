@@ -12,7 +12,6 @@ into it is checkpoint.py's job; static shapes and CUDA graphs are graphs.py's; h
 product of a few rows fastest, cpu_linear.py's.
 """
 import math
-import types
 from dataclasses import dataclass, replace
 
 import torch
@@ -24,6 +23,7 @@ from config import ModelConfig
 from devices import MM_FP32_OUT, to_device
 from graphs import StaticSteps
 from kv_cache import AttnMeta, PagedKVCache, paged_attention
+from quantize import QuantLinear, renamed, split_rows
 
 
 # --------------------------------------------------------------------------------------------------
@@ -171,7 +171,7 @@ class Attention(nn.Module):
     def fused_parts(self) -> dict:
         """The checkpoint's tensor names -> the rows of qkv_proj's weight (and bias) they fill."""
         parts = dict(zip(("q_proj.weight", "k_proj.weight", "v_proj.weight"),
-                         self.qkv_proj.weight.split(self.sizes)))
+                         split_rows(self.qkv_proj, self.sizes)))
         if self.qkv_proj.bias is not None:
             parts.update(zip(("q_proj.bias", "k_proj.bias", "v_proj.bias"),
                              self.qkv_proj.bias.split(self.sizes)))
@@ -215,7 +215,7 @@ class MLP(nn.Module):
 
     def fused_parts(self) -> dict:
         return dict(zip(("gate_proj.weight", "up_proj.weight"),
-                        self.gate_up_proj.weight.split(self.inter)))
+                        split_rows(self.gate_up_proj, [self.inter] * 2)))
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).split(self.inter, -1)
@@ -261,13 +261,9 @@ def compiled_halves(tag: str):
     count compiles again too) and records which sizes varied per function name: each model
     compiles copies of the two functions named apart by `tag`, so that the other models of its
     process (a draft, a sweep's) spend none of its graphs and turn none of its sizes symbolic."""
-    def own(fn):
-        code = fn.__code__.replace(co_name=f"{fn.__name__}_{tag}",
-                                   co_qualname=f"{fn.__qualname__}_{tag}")
-        return types.FunctionType(code, fn.__globals__, code.co_name)
     opts = dict(fullgraph=True)
-    return (torch.compile(own(Block.pre_attention), **opts),
-            torch.compile(own(Block.post_attention), **opts))
+    return (torch.compile(renamed(Block.pre_attention, tag), **opts),
+            torch.compile(renamed(Block.post_attention, tag), **opts))
 
 
 # A draft's own vocabulary (ModelConfig.token_ids): ids in as rows, logits out over the vocabulary
@@ -356,7 +352,7 @@ class Transformer(nn.Module):
     def init_buffers(self):
         # not parameters: recomputed after loading (a model built on the meta device holds no
         # data), on the CPU: arithmetic on the meta device imports torch._dynamo (seconds)
-        cfg, device = self.config, self.lm_head.weight.device
+        cfg, device = self.config, self.device
         with torch.device("cpu"):
             inv_freq = rope_inv_freq(cfg)
             if cfg.token_ids is not None:
@@ -368,7 +364,12 @@ class Transformer(nn.Module):
 
     @property
     def device(self):
-        return self.lm_head.weight.device
+        return self.model.norm.weight.device
+
+    @property
+    def dtype(self):
+        """The activations' (and float weights') dtype; a quantized layer stores its own."""
+        return self.model.norm.weight.dtype
 
     def capture_seconds(self) -> float:
         """Seconds this model has spent capturing CUDA graphs (StaticSteps.capture_graph)."""
@@ -378,10 +379,15 @@ class Transformer(nn.Module):
         """The parameters under their Hugging Face checkpoint names: q_proj, k_proj, v_proj,
         gate_proj and up_proj are views of the rows of the fused qkv_proj / gate_up_proj they
         fill; a tied lm_head is left out (it is the embedding). Loaders copy into these; a
-        checkpoint can be written from them."""
+        checkpoint can be written from them (a float model's).
+        A quantized layer's weight is its QuantRows (quantize.py), which copy_ quantizes."""
         params = {}
-        for name, p in self.named_parameters():  # a tied lm_head appears once, as embed_tokens
-            module = name.rpartition(".")[0]  # model.layers.3.self_attn.qkv_proj
+        # a quantized layer's storage is buffers: its weight appears here as all of its rows
+        quantized = [(f"{name}.weight", m.rows(0, m.out_features)) for name, m in
+                     self.named_modules() if isinstance(m, QuantLinear)
+                     and not (name == "lm_head" and self.config.tie_word_embeddings)]
+        for name, p in [*self.named_parameters(), *quantized]:  # a tied lm_head appears once,
+            module = name.rpartition(".")[0]  # as embed_tokens; model.layers.3.self_attn.qkv_proj
             if module.endswith(("qkv_proj", "gate_up_proj")):
                 parent = module.rpartition(".")[0]  # model.layers.3.self_attn
                 for part, view in self.get_submodule(parent).fused_parts().items():
@@ -411,7 +417,7 @@ class Transformer(nn.Module):
         if self.tp:  # each rank caches only its own KV heads (and serves its own q heads)
             cfg = replace(cfg, num_key_value_heads=cfg.num_key_value_heads // self.tp.world,
                           num_attention_heads=cfg.num_attention_heads // self.tp.world)
-        return PagedKVCache(cfg, num_tokens, block_size, self.device, self.lm_head.weight.dtype)
+        return PagedKVCache(cfg, num_tokens, block_size, self.device, self.dtype)
 
     def embed(self, tokens):
         if self.config.token_ids is not None:  # a draft's own vocabulary: its rows
@@ -433,7 +439,7 @@ class Transformer(nn.Module):
         computed in float32 (matmul_fp32): rounded to bf16 (spacing 0.125 in [16, 32)), near-ties
         would tie or flip between a 1-token decode and a (K+1)-token verification."""
         h = self.model.norm(x)
-        if h.dtype == torch.float32:
+        if h.dtype == torch.float32 or isinstance(self.lm_head, QuantLinear):  # float32 out
             logits = self.lm_head(h)
         else:
             logits = matmul_fp32(h, self.lm_head.weight)
@@ -454,7 +460,7 @@ class Transformer(nn.Module):
         """Plain full forward without a cache: tokens [B, T] -> float32 logits [B, T, V]."""
         T = tokens.shape[1]
         positions = torch.arange(T, device=tokens.device)
-        cos, sin = rope_cos_sin(self.inv_freq, positions, self.lm_head.weight.dtype)
+        cos, sin = rope_cos_sin(self.inv_freq, positions, self.dtype)
         x = self.embed(tokens)
         for layer in self.model.layers:
             x = layer(x, cos, sin)
@@ -481,7 +487,7 @@ class Transformer(nn.Module):
         """The device's part of a cached forward, given its plan's metadata: tokens [N] -> float32
         logits [N, V] ([b, V] if last_only). It reads no host values (a CUDA graph can hold it).
         halves: every layer's compiled halves (Block.forward)."""
-        cos, sin = rope_cos_sin(self.inv_freq, meta.positions, self.lm_head.weight.dtype)
+        cos, sin = rope_cos_sin(self.inv_freq, meta.positions, self.dtype)
         x = self.embed(tokens)  # [N, hidden]
         for l, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, cache.kv[l], meta, halves)

@@ -22,6 +22,7 @@ import torch
 
 from checkpoint import load_model, load_tokenizer
 from devices import DTYPES, check_device, resolve_dtype
+from quantize import QUANTS
 from draft import PRE_SPEC
 from engine import (LOADING, Engine, EngineConfig, Started, build_engine, default_devices,
                     kv_sizes, load_target, refuse_target_devices, threads_of)
@@ -55,7 +56,7 @@ def generate(prompts, target="tiny", draft="tiny-draft", mode="sd", max_new_toke
              stream=None, target_devices: list[str] | None = None, tp_timeout: float = TP_TIMEOUT_S,
              dtype="auto", graphs: bool | None = None, pre_spec="always",
              tokenizer=None, torchrun: bool = False, fixed_budget=False,
-             compile: bool | None = None) -> GenerateResult:
+             compile: bool | None = None, quant="auto", draft_quant="auto") -> GenerateResult:
     """Generate up to max_new_tokens for each prompt (strings, or lists of token ids).
 
     mode: "ar" (target only), "sd" (speculative decoding, k draft tokens per round), "ssd"
@@ -71,6 +72,9 @@ def generate(prompts, target="tiny", draft="tiny-draft", mode="sd", max_new_toke
     target's KV cache in tokens (default: sized for the request); the draft gets the same plus room
     for SSD's branches. dtype: both models' weights and activations, "auto" (bfloat16 on CUDA,
     float32 on the CPU), "float32", "bfloat16" or "float16"; logits are float32 in every dtype.
+    quant / draft_quant: the target's / the draft's linear weights, "auto" (a GGUF file's own
+    precision, float for safetensors), "none" (float, in dtype), "int8" or "int4" (quantize.py:
+    weight-only, quantized at load); SD and SSD are exact with respect to the models as loaded.
     graphs: None replays decode steps and verifications as CUDA graphs on CUDA (not with tensor
     parallelism) and runs them eagerly elsewhere; False turns graphs off; True pads them to the
     graphs' static shapes on any device (on the CPU, eagerly: the tests' check of that path).
@@ -91,7 +95,8 @@ def generate(prompts, target="tiny", draft="tiny-draft", mode="sd", max_new_toke
                        target_threads=target_threads, draft_threads=draft_threads,
                        kv_tokens=kv_tokens, target_devices=target_devices, tp_timeout=tp_timeout,
                        dtype=dtype, graphs=graphs, pre_spec=pre_spec, fixed_budget=fixed_budget,
-                       block_size=block_size, torchrun=torchrun, compile=compile)
+                       block_size=block_size, torchrun=torchrun, compile=compile, quant=quant,
+                       draft_quant=draft_quant)
     old_threads = torch.get_num_threads()
     started = Started()
     try:
@@ -125,7 +130,8 @@ def generate_auto(prompts, mode, target, tokenizer, chat, stream, max_new_tokens
     if not isinstance(target, Transformer):
         with LOADING:
             target, tok = load_model(target, device=kw["target_device"] or default_devices()[0],
-                                     dtype=kw["dtype"], tokenizer=tokenizer is None)
+                                     dtype=kw["dtype"], tokenizer=tokenizer is None,
+                                     quant=kw["quant"])
         tokenizer = tokenizer or tok
     rates = {m: measure(prompts, m, target, tokenizer, chat, kw) for m in MODES}
     chosen = max(rates, key=rates.get)
@@ -326,6 +332,13 @@ def add_device_options(g):
                         "dtype): auto is bfloat16 on CUDA and float32 on the CPU; bfloat16 runs on "
                         "the CPU too, slowly, to check a GPU's numerics there "
                         "(default: %(default)s)")
+    g.add_argument("--quant", default="auto", choices=QUANTS,
+                   help="the target's linear weights: auto keeps a GGUF file's own precision "
+                        "(Q4_0 / Q4_1 as int4, Q8_0 as int8) and safetensors in --dtype; none "
+                        "dequantises; int8 / int4 quantize at load, weight-only "
+                        "(default: %(default)s)")
+    g.add_argument("--draft-quant", default="auto", choices=QUANTS,
+                   help="the same for the draft (default: %(default)s)")
     g.add_argument("--no-graphs", action="store_true",
                    help="on CUDA, run decode steps and verifications eagerly instead of replaying "
                         "them as CUDA graphs (the CPU never uses graphs)")
@@ -354,6 +367,7 @@ def generate_kwargs(a: argparse.Namespace) -> dict:
                 draft_device=a.draft_device or a.device, target_threads=a.target_threads,
                 draft_threads=a.draft_threads, kv_tokens=a.kv_tokens,
                 tp_timeout=a.tp_timeout, dtype=a.dtype, graphs=False if a.no_graphs else None,
+                quant=a.quant, draft_quant=a.draft_quant,
                 compile=False if a.no_compile else None,
                 target_devices=a.target_devices.split(",") if a.target_devices else None)
 

@@ -1,0 +1,335 @@
+"""Weight-only quantization: linear layers (and the embedding) whose weights are stored in 8 or 4
+bits, swapped in for nn.Linear when a model is loaded (checkpoint.load_model, `quant=`).
+
+Why: a decode step reads every weight once, so on a CPU (and on a GPU at small batch) its time is
+the weights' bytes over the memory's bandwidth. Stored in int8 a weight reads 4x fewer bytes than in
+float32, in int4 about 6x fewer (with its scales); the activations stay in float (weight-only).
+
+Two layouts, one per bit width. A GGUF file's Q8_0, Q4_0 and Q4_1 blocks are these exactly, so
+such a file loads without a float copy (checkpoint.load_gguf_weights):
+  int8: qweight int8 [out, in] and scales float32 [out, in / G]: w = q * scale, one scale per G
+        consecutive inputs of a row (G = in, one per output channel, for safetensors quantized
+        here; G = 32 for GGUF's Q8_0).
+  int4: qweight uint8 [out, in / 32, 16], scales and mins float32 [out, in / 32]: w = q * scale +
+        min with q in 0..15, per block of 32 inputs. Byte j of a block holds element j in its low
+        nibble and element j + 16 in its high one (GGUF's Q4_0 / Q4_1 block; Q4_0's w = d (q - 8)
+        is scale d, min -8 d).
+Scales are float32, not the file's float16: converting them inside the product cost more time
+than their bytes save (the LM head's 1-row product, one thread: 5.3 ms with float16 scales,
+3.5 ms with float32).
+
+The product x W^T for a few rows of x (a decode step, a verification) is a multiply-and-sum over
+the stored weight: `int8_product` / `int4_product` write it as one reduction per row of x over the
+dequantised expression, which torch.compile (Inductor) turns into one loop that reads each stored
+byte once and converts it in registers: the float weight never exists in memory. (Dequantising
+then calling a matmul writes and reads the float weight: slower than float32 itself. torch's stock
+int8/int4 CPU kernels, _weight_int8pack_mm and _weight_int4pack_mm_for_cpu, were slower than
+float32 on these shapes.) Each weight shape compiles once per row bucket (ROW_BUCKETS; a few
+seconds each, at load: warm_up). Longer inputs (prefill) dequantise a slice of rows at a time and
+multiply: they are bound by arithmetic, not bytes.
+
+The quantized model is an approximation of the float one (tests/test_quantize.py and
+docs/models.md measure how close); speculative decoding stays exact with respect to the model as
+loaded, since the draft proposes and the quantized target decides.
+"""
+import types
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+QUANTS = ("auto", "none", "int8", "int4")  # auto: a GGUF file's own precision, else none
+BLOCK = 32  # inputs per int4 block (and per int8 group of a GGUF file): GGUF's block size
+ROW_BUCKETS = (1, 2, 3, 4, 8, 16)  # row counts the compiled product is built for (rows padded up)
+DEQUANT_ELEMENTS = 1 << 23  # a longer product dequantises at most this many weights at a time
+
+
+# --------------------------------------------------------------------------------------------------
+# The math: quantize, dequantize, multiply (pure functions)
+
+def quantize_int8(w, group: int):
+    """w [out, in] float -> (q int8 [out, in], scales float32 [out, in / group]), symmetric:
+    scale = max |w| / 127 over each group, q = round(w / scale)."""
+    out, n = w.shape
+    wg = w.float().reshape(out, n // group, group)
+    scales = wg.abs().amax(-1) / 127
+    q = torch.round(wg / scales.clamp(min=1e-30)[..., None]).clamp(-127, 127)
+    return q.to(torch.int8).reshape(out, n), scales
+
+
+def quantize_int4(w):
+    """w [out, in] float -> (q uint8 [out, in / 32, 16], scales, mins float32 [out, in / 32]),
+    asymmetric per block of 32: min = the block's smallest value, scale = (max - min) / 15,
+    q = round((w - min) / scale) in 0..15, packed two to a byte (the module docstring)."""
+    out, n = w.shape
+    wb = w.float().reshape(out, n // BLOCK, BLOCK)
+    mins, maxs = wb.amin(-1), wb.amax(-1)
+    scales = (maxs - mins) / 15
+    q = torch.round((wb - mins[..., None]) / scales.clamp(min=1e-30)[..., None]).clamp(0, 15)
+    q = q.to(torch.uint8).view(out, n // BLOCK, 2, 16)  # [out, blocks, low | high, 16]
+    return q[:, :, 0] | (q[:, :, 1] << 4), scales, mins
+
+
+def dequantize(q, scales, mins=None):
+    """The float32 weights of stored rows (any leading dims): int8 q [..., in] with scales
+    [..., in / G], or int4 q [..., in / 32, 16] with scales and mins [..., in / 32] -> [..., in]."""
+    if q.dtype == torch.int8:
+        G = q.shape[-1] // scales.shape[-1]
+        w = q.unflatten(-1, (-1, G)).float() * scales[..., None]  # [..., in / G, G]
+        return w.flatten(-2)
+    halves = torch.stack((q & 15, q >> 4), -2).float()  # [..., blocks, 2, 16]: elements 0-15, 16-31
+    w = halves * scales[..., None, None] + mins[..., None, None]
+    return w.flatten(-3)
+
+
+def int8_product(x, q, scales):
+    """x [M, in] float32 @ (q * scales)^T -> [M, out]. One reduction per row of x over the same
+    expression of the weight, so that Inductor's loop converts each weight once for all M rows."""
+    G = q.shape[1] // scales.shape[1]
+    w = q.view(q.shape[0], -1, G).to(x.dtype) * scales[:, :, None]  # [out, in / G, G]
+    xg = x.view(x.shape[0], 1, -1, G)  # [M, 1, in / G, G]
+    return torch.stack([(xg[i] * w).sum((-1, -2)) for i in range(x.shape[0])])
+
+
+def int4_product(x, q, scales, mins):
+    """x [M, in] float32 @ (the int4 weight)^T -> [M, out], the weight's low and high nibbles
+    (elements 0-15 and 16-31 of each block) multiplied by the matching halves of x."""
+    s, m = scales[:, :, None], mins[:, :, None]
+    low = (q & 15).to(x.dtype) * s + m   # [out, blocks, 16]
+    high = (q >> 4).to(x.dtype) * s + m
+    xb = x.view(x.shape[0], -1, 2, 16)   # [M, blocks, low | high, 16]
+    return torch.stack([(xb[i, :, 0] * low + xb[i, :, 1] * high).sum((-1, -2))
+                        for i in range(x.shape[0])])
+
+
+def renamed(fn, tag: str):
+    """A copy of fn under its own name: torch.compile keeps graphs (at most 8) and which sizes
+    varied per function name, so each weight shape (or model) gets its own."""
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{tag}",
+                               co_qualname=f"{fn.__qualname__}_{tag}")
+    return types.FunctionType(code, fn.__globals__, code.co_name)
+
+
+# The compiled products, one per weight layout and shape: (bits, group, out, in) -> the product
+# through torch.compile, which keeps one graph per row bucket. A memo of compiled code (as
+# torch.compile's own caches are), shared by every model of the process.
+KERNELS = {}
+
+
+def kernel(x, q, scales, mins):
+    """x [M, in] float32 (M a row bucket) @ the stored weight^T -> [M, out] through the compiled
+    product for its shape (compiled on first use)."""
+    bits = 8 if q.dtype == torch.int8 else 4
+    out, n = q.shape[0], x.shape[1]
+    key = (bits, n // scales.shape[1], out, n)
+    if key not in KERNELS:
+        product = int8_product if bits == 8 else int4_product
+        KERNELS[key] = torch.compile(renamed(product, "_".join(map(str, key))), dynamic=False,
+                                     fullgraph=True)
+    with torch.no_grad():  # one grad mode, or each mode compiles its own graphs
+        return KERNELS[key](x, q, scales) if bits == 8 else KERNELS[key](x, q, scales, mins)
+
+
+@torch.library.custom_op("ssd::quant_product", mutates_args=())
+def quant_product(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
+                  mins: torch.Tensor | None) -> torch.Tensor:
+    """kernel() as an op that torch.compile does not look into: a compiled step
+    (model.compiled_halves) calls the kernel of a few rows as it is. Traced into the step's own
+    loops, Inductor fused it worse (a 3-token verification of SmolLM2-135M in int4: 108 ms against
+    46 ms for 1 token); a 1-row product it fuses well, and is traced (QuantLinear.forward)."""
+    return kernel(x, q, scales, mins)
+
+
+@quant_product.register_fake
+def _(x, q, scales, mins):
+    return x.new_empty(x.shape[0], q.shape[0])
+
+
+# --------------------------------------------------------------------------------------------------
+# The layers
+
+class QuantLinear(nn.Module):
+    """An nn.Linear whose weight is stored quantized (the layouts above): y = x W^T (+ bias), in
+    x's dtype, or in float32 (out_dtype) for an LM head. compiled: a few rows' product through
+    the compiled kernels (quant_product), else eager: dequantise and multiply (a test's reference,
+    and where compiling is off)."""
+
+    def __init__(self, in_features: int, out_features: int, bits: int, group: int | None = None,
+                 bias: bool = False, device=None, dtype=torch.float32, compiled: bool = True):
+        super().__init__()
+        if bits not in (4, 8):
+            raise ValueError(f"bits={bits}: quantized layers are int8 or int4")
+        group = BLOCK if bits == 4 else (group or in_features)
+        if in_features % group or (bits == 4 and group != BLOCK):
+            raise ValueError(f"a {bits}-bit layer of {in_features} inputs cannot have groups of "
+                             f"{group}: int4 needs inputs in blocks of {BLOCK}, int8 groups that "
+                             f"divide the inputs; load this model with quant='none'")
+        self.in_features, self.out_features, self.bits, self.group = (in_features, out_features,
+                                                                      bits, group)
+        self.out_dtype = None  # None: x's dtype
+        self.compiled = compiled
+        n = in_features // group
+        if bits == 8:
+            q = torch.empty(out_features, in_features, dtype=torch.int8, device=device)
+        else:
+            q = torch.empty(out_features, n, 16, dtype=torch.uint8, device=device)
+        self.register_buffer("qweight", q)
+        self.register_buffer("scales", torch.empty(out_features, n, device=device))
+        self.register_buffer("mins", torch.empty(out_features, n, device=device)
+                             if bits == 4 else None)
+        self.bias = (nn.Parameter(torch.empty(out_features, device=device, dtype=dtype),
+                                  requires_grad=False) if bias else None)
+
+    def stored(self, lo: int = 0, hi: int | None = None):
+        """(q, scales[, mins]) of rows [lo, hi)."""
+        parts = (self.qweight, self.scales) + ((self.mins,) if self.bits == 4 else ())
+        return tuple(t[lo:hi] for t in parts)
+
+    def dequantize(self, lo: int = 0, hi: int | None = None):
+        """The float32 weight of rows [lo, hi) -> [rows, in]."""
+        return dequantize(*self.stored(lo, hi))
+
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.stored())
+
+    def forward(self, x):
+        rows = x.reshape(-1, self.in_features).float().contiguous()  # [M, in]
+        M = rows.shape[0]
+        if torch.compiler.is_compiling() and M == 1:  # a compiled decode step: the product
+            y = (int8_product if self.bits == 8 else int4_product)(rows, *self.stored())  # fused
+        elif self.compiled and M <= ROW_BUCKETS[-1]:
+            bucket = next(b for b in ROW_BUCKETS if b >= M)
+            if bucket > M:  # rows padded to the bucket the kernel was compiled for
+                rows = F.pad(rows, (0, 0, 0, bucket - M))
+            product = quant_product if torch.compiler.is_compiling() else kernel
+            y = product(rows, self.qweight, self.scales, self.mins)[:M]
+        else:  # prefill: bound by arithmetic, so a slice of the weight at a time in float
+            step = max(1, DEQUANT_ELEMENTS // self.in_features)
+            y = torch.cat([F.linear(rows, self.dequantize(lo, lo + step))
+                           for lo in range(0, self.out_features, step)], -1)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(self.out_dtype or x.dtype).view(*x.shape[:-1], self.out_features)
+
+    def rows(self, lo: int, hi: int) -> "QuantRows":
+        return QuantRows(self, lo, hi)
+
+    def extra_repr(self):
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"int{self.bits}, group={self.group}")
+
+
+class QuantRows:
+    """Rows [lo, hi) of a QuantLinear, as a loader fills them (checkpoint.py): the float weight's
+    shape, copy_ from a float tensor (quantized here, one tensor at a time) or copy_stored from
+    tensors already in the layout (a GGUF file's blocks)."""
+
+    def __init__(self, layer: QuantLinear, lo: int, hi: int):
+        self.layer, self.lo, self.hi = layer, lo, hi
+        self.shape = torch.Size((hi - lo, layer.in_features))
+
+    def quantize(self, w):
+        """w [rows, in] float -> the layout's tensors for these rows."""
+        if self.layer.bits == 8:
+            return quantize_int8(w, self.layer.group)
+        return quantize_int4(w)
+
+    def copy_(self, w):
+        self.copy_stored(*self.quantize(w.reshape(self.shape)))
+        return self
+
+    def copy_stored(self, *parts):
+        for dst, src in zip(self.layer.stored(self.lo, self.hi), parts):
+            if tuple(dst.shape) != tuple(src.shape):
+                raise ValueError(f"stored rows of shape {tuple(src.shape)} do not fit a "
+                                 f"{self.layer} of {tuple(dst.shape)}")
+            dst.copy_(src)
+
+
+def split_rows(layer, sizes: list[int]) -> list:
+    """A linear layer's weight rows in consecutive parts of `sizes` rows, as loaders fill a fused
+    layer (q | k | v): views of an nn.Linear's weight, QuantRows of a QuantLinear."""
+    if not isinstance(layer, QuantLinear):
+        return list(layer.weight.split(sizes))
+    ends = torch.tensor(sizes).cumsum(0).tolist()
+    return [layer.rows(end - n, end) for n, end in zip(sizes, ends)]
+
+
+class QuantEmbedding(QuantLinear):
+    """An embedding [num_embeddings, dim] stored in a layout above, which dequantises only the
+    rows it looks up, into `dtype`. A tied LM head's embedding shares the head's tensors (tied)."""
+
+    def __init__(self, num_embeddings: int, dim: int, bits: int, group: int | None = None,
+                 device=None, dtype=torch.float32):
+        super().__init__(dim, num_embeddings, bits, group, device=device, compiled=False)
+        self.dtype = dtype
+        self.num_embeddings, self.embedding_dim = num_embeddings, dim
+
+    @staticmethod
+    def tied(head: QuantLinear, dtype) -> "QuantEmbedding":
+        emb = QuantEmbedding(head.out_features, head.in_features, head.bits, head.group, "meta",
+                             dtype)
+        emb.qweight, emb.scales, emb.mins = head.qweight, head.scales, head.mins
+        return emb
+
+    def forward(self, ids):
+        return dequantize(*(t[ids] for t in self.stored())).to(self.dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+# Swapping the layers of a model (built on the meta device, before its weights are loaded)
+
+def quantize_layers(model: nn.Module, bits_of, group_of, device, dtype,
+                    compiled: bool = True) -> dict:
+    """Replace the model's nn.Linear layers (and its embedding, where `bits_of` names it) with
+    quantized ones whose storage is allocated on `device` (contents uninitialised: the loader
+    fills them). bits_of(name) -> 8, 4 or None (kept in float) for "lm_head", "embed_tokens" and
+    each layer's name (model.layers.3.self_attn.qkv_proj); group_of(name) -> int8 group size (None:
+    per output channel). compiled: the CPU/GPU product through torch.compile (else eager).
+    Returns name -> bits of what it quantized."""
+    done = {}
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            full = f"{name}.{child_name}".lstrip(".")
+            if type(child) is not nn.Linear or (bits := bits_of(full)) is None:
+                continue
+            layer = QuantLinear(child.in_features, child.out_features, bits,
+                                group_of(full), child.bias is not None,
+                                device, dtype, compiled)
+            setattr(module, child_name, layer)
+            done[full] = bits
+    head = getattr(model, "lm_head", None)
+    if isinstance(head, QuantLinear):
+        head.out_dtype = torch.float32  # logits in float32, as the float model's head gives
+    emb = model.model.embed_tokens
+    if model.config.tie_word_embeddings and isinstance(head, QuantLinear):
+        model.model.embed_tokens = QuantEmbedding.tied(head, dtype)  # the head's rows, read back
+    elif (bits := bits_of("model.embed_tokens")) is not None:
+        model.model.embed_tokens = QuantEmbedding(
+            emb.num_embeddings, emb.embedding_dim, bits,
+            group_of("model.embed_tokens"), device, dtype)
+        done["model.embed_tokens"] = bits
+    return done
+
+
+def warm_up(model: nn.Module, rows) -> int:
+    """Compile every quantized layer's product for the row buckets that `rows` (row counts a run
+    will multiply) fall in, before any decode clock starts. Returns how many products it ran."""
+    layers = {(m.bits, m.group, m.out_features, m.in_features): m for m in model.modules()
+              if isinstance(m, QuantLinear) and m.compiled}
+    buckets = sorted({next(b for b in ROW_BUCKETS if b >= r) for r in rows
+                      if 1 <= r <= ROW_BUCKETS[-1]})
+    device = next(model.buffers()).device
+    with torch.no_grad():
+        for layer in layers.values():
+            for M in buckets:
+                layer(torch.zeros(M, layer.in_features, device=device))
+    return len(layers) * len(buckets)
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's weights as stored: parameters and quantized storage, each tensor once
+    (a tied head and embedding share theirs)."""
+    quant = [t for m in model.modules() if isinstance(m, QuantLinear) for t in m.stored()]
+    tensors = {t.data_ptr(): t for t in [*model.parameters(), *quant]}
+    return sum(t.nbytes for t in tensors.values())
