@@ -591,7 +591,9 @@ def load_draft(c: DraftConfig) -> Drafter:
     model, _ = load_model(c.name, device=c.device, dtype=c.dtype, tokenizer=False,
                           vocab_size=c.vocab_size, quant=c.quant)
     use_forms(model, ROWS)  # the CPU's product forms for any rows a round drafts (cpu_linear.py)
-    warm_up(model, [1, *ROWS])  # and quantized layers' compiled products (quantize.py)
+    # quantized layers' compiled products for a decode step and a round's catch-up (K + 1 rows);
+    # other row counts compile when they first come up
+    warm_up(model, [1, c.K + 1])
     model.use_graphs(c.graphs, c.compile)
     if c.ssd is None:
         return Drafter(model, c.K, c.temperature, c.seed, c.kv_tokens, c.block_size)

