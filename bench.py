@@ -13,6 +13,11 @@ Engines, all on the same models, prompts, max_new_tokens (EOS ignored) and machi
   hf             transformers `generate()` (autoregressive, the peer of ar);
   hf-assisted    transformers assisted generation (`assistant_model=`, the peer of sd), with a
                  constant K and no confidence-based early stop, as sd.
+  llama.cpp      llama.cpp (llama-cpp-python) on the target's GGUF file, autoregressive, batch 1:
+                 the peer a user of a 4-bit file would pick. Optional: run in the Python that has
+                 llama_cpp (--llama-cpp-python; scripts/llama_cpp_peer.py).
+--quant none,int8,int4 sweeps the target's weights (quantize.py) side by side: each is loaded
+once; --draft-quant sets the draft's.
 
 Cores, timing and the median run: docs/design.md section 10. Baselines run with ssd's target
 share of the cores (label @1t on 2 cores) and with all of them (@2t); speed-ups compare against
@@ -50,11 +55,12 @@ from checkpoint import hf_over_target_vocab, load_config, load_model, load_token
 from devices import DTYPES
 from draft import PRE_SPEC
 from fallback import POLICIES
+from quantize import QUANTS
 from spec_cache import FAN_OUTS
 from engine import default_devices, split_cores
 from run import encode, generate
 
-MODES = ("ar", "sd", "ssd", "hf", "hf-assisted")
+MODES = ("ar", "sd", "ssd", "hf", "hf-assisted", "llama.cpp")
 # run.generate's defaults: the one source of this benchmark's engine settings
 RUN = {name: p.default for name, p in inspect.signature(generate).parameters.items()}
 
@@ -191,6 +197,7 @@ class Config:
     pre_spec: str = RUN["pre_spec"]
     fixed_budget: bool = RUN["fixed_budget"]
     label: str = ""
+    quant: str = RUN["quant"]    # the target's weights (this engine's rows)
 
 
 def make_configs(a, cores):
@@ -205,20 +212,27 @@ def make_configs(a, cores):
 
     out = []
     for T, b, mode in product(a.temperatures, a.batch_sizes, a.modes):
-        if mode == "hf-assisted" and b > 1:
-            continue  # transformers assisted generation supports batch 1 only
-        if mode == "ssd":
-            for K, fan, c, fb, B, pre in product(a.k, a.fan_out, a.saguaro_c, a.fallback,
-                                                 a.budget, a.pre_spec):
-                var = "".join([tag("k=", a.k, K), tag("", a.fan_out, fan),
-                               tag("C=", a.saguaro_c, c), tag("", a.fallback, fb),
-                               tag("B=", a.budget, B), tag("", a.pre_spec, pre)])
-                out.append(Config("ssd", T, b, K, ts, td, fan, B, c, fb, pre,
-                                  a.fixed_budget, f"ssd{var}@{ts}+{td}t"))
-        else:
-            for K, th in product(a.k if mode in ("sd", "hf-assisted") else [0], threads):
+        if mode in ("hf-assisted", "llama.cpp") and b > 1:
+            continue  # transformers assisted generation (and the llama.cpp peer) run batch 1
+        if mode in ("hf", "hf-assisted", "llama.cpp"):
+            for K, th in product(a.k if mode == "hf-assisted" else [0], threads):
                 label = f"{mode}{tag('k=', a.k, K) if K else ''}@{th}t"
-                out.append(Config(mode, T, b, K, th, label=label))
+                out.append(Config(mode, T, b, K, th, label=label, quant=""))
+            continue
+        for q in a.quant:
+            qt = tag("", a.quant, q)
+            if mode == "ssd":
+                for K, fan, c, fb, B, pre in product(a.k, a.fan_out, a.saguaro_c, a.fallback,
+                                                     a.budget, a.pre_spec):
+                    var = "".join([tag("k=", a.k, K), tag("", a.fan_out, fan),
+                                   tag("C=", a.saguaro_c, c), tag("", a.fallback, fb),
+                                   tag("B=", a.budget, B), tag("", a.pre_spec, pre)])
+                    out.append(Config("ssd", T, b, K, ts, td, fan, B, c, fb, pre,
+                                      a.fixed_budget, f"ssd{var}{qt}@{ts}+{td}t", q))
+            else:
+                for K, th in product(a.k if mode == "sd" else [0], threads):
+                    label = f"{mode}{tag('k=', a.k, K) if K else ''}{qt}@{th}t"
+                    out.append(Config(mode, T, b, K, th, label=label, quant=q))
     return out
 
 
@@ -227,6 +241,7 @@ def run_engine(cfg: Config, batches, a, first=0, target=None):
     batches[0] in the prompt set (its seed). target: the target model, loaded once for the sweep
     (load_target); None loads it by name for each batch."""
     tot = None
+    target = target[cfg.quant] if target is not None else None
     for i, batch in enumerate(batches):
         s = generate(batch, target=a.target if target is None else target, draft=a.draft,
                      mode=cfg.engine,
@@ -238,7 +253,8 @@ def run_engine(cfg: Config, batches, a, first=0, target=None):
                      target_threads=cfg.threads,
                      draft_threads=cfg.draft_threads, dtype=a.dtype,
                      graphs=False if a.no_graphs else None,
-                     compile=False if a.no_compile else None).stats
+                     compile=False if a.no_compile else None, quant=cfg.quant,
+                     draft_quant=a.draft_quant).stats
         c = counters(cfg, s)
         tot = c if tot is None else add_counters(tot, c)
     return tot
@@ -311,6 +327,35 @@ class HF:
             torch.set_num_threads(old)
 
 
+def llama_cpp_run(cfg: Config, batches, a) -> dict:
+    """One run of the llama.cpp peer over `batches` (batch 1 each) -> the same counters as
+    run_engine (timings only), through scripts/llama_cpp_peer.py in a.llama_cpp_python."""
+    import subprocess
+    path = resolve(a.target)
+    job = dict(model=str(path), threads=cfg.threads, max_new_tokens=a.max_new_tokens,
+               prompts=[p for batch in batches for p in batch],
+               n_ctx=max(len(p) for batch in batches for p in batch) + a.max_new_tokens + 8)
+    peer = Path(__file__).resolve().parent / "scripts" / "llama_cpp_peer.py"
+    res = subprocess.run([a.llama_cpp_python, str(peer)], input=json.dumps(job), text=True,
+                         capture_output=True)
+    if res.returncode:
+        raise RuntimeError(f"the llama.cpp peer failed: {res.stderr.strip().splitlines()[-1:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def check_llama_cpp(a):
+    """The llama.cpp peer needs a GGUF target and a Python with llama_cpp: one line if not."""
+    import subprocess
+    if not resolve(a.target).is_file():
+        raise ValueError("the llama.cpp peer runs GGUF files: give --target a GGUF file (e.g. "
+                         "smollm2-135m), or leave llama.cpp out of --modes")
+    ok = subprocess.run([a.llama_cpp_python, "-c", "import llama_cpp"], capture_output=True)
+    if ok.returncode:
+        raise ValueError(f"{a.llama_cpp_python} cannot import llama_cpp: pip install "
+                         f"llama-cpp-python there (it builds llama.cpp), or point "
+                         f"--llama-cpp-python at a Python that has it")
+
+
 def sync():
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -324,8 +369,9 @@ def load_target(a):
     run decodes with it (generate(target=model)), so no run reloads it (a GGUF file: seconds of
     dequantising) and, on a GPU, the runs replay the CUDA graphs the warm-up captured on its KV
     pool instead of capturing their own. The draft is loaded by each run (in SSD, by the
-    speculator's own process)."""
-    return load_model(a.target, device=default_devices()[0], dtype=a.dtype, tokenizer=False)[0]
+    speculator's own process). -> {quant: the model loaded with it}, one per --quant."""
+    return {q: load_model(a.target, device=default_devices()[0], dtype=a.dtype, tokenizer=False,
+                          quant=q)[0] for q in a.quant}
 
 
 def measure(configs, batches, a, hf, target=None):
@@ -344,8 +390,12 @@ def measure(configs, batches, a, hf, target=None):
     def one(cfg, j):
         bar.set_postfix_str(f"{cfg.label} T={cfg.temperature:g} b={cfg.batch}")
         bs = batches[cfg.batch][j:j + 1]
-        out = (hf.run(cfg, bs, j) if cfg.engine.startswith("hf")
-               else run_engine(cfg, bs, a, j, target=target))
+        if cfg.engine == "llama.cpp":
+            out = llama_cpp_run(cfg, bs, a)
+        elif cfg.engine.startswith("hf"):
+            out = hf.run(cfg, bs, j)
+        else:
+            out = run_engine(cfg, bs, a, j, target=target)
         bar.update()
         return out
 
@@ -381,7 +431,7 @@ def tune(a, batches, hf, target=None):
     T = a.temperatures[0]
     ts, td = split_cores(a.cores)
     base = Config("ssd", T, 1, threads=ts, draft_threads=td, fan_out=a.fan_out[0],
-                  saguaro_c=a.saguaro_c[0], fixed_budget=a.fixed_budget)
+                  saguaro_c=a.saguaro_c[0], fixed_budget=a.fixed_budget, quant=a.quant[0])
     grid = [replace(base, k=K, budget=B, fallback=f, label=f"ssd k={K} B={B} {f}")
             for K in TUNE_K for B in TUNE_BUDGET for f in TUNE_FALLBACK]
     rows = measure(grid, batches, a, hf, target)
@@ -515,6 +565,15 @@ def add_machine_args(ap):
                     help="weights and activations of this engine's models (ar, sd, ssd; the "
                          "transformers peers stay float32 on the CPU, bfloat16 on CUDA): auto is "
                          "bfloat16 on CUDA and float32 on the CPU (default: %(default)s)")
+    ap.add_argument("--quant", type=csv(str), default=[RUN["quant"]], metavar="Q[,Q...]",
+                    help="this engine's target weights, swept side by side: auto (a GGUF file's "
+                         "own precision, safetensors in float), none, int8, int4 "
+                         "(default: %(default)s)")
+    ap.add_argument("--draft-quant", default=RUN["draft_quant"], choices=QUANTS,
+                    help="the draft's weights (default: %(default)s)")
+    ap.add_argument("--llama-cpp-python", default=sys.executable, metavar="PYTHON",
+                    help="the Python that has llama-cpp-python, for the llama.cpp peer "
+                         "(default: this one)")
     ap.add_argument("--no-graphs", action="store_true",
                     help="on CUDA, run this engine's decode steps and verifications eagerly "
                          "instead of as CUDA graphs")
@@ -542,7 +601,8 @@ def check_args(a):
             ("mode", a.modes, MODES, "a subset of " + ",".join(MODES)),
             ("fallback", a.fallback, POLICIES, ", ".join(POLICIES)),
             ("pre-spec", a.pre_spec, PRE_SPEC, ", ".join(PRE_SPEC)),
-            ("fan-out", a.fan_out, FAN_OUTS, ", ".join(FAN_OUTS))):
+            ("fan-out", a.fan_out, FAN_OUTS, ", ".join(FAN_OUTS)),
+            ("quant", a.quant, QUANTS, ", ".join(QUANTS))):
         bad = [x for x in given if x not in known]
         if bad:
             raise ValueError(f"unknown {what}(s) {','.join(bad)}: use {use}")
@@ -587,7 +647,10 @@ def main(argv=None):
         batches = {b: batches_of(ids, b) for b in sizes}
         hf = HF(a)
         hw = hardware()
-        target = load_target(a) if a.tune or set(a.modes) - {"hf", "hf-assisted"} else None
+        if "llama.cpp" in a.modes:
+            check_llama_cpp(a)
+        ours = set(a.modes) - {"hf", "hf-assisted", "llama.cpp"}
+        target = load_target(a) if a.tune or ours else None
         if a.tune:
             rows, tuned = tune(a, batches, hf, target)
         else:

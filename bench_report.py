@@ -108,12 +108,12 @@ def summarize(cfg, runs):
 
 
 def find(rows, engine, like, threads=None, k=None):
-    """The row of `engine` at the same temperature and batch as `like` (and threads / K if
-    given)."""
+    """The row of `engine` at the same temperature, batch and weights (quant) as `like` (and
+    threads / K if given)."""
     for r in rows:
         if (r["engine"] == engine and r["temperature"] == like["temperature"]
                 and r["batch"] == like["batch"] and (threads is None or r["threads"] == threads)
-                and (k is None or r["k"] == k)):
+                and (k is None or r["k"] == k) and r.get("quant") == like.get("quant")):
             return r
     return None
 
@@ -130,6 +130,10 @@ def add_speedups(rows):
         # run-to-run spread without the machine's drift between passes
         r["speedup_vs_sd_runs"] = ([x / y for x, y in zip(r["runs_tok_s"], sd["runs_tok_s"])]
                                    if sd and r["engine"] != "ar" else None)
+        # against the peer's fastest row (llama.cpp on the same file, AR, batch 1)
+        peer = [x["decode_tok_s"] for x in rows if x["engine"] == "llama.cpp"
+                and x["temperature"] == r["temperature"] and x["batch"] == r["batch"]]
+        r["speedup_vs_llama_cpp"] = r["decode_tok_s"] / max(peer) if peer else None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -256,7 +260,8 @@ def fmt(x, spec=".2f", none="-"):
     return none if x is None else format(x, spec)
 
 
-LEGEND = ("accept: accepted / proposed draft tokens; a: the paper's per-token acceptance "
+LEGEND = ("vs lcpp: tok/s / the llama.cpp peer's fastest row; accept: accepted / proposed "
+          "draft tokens; a: the paper's per-token acceptance "
           "(capped-geometric MLE); hit: cache hit rate; wait%: verifier waiting for proposals / "
           "decode time; busy%: speculator busy / decode time (it includes the first round's "
           "pre-speculation, done during the prefill); B: mean budget (branches per sequence); "
@@ -276,10 +281,11 @@ def print_tables(rows, a, n_prompts):
             print("(no hf-assisted row: transformers assisted generation supports batch 1 only)")
         w = max(len(r["label"]) for r in g)
         print(f"{'engine':<{w}}  {'tok/s/seq':>9} {'tok/s':>8} {'vs AR':>6} {'vs SD':>6} "
-              f"{'tok/rnd':>7} {'accept':>6} {'hit':>5} {'wait%':>5} {'busy%':>5}")
+              f"{'vs lcpp':>7} {'tok/rnd':>7} {'accept':>6} {'hit':>5} {'wait%':>5} {'busy%':>5}")
         for r in g:
             print(f"{r['label']:<{w}}  {r['decode_tok_s_per_seq']:>9.1f} {r['decode_tok_s']:>8.1f} "
                   f"{fmt(r['speedup_vs_ar']):>6} {fmt(r['speedup_vs_sd']):>6} "
+                  f"{fmt(r.get('speedup_vs_llama_cpp')):>7} "
                   f"{fmt(r.get('tokens_per_round')):>7} {fmt(r.get('acceptance_rate')):>6} "
                   f"{fmt(r.get('cache_hit_rate')):>5} {fmt(r.get('verifier_wait_pct'), '.0f'):>5} "
                   f"{fmt(r.get('draft_busy_pct'), '.0f'):>5}")

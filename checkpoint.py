@@ -201,7 +201,9 @@ def load_model(name_or_path, device="cpu", dtype=None, tp: TP | None = None,
         cfg = cfg.over_target_vocab(vocab_size)
     with torch.device("meta"):
         model = Transformer(cfg, tp)
-    plan = quant_plan(quant, cfg, gguf_file)
+    # tensor parallelism slices float weights only: a GGUF file's own precision (auto) is
+    # dequantised there as before, an explicit int8 / int4 refused
+    plan = quant_plan("none" if quant == "auto" and model.tp else quant, cfg, gguf_file)
     if plan is not None:
         if model.tp is not None:
             raise ValueError(f"quant={quant!r} with tensor parallelism is not implemented: load "
@@ -617,9 +619,9 @@ def stored_as(t: GGUFTensor, target: QuantRows) -> bool:
 
 
 def gguf_stored(raw, qtype: str):
-    """A GGUF tensor's Q8_0 / Q4_0 / Q4_1 blocks (raw: uint8 [rows, bytes per row]) -> quantize.py's
-    layout: (q int8 [rows, in], scales) for Q8_0, (q uint8 [rows, in / 32, 16], scales, mins) for
-    Q4_0 and Q4_1. A block is a float16 scale d (Q4_1: then a float16 min m) and its 32 values:
+    """A GGUF tensor's Q8_0 / Q4_0 / Q4_1 blocks (raw: uint8 [rows, bytes per row]) -> the layout
+    of quantize.py: (q int8 [rows, in], scales) for Q8_0, (q uint8 [rows, in / 32, 16], scales,
+    mins) for Q4_0 and Q4_1. A block is a float16 scale d (Q4_1: then a float16 min m) and its 32 values:
     Q8_0 w = d q (q int8), Q4_0 w = d (q - 8), Q4_1 w = d q + m (q in 0..15, two to a byte, element j
     in byte j's low nibble and j + 16 in its high one)."""
     import numpy as np
