@@ -343,17 +343,18 @@ def llama_cpp_run(cfg: Config, batches, a) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def check_llama_cpp(a):
-    """The llama.cpp peer needs a GGUF target and a Python with llama_cpp: one line if not."""
+def llama_cpp_problem(a) -> str | None:
+    """Why the llama.cpp peer cannot run here (None: it can): it needs a GGUF target and a Python
+    with llama_cpp."""
     import subprocess
     if not resolve(a.target).is_file():
-        raise ValueError("the llama.cpp peer runs GGUF files: give --target a GGUF file (e.g. "
-                         "smollm2-135m), or leave llama.cpp out of --modes")
+        return ("the llama.cpp peer runs GGUF files: give --target a GGUF file (e.g. "
+                "smollm2-135m), or leave llama.cpp out of --modes")
     ok = subprocess.run([a.llama_cpp_python, "-c", "import llama_cpp"], capture_output=True)
     if ok.returncode:
-        raise ValueError(f"{a.llama_cpp_python} cannot import llama_cpp: pip install "
-                         f"llama-cpp-python there (it builds llama.cpp), or point "
-                         f"--llama-cpp-python at a Python that has it")
+        return (f"{a.llama_cpp_python} cannot import llama_cpp: pip install llama-cpp-python "
+                f"there (it builds llama.cpp), or point --llama-cpp-python at a Python that has it")
+    return None
 
 
 def sync():
@@ -474,9 +475,10 @@ def add_model_args(ap):
     ap.add_argument("--draft", default=RUN["draft"], metavar="MODEL",
                     help="draft model for sd, ssd and hf-assisted, named as --target "
                          "(default: %(default)s)")
-    ap.add_argument("--modes", type=csv(str), default=list(MODES), metavar="MODE[,MODE...]",
+    ap.add_argument("--modes", type=csv(str), default=None, metavar="MODE[,MODE...]",
                     help="engines to run, comma-separated, from " + ", ".join(MODES)
-                         + " (default: all of them)")
+                         + " (default: all of them; llama.cpp where the target is a GGUF file "
+                           "and --llama-cpp-python has llama_cpp)")
 
 
 def add_prompt_args(ap):
@@ -598,7 +600,7 @@ def add_action_args(ap):
 def check_args(a):
     """A ValueError for a value no engine takes."""
     for what, given, known, use in (
-            ("mode", a.modes, MODES, "a subset of " + ",".join(MODES)),
+            ("mode", a.modes or [], MODES, "a subset of " + ",".join(MODES)),
             ("fallback", a.fallback, POLICIES, ", ".join(POLICIES)),
             ("pre-spec", a.pre_spec, PRE_SPEC, ", ".join(PRE_SPEC)),
             ("fan-out", a.fan_out, FAN_OUTS, ", ".join(FAN_OUTS)),
@@ -647,8 +649,10 @@ def main(argv=None):
         batches = {b: batches_of(ids, b) for b in sizes}
         hf = HF(a)
         hw = hardware()
-        if "llama.cpp" in a.modes:
-            check_llama_cpp(a)
+        if a.modes is None:  # every engine; the optional peer where it can run
+            a.modes = [m for m in MODES if m != "llama.cpp" or llama_cpp_problem(a) is None]
+        elif "llama.cpp" in a.modes and (problem := llama_cpp_problem(a)):
+            raise ValueError(problem)
         ours = set(a.modes) - {"hf", "hf-assisted", "llama.cpp"}
         target = load_target(a) if a.tune or ours else None
         if a.tune:

@@ -109,11 +109,12 @@ def summarize(cfg, runs):
 
 def find(rows, engine, like, threads=None, k=None):
     """The row of `engine` at the same temperature, batch and weights (quant) as `like` (and
-    threads / K if given)."""
+    threads / K if given); a peer's row (no quant) finds this engine's first."""
     for r in rows:
         if (r["engine"] == engine and r["temperature"] == like["temperature"]
                 and r["batch"] == like["batch"] and (threads is None or r["threads"] == threads)
-                and (k is None or r["k"] == k) and r.get("quant") == like.get("quant")):
+                and (k is None or r["k"] == k)
+                and (not like.get("quant") or r.get("quant") == like["quant"])):
             return r
     return None
 

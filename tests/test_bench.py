@@ -147,7 +147,7 @@ def test_smoke_json_line(tmp_path, capsys):
     res = json.loads(out[-1])
     assert {"cpu", "cores", "torch", "device"} <= set(res["hardware"])
     rows = {r["engine"]: r for r in res["results"]}
-    assert set(rows) == set(bench.MODES)
+    assert set(rows) == set(bench.MODES) - {"llama.cpp"}  # the peer runs GGUF files only
     for r in rows.values():
         assert r["decode_tok_s"] > 0 and r["new_tokens"] == 8 and r["speedup_vs_ar"] is not None
     for e in ("ar", "sd", "ssd"):  # the verifications are part of the decode time
