@@ -79,7 +79,8 @@ def test_config_and_tokenizer_from_metadata(smol):
     cfg = model.config
     assert (cfg.model_type, cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size) == ("llama", 30, 576, 1536)
     assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.vocab_size) == (9, 3, 64, 49152)
-    assert cfg.tie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight  # no output.weight
+    # no output.weight: the head is the embedding (as stored: Q8_0, kept as int8 by quant auto)
+    assert cfg.tie_word_embeddings and model.lm_head.qweight is model.model.embed_tokens.qweight
     assert cfg.rope_theta == 100000.0 and cfg.rope_scaling is None and cfg.max_position_embeddings == 8192
     assert cfg.eos_token_ids == [IM_END] and tok.convert_ids_to_tokens(IM_END) == "<|im_end|>"
     assert load_config("smollm2-135m") == cfg
