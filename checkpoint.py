@@ -621,9 +621,9 @@ def stored_as(t: GGUFTensor, target: QuantRows) -> bool:
 def gguf_stored(raw, qtype: str):
     """A GGUF tensor's Q8_0 / Q4_0 / Q4_1 blocks (raw: uint8 [rows, bytes per row]) -> the layout
     of quantize.py: (q int8 [rows, in], scales) for Q8_0, (q uint8 [rows, in / 32, 16], scales,
-    mins) for Q4_0 and Q4_1. A block is a float16 scale d (Q4_1: then a float16 min m) and its 32 values:
-    Q8_0 w = d q (q int8), Q4_0 w = d (q - 8), Q4_1 w = d q + m (q in 0..15, two to a byte, element j
-    in byte j's low nibble and j + 16 in its high one)."""
+    mins) for Q4_0 and Q4_1. A block is a float16 scale d (Q4_1: then a float16 min m) and its
+    32 values: Q8_0 w = d q (q int8), Q4_0 w = d (q - 8), Q4_1 w = d q + m (q in 0..15, two to a
+    byte, element j in byte j's low nibble and j + 16 in its high one)."""
     import numpy as np
     bits, size = GGUF_STORED[qtype]
     blocks = raw.reshape(raw.shape[0], -1, size)  # [rows, blocks, bytes per block]
