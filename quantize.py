@@ -116,28 +116,45 @@ def renamed(fn, tag: str):
 KERNELS = {}
 
 
-def kernel(x, q, scales, mins):
-    """x [M, in] float32 (M a row bucket) @ the stored weight^T -> [M, out] through the compiled
-    product for its shape (compiled on first use)."""
+def product(x, q, scales, mins):
+    """x [M, in] float32 @ the stored weight^T -> [M, out], any M: up to ROW_BUCKETS[-1] rows
+    through the compiled product for the weight's shape (compiled on first use), the rows padded
+    to a bucket; more (a prefill) by dequantised_product."""
+    M, n = x.shape
+    if M > ROW_BUCKETS[-1]:
+        return dequantised_product(x, q, scales, mins)
     bits = 8 if q.dtype == torch.int8 else 4
-    out, n = q.shape[0], x.shape[1]
-    key = (bits, n // scales.shape[1], out, n)
+    key = (bits, n // scales.shape[1], q.shape[0], n)
     if key not in KERNELS:
-        product = int8_product if bits == 8 else int4_product
-        KERNELS[key] = torch.compile(renamed(product, "_".join(map(str, key))), dynamic=False,
+        fn = int8_product if bits == 8 else int4_product
+        KERNELS[key] = torch.compile(renamed(fn, "_".join(map(str, key))), dynamic=False,
                                      fullgraph=True)
+    bucket = next(b for b in ROW_BUCKETS if b >= M)
+    if bucket > M:  # rows padded to the bucket the kernel was compiled for
+        x = F.pad(x, (0, 0, 0, bucket - M))
     with torch.no_grad():  # one grad mode, or each mode compiles its own graphs
-        return KERNELS[key](x, q, scales) if bits == 8 else KERNELS[key](x, q, scales, mins)
+        y = KERNELS[key](x, q, scales) if bits == 8 else KERNELS[key](x, q, scales, mins)
+    return y[:M]
+
+
+def dequantised_product(x, q, scales, mins):
+    """x [M, in] @ the stored weight^T, a slice of the weight's rows at a time dequantised to
+    float and multiplied: for many rows (a prefill), which are bound by arithmetic, not bytes."""
+    step = max(1, DEQUANT_ELEMENTS // x.shape[1])
+    return torch.cat([F.linear(x, dequantize(*(t[lo:lo + step] for t in (q, scales, mins)
+                                                if t is not None)))
+                      for lo in range(0, q.shape[0], step)], -1)
 
 
 @torch.library.custom_op("ssd::quant_product", mutates_args=())
 def quant_product(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
                   mins: torch.Tensor | None) -> torch.Tensor:
-    """kernel() as an op that torch.compile does not look into: a compiled step
-    (model.compiled_halves) calls the kernel of a few rows as it is. Traced into the step's own
-    loops, Inductor fused it worse (a 3-token verification of SmolLM2-135M in int4: 108 ms against
-    46 ms for 1 token); a 1-row product it fuses well, and is traced (QuantLinear.forward)."""
-    return kernel(x, q, scales, mins)
+    """product() as an op that torch.compile does not look into: a compiled step
+    (model.compiled_halves) calls the compiled product of a few rows as it is. Traced into the
+    step's own loops, Inductor fused it worse (a 3-token verification of SmolLM2-135M in int4:
+    108 ms against 46 ms for 1 token); a 1-row product it fuses well, and is traced
+    (QuantLinear.forward)."""
+    return product(x, q, scales, mins)
 
 
 @quant_product.register_fake
@@ -195,18 +212,16 @@ class QuantLinear(nn.Module):
     def forward(self, x):
         rows = x.reshape(-1, self.in_features).float().contiguous()  # [M, in]
         M = rows.shape[0]
-        if torch.compiler.is_compiling() and M == 1:  # a compiled decode step: the product
-            y = (int8_product if self.bits == 8 else int4_product)(rows, *self.stored())  # fused
-        elif self.compiled and M <= ROW_BUCKETS[-1]:
-            bucket = next(b for b in ROW_BUCKETS if b >= M)
-            if bucket > M:  # rows padded to the bucket the kernel was compiled for
-                rows = F.pad(rows, (0, 0, 0, bucket - M))
-            product = quant_product if torch.compiler.is_compiling() else kernel
-            y = product(rows, self.qweight, self.scales, self.mins)[:M]
-        else:  # prefill: bound by arithmetic, so a slice of the weight at a time in float
-            step = max(1, DEQUANT_ELEMENTS // self.in_features)
-            y = torch.cat([F.linear(rows, self.dequantize(lo, lo + step))
-                           for lo in range(0, self.out_features, step)], -1)
+        stored = (self.qweight, self.scales, self.mins)
+        if torch.compiler.is_compiling():  # inside a compiled step (model.compiled_halves)
+            if M == 1:  # a decode step's product, fused with the step's other work
+                y = (int8_product if self.bits == 8 else int4_product)(rows, *self.stored())
+            else:
+                y = quant_product(rows, *stored)
+        elif self.compiled:
+            y = product(rows, *stored)
+        else:
+            y = dequantised_product(rows, *stored)
         if self.bias is not None:
             y = y + self.bias
         return y.to(self.out_dtype or x.dtype).view(*x.shape[:-1], self.out_features)

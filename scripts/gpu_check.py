@@ -70,6 +70,8 @@ from kv_cache import PagedKVCache, paged_attention
 from config import ModelConfig
 from graphs import StaticSteps
 from model import PREFILL_CHUNK, Transformer
+from quantize import QuantLinear, quantize_layers
+from quantize import weight_bytes as qweight_bytes
 from run import generate  # noqa: E402
 
 # HF config fields of the shapes (Llama-3.2-1B and Llama-3.1-8B), and their --quick stand-ins
@@ -92,6 +94,14 @@ QUICK_SHAPES = {
                      tie_word_embeddings=False, rope_theta=500000.0),
 }
 # HBM bandwidth in GB/s by a substring of the device name (datasheet figures)
+# quantized steps (quantize.py): these shapes in int8 and int4, and Llama-3.1-70B in int4, which
+# takes about 50 GB in this layout: the README's headline target on one H200
+QUANT_SHAPES = {**{f"{n}:{q}": (f, q) for n, f in SHAPES.items() for q in ("int8", "int4")},
+                "llama-70b:int4": (dict(hidden_size=8192, intermediate_size=28672,
+                                        num_hidden_layers=80, num_attention_heads=64,
+                                        num_key_value_heads=8, head_dim=128, vocab_size=128256,
+                                        tie_word_embeddings=False, rope_theta=500000.0), "int4")}
+QUICK_QUANT_SHAPES = {f"{n}:{q}": (f, q) for n, f in QUICK_SHAPES.items() for q in ("int8", "int4")}
 BANDWIDTH_GBS = {"H200": 4800, "H100": 3350, "A100": 2039, "L40S": 864, "L4": 300, "4090": 1008,
                  "A10": 600}
 K = 4  # verification steps check T = K + 1
@@ -114,6 +124,31 @@ def random_model(fields: dict, device, dtype=torch.bfloat16, seed=0) -> Transfor
             p.fill_(1.0)
         else:
             p.normal_(0, p.shape[1] ** -0.5, generator=g)
+    model.init_buffers()
+    return model.eval().requires_grad_(False)
+
+
+def random_quant_model(fields: dict, device, quant: str, dtype=torch.bfloat16, seed=0):
+    """A model of this shape in quant's layout (the head and embedding in int8, as load_model
+    quantizes them), its codes and scales random (logits of order 1), built in place: no float
+    copy, so a 70B shape fits one GPU."""
+    cfg = ModelConfig.from_hf(hf_config(fields))
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    bits = 8 if quant == "int8" else 4
+    quantize_layers(model, lambda n: 8 if n in ("lm_head", "model.embed_tokens") else bits,
+                    lambda n: None, device, dtype)
+    materialize(model, device, dtype)
+    g = torch.Generator(device=device).manual_seed(seed)
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            m.qweight.view(torch.uint8).random_(0, 256, generator=g)
+            # weights of spread ~ in^-1/2: int8 codes up to 127, int4 codes 0..15 about 8
+            m.scales.fill_(m.in_features ** -0.5 / (73 if m.bits == 8 else 4.6))
+            if m.mins is not None:
+                m.mins.copy_(-7.5 * m.scales)
+    for p in model.parameters():
+        p.data.fill_(1.0)
     model.init_buffers()
     return model.eval().requires_grad_(False)
 
@@ -382,6 +417,42 @@ def check_step(a, name, fields):
         if name in FLOOR_TARGETS and not a.quick:
             out["target_over_floor"] = FLOOR_TARGETS[name]
             out["meets_target"] = out[f"{best}_over_floor"] <= FLOOR_TARGETS[name]
+    return out
+
+
+def check_quant_step(a, name, fields, quant):
+    """A quantized model's decode step and verification (K + 1 tokens), eager and on the engine's
+    default path (CUDA graphs of compiled layers; the CPU: eager), against the bandwidth floor of
+    its quantized bytes; the two paths' logits compared on the same step."""
+    model = random_quant_model(fields, a.device, quant)
+    ctx = 64 if a.quick else 1024
+    cache = model.new_cache(ctx + K + 8 + 16, block_size=16)
+    seq = cache.new_seq()
+    model.forward_cached(cache, [seq], torch.randint(fields["vocab_size"], (ctx,),
+                                                     device=a.device), [ctx], last_only=True)
+    n = 5 if a.quick else 30
+    out = {"shape": name, "quant": quant, "context": ctx, "weight_bytes": qweight_bytes(model)}
+    tok = torch.randint(fields["vocab_size"], (K + 1,), device=a.device)
+    logits = {}
+    for label, graphs in (("eager", False), ("default", None)):
+        model.static = None
+        model.use_graphs(graphs)
+        L = cache.length(seq)
+        logits[label] = model.forward_cached(cache, [seq], tok, [K + 1]).float()
+        cache.truncate(seq, L)
+        out[f"{label}_decode_ms"] = time_steps(model, cache, seq, 1, n, a.device)
+        out[f"{label}_verify_ms"] = time_steps(model, cache, seq, K + 1, n, a.device)
+    diff = (logits["default"] - logits["eager"]).abs().max().item()
+    out["default_vs_eager_max_abs"] = diff
+    out["ok"] = diff < 0.25
+    cfg = model.config
+    kv_bytes = 2 * cfg.num_hidden_layers * ctx * cfg.num_key_value_heads * cfg.head_dim * 2
+    bw = bandwidth(a)
+    if bw:
+        table = 0 if cfg.tie_word_embeddings else model.model.embed_tokens.nbytes()
+        out["floor_ms"] = 1000 * (out["weight_bytes"] - table + kv_bytes) / (bw * 1e9)
+        for label in ("eager", "default"):
+            out[f"{label}_over_floor"] = out[f"{label}_decode_ms"] / out["floor_ms"]
     return out
 
 
@@ -878,6 +949,8 @@ def main(argv=None):
     checks = [("versions", lambda: check_versions(a)),
               ("load", lambda: check_load(a, shapes, work))]
     checks += [(f"step:{n}", lambda n=n, f=f: check_step(a, n, f)) for n, f in shapes.items()]
+    checks += [(f"quant_step:{n}", lambda n=n, f=f, q=q: check_quant_step(a, n, f, q))
+               for n, (f, q) in (QUICK_QUANT_SHAPES if a.quick else QUANT_SHAPES).items()]
     checks += [("attention", lambda: check_attention(a, shapes)),
                ("attention_speed", lambda: check_attention_speed(a, shapes)),
                ("host_syncs", lambda: check_host_syncs(a, prompts)),

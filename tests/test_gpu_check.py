@@ -24,12 +24,17 @@ def test_gpu_check_quick_on_cpu(tmp_path, capsys):
     assert report["command"] == "python scripts/gpu_check.py --device cpu --quick"  # no machine's path
     checks = {c["name"]: c for c in report["checks"]}
     assert set(checks) == {"versions", "load", "step:llama-1b", "step:llama-8b", "attention", "attention_speed", "host_syncs",
-                           "greedy", "sampling", "ssd:cpu+cpu", "long_prefill"}
+                           "greedy", "sampling", "ssd:cpu+cpu", "long_prefill",
+                           *(f"quant_step:{n}:{q}" for n in ("llama-1b", "llama-8b") for q in ("int8", "int4"))}
     failed = {n: c for n, c in checks.items() if not c["ok"]}
     assert rc == 0 and not failed, failed
     assert 0.99 < checks["load"]["peak_over_weights"] < 1.15
     assert checks["step:llama-8b"]["weight_bytes"] > checks["step:llama-1b"]["weight_bytes"]
     assert checks["step:llama-1b"]["attention_ops"], checks["step:llama-1b"]  # the profiler saw SDPA
+    # the quantized steps: int4 stores fewer bytes than int8, the default path computes eager's logits
+    q = {n: checks[f"quant_step:llama-8b:{n}"] for n in ("int8", "int4")}
+    assert q["int4"]["weight_bytes"] < q["int8"]["weight_bytes"] < checks["step:llama-8b"]["weight_bytes"]
+    assert all(c["default_vs_eager_max_abs"] < 1e-3 and c["default_decode_ms"] > 0 for c in q.values()), q
     for shape in ("step:llama-1b", "step:llama-8b"):  # the padded static-shape step (a graph on CUDA) = eager
         step = checks[shape]
         assert step["graph_vs_eager_same_argmax"] and step["graph_vs_eager_max_abs"] < 1e-3, step
