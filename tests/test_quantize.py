@@ -218,24 +218,29 @@ def int4_pair(tmp_path_factory):
     return tgt, dft, prompt, law
 
 
+@pytest.fixture(scope="module")
+def int4_runs(int4_pair):
+    """N_LAW rows of 3 tokens from SD and from one-process SSD, both models in int4."""
+    tgt, dft, prompt, _ = int4_pair
+    return {mode: gen([prompt] * N_LAW, tgt, dft, mode=mode, k=2, temperature=1.0,
+                      max_new_tokens=3, seed=7, quant="int4", draft_quant="int4", parallel=False)
+            for mode in ("sd", "ssd")}
+
+
 @pytest.mark.parametrize("mode", ["sd", "ssd"])
-def test_law_with_a_quantized_pair_is_the_quantized_targets(int4_pair, mode):
-    tgt, dft, prompt, law = int4_pair
-    res = gen([prompt] * N_LAW, tgt, dft, mode=mode, k=2, temperature=1.0, max_new_tokens=3,
-              seed=7, quant="int4", draft_quant="int4", parallel=False)
+def test_law_with_a_quantized_pair_is_the_quantized_targets(int4_pair, int4_runs, mode):
+    law, res = int4_pair[3], int4_runs[mode]
     assert 0.1 < res.stats["acceptance_rate"] < 0.9, res.stats
     emp = empirical_law(res.tokens, 3)
     assert tv(emp, law) < tv_bound(law, N_LAW), (tv(emp, law), tv_bound(law, N_LAW))
 
 
-def test_law_negative_control_the_float_targets_law(int4_pair):
-    """The check tells the quantized target's law from the float one's: SD with the int4 target
-    is far (beyond the noise bound) from the float target's law, so a verifier that used float
-    weights would be caught."""
-    tgt, dft, prompt, law = int4_pair
+def test_law_negative_control_the_float_targets_law(int4_pair, int4_runs):
+    """The check tells the quantized target's law from the float one's: SD's rows with the int4
+    target are far (beyond the noise bound) from the float target's law, so a verifier that used
+    float weights would be caught."""
+    tgt, _, prompt, law = int4_pair
     float_law = quantized_law(tgt, prompt, 3, 1.0, "none")
-    res = gen([prompt] * N_LAW, tgt, dft, mode="sd", k=2, temperature=1.0, max_new_tokens=3,
-              seed=7, quant="int4", draft_quant="int4")
-    emp = empirical_law(res.tokens, 3)
+    emp = empirical_law(int4_runs["sd"].tokens, 3)
     assert tv(emp, float_law) > tv_bound(float_law, N_LAW), (tv(emp, float_law),
                                                              tv(law, float_law))
