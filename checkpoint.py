@@ -18,7 +18,7 @@ import torch.nn as nn
 from devices import check_device, resolve_dtype
 from config import ARCHS, ModelConfig
 from model import TP, Transformer, over_vocab, tp_split_dim, vocab_maps
-from quantize import BLOCK, QUANTS, QuantRows, quantize_layers
+from quantize import BLOCK, QuantRows, check_quant, quantize_layers
 
 REPO = Path(__file__).resolve().parent
 
@@ -269,17 +269,12 @@ def quant_plan(quant: str, cfg: ModelConfig, g: "GGUFFile | None"):
     per output channel from safetensors, in groups of 32 (Q8_0's) from a GGUF file. With int4 the
     LM head and the embedding are int8, as llama.cpp's Q4 files keep them at 6 or 8 bits: the head
     decides every token and is where 4 bits cost agreement most."""
-    if quant not in QUANTS:
-        raise ValueError(f"unknown quant {quant!r}: use one of {', '.join(QUANTS)}")
+    check_quant(quant)
     if quant == "none" or (quant == "auto" and g is None):
         return None
     group = BLOCK if g is not None else None
-    if quant != "auto":
+    if quant != "auto":  # a layer whose inputs do not split into int4 blocks refuses (QuantLinear)
         bits = 8 if quant == "int8" else 4
-        if bits == 4 and (cfg.hidden_size % BLOCK or cfg.intermediate_size % BLOCK
-                          or (cfg.num_attention_heads * cfg.head_dim) % BLOCK):
-            raise ValueError(f"int4 needs every layer's inputs in blocks of {BLOCK}; this model's "
-                             f"sizes are not: use quant='int8' or 'none'")
         return (lambda name: 8 if name in ("lm_head", "model.embed_tokens") else bits,
                 lambda name: group)
     layer_bits = {}  # module -> the bits of its tensors' types (None: a float type)
@@ -297,7 +292,7 @@ def quant_plan(quant: str, cfg: ModelConfig, g: "GGUFFile | None"):
     def bits_of(name):  # a layer any of whose parts is float stays float; 8 where types mix
         bits = layer_bits.get(name, [None])
         return None if None in bits else max(bits)
-    return bits_of, lambda name: BLOCK
+    return bits_of, lambda name: group
 
 
 def hf_over_target_vocab(m):

@@ -19,7 +19,7 @@ import torch
 from channel import SpeculatorProcess
 from checkpoint import load_config, load_model, load_tokenizer, resolve
 from cpu_linear import ROWS, use_forms
-from quantize import QUANTS, warm_up
+from quantize import check_quant, warm_up
 from decode import NoDraft, Output, SDRounds, SSDRounds
 from devices import check_device, resolve_dtype
 from draft import DraftConfig, SSDConfig, load_draft
@@ -82,9 +82,8 @@ class EngineConfig:
             raise ValueError(f"k={self.k} is impossible: use 1 <= k <= 64 draft tokens per round")
         if self.temperature < 0:
             raise ValueError(f"temperature={self.temperature} must be >= 0")
-        for name, q in (("quant", self.quant), ("draft_quant", self.draft_quant)):
-            if q not in QUANTS:
-                raise ValueError(f"unknown {name} {q!r}: use one of {', '.join(QUANTS)}")
+        check_quant(self.quant)
+        check_quant(self.draft_quant, "draft_quant")
         if self.reserve_cores < 0:
             raise ValueError(f"reserve_cores={self.reserve_cores} must be >= 0")
         if self.mode == "ssd":

@@ -44,6 +44,12 @@ ROW_BUCKETS = (1, 2, 3, 4, 8, 16)  # row counts the compiled product is built fo
 DEQUANT_ELEMENTS = 1 << 23  # a longer product dequantises at most this many weights at a time
 
 
+def check_quant(quant: str, name: str = "quant"):
+    """A one-line error for a quant no loader takes."""
+    if quant not in QUANTS:
+        raise ValueError(f"unknown {name} {quant!r}: use one of {', '.join(QUANTS)}")
+
+
 # --------------------------------------------------------------------------------------------------
 # The math: quantize, dequantize, multiply (pure functions)
 
@@ -82,9 +88,10 @@ def dequantize(q, scales, mins=None):
     return w.flatten(-3)
 
 
-def int8_product(x, q, scales):
+def int8_product(x, q, scales, mins=None):
     """x [M, in] float32 @ (q * scales)^T -> [M, out]. One reduction per row of x over the same
-    expression of the weight, so that Inductor's loop converts each weight once for all M rows."""
+    expression of the weight, so that Inductor's loop converts each weight once for all M rows.
+    (mins: none in this layout; taken so that both products are called alike.)"""
     G = q.shape[1] // scales.shape[1]
     w = q.view(q.shape[0], -1, G).to(x.dtype) * scales[:, :, None]  # [out, in / G, G]
     xg = x.view(x.shape[0], 1, -1, G)  # [M, 1, in / G, G]
@@ -133,8 +140,7 @@ def product(x, q, scales, mins):
     if bucket > M:  # rows padded to the bucket the kernel was compiled for
         x = F.pad(x, (0, 0, 0, bucket - M))
     with torch.no_grad():  # one grad mode, or each mode compiles its own graphs
-        y = KERNELS[key](x, q, scales) if bits == 8 else KERNELS[key](x, q, scales, mins)
-    return y[:M]
+        return KERNELS[key](x, q, scales, mins)[:M]
 
 
 def dequantised_product(x, q, scales, mins):
@@ -215,7 +221,7 @@ class QuantLinear(nn.Module):
         stored = (self.qweight, self.scales, self.mins)
         if torch.compiler.is_compiling():  # inside a compiled step (model.compiled_halves)
             if M == 1:  # a decode step's product, fused with the step's other work
-                y = (int8_product if self.bits == 8 else int4_product)(rows, *self.stored())
+                y = (int8_product if self.bits == 8 else int4_product)(rows, *stored)
             else:
                 y = quant_product(rows, *stored)
         elif self.compiled:
@@ -295,14 +301,12 @@ class QuantEmbedding(QuantLinear):
 # Swapping the layers of a model (built on the meta device, before its weights are loaded)
 
 def quantize_layers(model: nn.Module, bits_of, group_of, device, dtype,
-                    compiled: bool = True) -> dict:
+                    compiled: bool = True):
     """Replace the model's nn.Linear layers (and its embedding, where `bits_of` names it) with
     quantized ones whose storage is allocated on `device` (contents uninitialised: the loader
     fills them). bits_of(name) -> 8, 4 or None (kept in float) for "lm_head", "embed_tokens" and
     each layer's name (model.layers.3.self_attn.qkv_proj); group_of(name) -> int8 group size (None:
-    per output channel). compiled: the CPU/GPU product through torch.compile (else eager).
-    Returns name -> bits of what it quantized."""
-    done = {}
+    per output channel). compiled: the CPU/GPU product through torch.compile (else eager)."""
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             full = f"{name}.{child_name}".lstrip(".")
@@ -312,7 +316,6 @@ def quantize_layers(model: nn.Module, bits_of, group_of, device, dtype,
                                 group_of(full), child.bias is not None,
                                 device, dtype, compiled)
             setattr(module, child_name, layer)
-            done[full] = bits
     head = getattr(model, "lm_head", None)
     if isinstance(head, QuantLinear):
         head.out_dtype = torch.float32  # logits in float32, as the float model's head gives
@@ -323,8 +326,6 @@ def quantize_layers(model: nn.Module, bits_of, group_of, device, dtype,
         model.model.embed_tokens = QuantEmbedding(
             emb.num_embeddings, emb.embedding_dim, bits,
             group_of("model.embed_tokens"), device, dtype)
-        done["model.embed_tokens"] = bits
-    return done
 
 
 def warm_up(model: nn.Module, rows) -> int:

@@ -70,8 +70,7 @@ from kv_cache import PagedKVCache, paged_attention
 from config import ModelConfig
 from graphs import StaticSteps
 from model import PREFILL_CHUNK, Transformer
-from quantize import QuantLinear, quantize_layers
-from quantize import weight_bytes as qweight_bytes
+from quantize import QuantLinear, quantize_layers, weight_bytes
 from run import generate  # noqa: E402
 
 # HF config fields of the shapes (Llama-3.2-1B and Llama-3.1-8B), and their --quick stand-ins
@@ -162,10 +161,6 @@ def write_checkpoint(model, fields: dict, path: Path) -> Path:
     dtype = str(model.lm_head.weight.dtype).removeprefix("torch.")
     (path / "config.json").write_text(json.dumps({**hf_config(fields), "torch_dtype": dtype}))
     return path
-
-
-def weight_bytes(model) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 def step_read_bytes(model) -> int:
@@ -431,7 +426,7 @@ def check_quant_step(a, name, fields, quant):
     model.forward_cached(cache, [seq], torch.randint(fields["vocab_size"], (ctx,),
                                                      device=a.device), [ctx], last_only=True)
     n = 5 if a.quick else 30
-    out = {"shape": name, "quant": quant, "context": ctx, "weight_bytes": qweight_bytes(model)}
+    out = {"shape": name, "quant": quant, "context": ctx, "weight_bytes": weight_bytes(model)}
     tok = torch.randint(fields["vocab_size"], (K + 1,), device=a.device)
     logits = {}
     for label, graphs in (("eager", False), ("default", None)):
@@ -446,7 +441,8 @@ def check_quant_step(a, name, fields, quant):
     out["default_vs_eager_max_abs"] = diff
     out["ok"] = diff < 0.25
     cfg = model.config
-    kv_bytes = 2 * cfg.num_hidden_layers * ctx * cfg.num_key_value_heads * cfg.head_dim * 2
+    kv_bytes = (2 * cfg.num_hidden_layers * ctx * cfg.num_key_value_heads * cfg.head_dim
+                * model.dtype.itemsize)
     bw = bandwidth(a)
     if bw:
         table = 0 if cfg.tie_word_embeddings else model.model.embed_tokens.nbytes()

@@ -24,16 +24,10 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+sys.path[:0] = [str(REPO), str(REPO / "scripts")]
 
 DEFAULT_CASES = [f"{m}:{q}" for m in ("smollm2-135m", "smollm2-135m-draft")
                  for q in ("none", "int8", "int4")] + ["smollm2-135m-st:int4", "8b:int4"]
-LLAMA_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=8192,
-                tie_word_embeddings=False)
-
-
 def status() -> dict:
     """MiB of RssAnon, RssFile and VmHWM from /proc/self/status."""
     out = {}
@@ -44,34 +38,6 @@ def status() -> dict:
     return out
 
 
-def random_8b(quant: str):
-    """The 8B shape in quant's layout, its storage filled with random codes (every page touched)."""
-    import torch
-    from config import ModelConfig
-    from model import Transformer
-    from checkpoint import materialize
-    from quantize import QuantLinear, quantize_layers
-    cfg = ModelConfig(**{k: v for k, v in LLAMA_8B.items()})
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    bits = 8 if quant == "int8" else 4
-    quantize_layers(model, lambda n: 8 if n in ("lm_head", "model.embed_tokens") else bits,
-                    lambda n: None, "cpu", torch.float32)
-    materialize(model, "cpu", torch.float32)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, QuantLinear):
-                m.qweight.view(torch.uint8).random_(0, 256, generator=g)
-                m.scales.uniform_(0, 2e-3, generator=g)
-                if m.mins is not None:
-                    m.mins.copy_(-8 * m.scales)
-        for p in model.parameters():
-            p.fill_(1.0)
-    model.init_buffers()
-    return model.eval()
-
-
 def one(case: str, st_dir: str | None) -> dict:
     """Load, decode 4 tokens, measure (runs in the child process)."""
     import torch
@@ -79,10 +45,12 @@ def one(case: str, st_dir: str | None) -> dict:
     from quantize import weight_bytes
     torch.set_num_threads(1)
     name, quant = case.split(":")
+    if name == "8b":  # built in place in its layout (no checkpoint), float32 as on the CPU
+        from gpu_check import SHAPES, random_quant_model
     before = status()
     t0 = time.perf_counter()
     if name == "8b":
-        model = random_8b(quant)
+        model = random_quant_model(SHAPES["llama-8b"], "cpu", quant, dtype=torch.float32)
     else:
         model = load_model(st_dir if name == "smollm2-135m-st" else name, tokenizer=False,
                            quant=quant)[0]
