@@ -52,6 +52,7 @@ class Channel:
         # outcome's signal, and the speculator takes one whenever it has handled fewer
         self.controls = host(1)
         self.draft_blocks = host(1)  # KV blocks the draft uses, after each answer and control
+        self.draft_prefix = host(2)  # prompt tokens its prefix cache looked up, found: per control
         for x in self.tensors():
             x.share_memory_()
         # signals: semaphores, each released by one side and acquired by the other. Not events: an
@@ -256,6 +257,9 @@ class SpeculatorProcess:
     def used_blocks(self) -> int:
         return int(self.ch.draft_blocks[0])
 
+    def prefix_tokens(self) -> tuple[int, int]:
+        return tuple(self.ch.draft_prefix.tolist())
+
     def check(self):
         if not self.proc.is_alive():
             raise RuntimeError("the speculator process died")
@@ -321,6 +325,7 @@ def speculator_main(cfg: DraftConfig, threads, ch: Channel, inbox, errors):
                 handled += 1
                 rows = control(spec, receive(inbox, parent), rows)
                 ch.draft_blocks[0] = spec.used_blocks()
+                ch.draft_prefix[:] = torch.tensor(spec.prefix_tokens())
                 continue
             if ch.stop[0]:
                 break

@@ -175,6 +175,9 @@ class NoDraft:
     def used_blocks(self) -> int:
         return 0
 
+    def prefix_tokens(self):
+        return None
+
     def capture_seconds(self) -> float:
         return 0.0
 
@@ -213,6 +216,11 @@ class SDRounds:
     def kv_used(self) -> tuple[int, int]:
         """KV blocks in use: (the target's, the draft's)."""
         return self.verifier.used_blocks(), self.drafter.used_blocks()
+
+    def prefix_tokens(self) -> tuple:
+        """Prompt tokens looked up in each prefix cache and found: (the target's (looked up,
+        found), the draft's or None)."""
+        return self.verifier.prefix_tokens(), self.drafter.prefix_tokens()
 
     def check(self):
         """Nothing to check: both sides run in this process."""
@@ -286,6 +294,10 @@ class SSDRounds:
         """KV blocks in use: (the target's, the draft's: in two processes, as of its last
         message)."""
         return self.verifier.used_blocks(), self.speculator.used_blocks()
+
+    def prefix_tokens(self) -> tuple:
+        """As SDRounds' (the draft's: in two processes, as of its last message)."""
+        return self.verifier.prefix_tokens(), self.speculator.prefix_tokens()
 
     def check(self):
         """Raise if the speculator's process has died (a server checks while idle, too)."""

@@ -156,9 +156,10 @@ class Drafter:
     outcome."""
 
     def __init__(self, model: Transformer, K: int, temperature: float, seed: int, kv_tokens: int,
-                 block_size=16):
+                 block_size=16, prefix_caching=False):
         self.model, self.K, self.temperature = model, K, temperature
-        self.cache = model.new_cache(kv_tokens, block_size)
+        # its own prefix cache (kv_cache.py): a prompt's blocks the draft has, whatever the target's
+        self.cache = model.new_cache(kv_tokens, block_size, prefix_caching=prefix_caching)
         self.seeds = torch.Generator().manual_seed(seed)  # of rows that give no seed
         self.V = model.config.vocab_size
         self.rows: list[Row] = []
@@ -244,6 +245,10 @@ class Drafter:
         """KV blocks in use (the server's /metrics)."""
         return self.cache.num_blocks - self.cache.num_free_blocks()
 
+    def prefix_tokens(self) -> tuple[int, int]:
+        """Prompt tokens looked up in the prefix cache, and found (the server's /metrics)."""
+        return self.cache.prefix_queries, self.cache.prefix_hits
+
 
 # --------------------------------------------------------------------------------------------------
 # SSD: the speculator
@@ -299,8 +304,9 @@ class Speculator(Drafter):
     works. What is measured and what it decides (timers, the gate, the budget B, b*, each row's
     fan-out) is the SpecPolicy's (spec_policy.py)."""
 
-    def __init__(self, model, ssd: SSDConfig, temperature, seed, kv_tokens, block_size=16):
-        super().__init__(model, ssd.K, temperature, seed, kv_tokens, block_size)
+    def __init__(self, model, ssd: SSDConfig, temperature, seed, kv_tokens, block_size=16,
+                 prefix_caching=False):
+        super().__init__(model, ssd.K, temperature, seed, kv_tokens, block_size, prefix_caching)
         self.ssd = ssd
         self.policy = SpecPolicy(ssd, ssd.K)
         self.spec_cache = SpecCache(ssd.K)        # (row, n, t) -> branch index m
@@ -584,6 +590,7 @@ class DraftConfig:
     vocab_size: int | None = None  # the target's: a draft padded to another size is read over it
     compile: bool | None = None   # torch.compile the graphs' layers (Transformer.use_graphs)
     quant: str = "auto"           # its weights (checkpoint.load_model, quantize.py)
+    prefix_caching: bool = False  # its cache's (kv_cache.py)
 
 
 def load_draft(c: DraftConfig) -> Drafter:
@@ -596,5 +603,7 @@ def load_draft(c: DraftConfig) -> Drafter:
     warm_up(model, [1, c.K + 1])
     model.use_graphs(c.graphs, c.compile)
     if c.ssd is None:
-        return Drafter(model, c.K, c.temperature, c.seed, c.kv_tokens, c.block_size)
-    return Speculator(model, c.ssd, c.temperature, c.seed, c.kv_tokens, c.block_size)
+        return Drafter(model, c.K, c.temperature, c.seed, c.kv_tokens, c.block_size,
+                       c.prefix_caching)
+    return Speculator(model, c.ssd, c.temperature, c.seed, c.kv_tokens, c.block_size,
+                      c.prefix_caching)

@@ -70,6 +70,7 @@ class EngineConfig:
     compile: bool | None = None  # torch.compile the graphs' layers (Transformer.use_graphs)
     quant: str = "auto"        # the target's weights (checkpoint.load_model, quantize.py)
     draft_quant: str = "auto"  # the draft's
+    prefix_caching: bool = True  # both caches share prompts' full blocks (kv_cache.py)
     # CPU cores left to other work on this machine: serve.py leaves one to its HTTP side (the
     # event loop, and clients here): a target computing on every core stalls whenever they run
     reserve_cores: int = 0
@@ -315,13 +316,13 @@ def build_engine(cfg: EngineConfig, loaded: Loaded, kv_tokens: int, draft_kv: in
     rows = [b * (cfg.K + 1) for b in range(1, max_batch + 1)]
     use_forms(model, [r for r in rows if r in ROWS])
     warm_up(model, [1, *rows])  # quantized layers' compiled products (quantize.py)
-    settings = (cfg.temperature, cfg.seed, kv_tokens, cfg.block_size)
+    settings = (cfg.temperature, cfg.seed, kv_tokens, cfg.block_size, cfg.prefix_caching)
     verifier = (TPVerifier(model, settings, started.workers) if started.workers
                 else Verifier(model, *settings, reuse_cache=model is cfg.target))
     dcfg = DraftConfig(cfg.draft, where.draft_device, where.draft_dtype, cfg.K, cfg.temperature,
                        cfg.seed + 1, draft_kv, cfg.block_size, cfg.ssd, cfg.graphs,
                        model.config.vocab_size,  # a draft padded to another size reads ours
-                       cfg.compile, cfg.draft_quant)
+                       cfg.compile, cfg.draft_quant, cfg.prefix_caching)
     out = Output([] if cfg.ignore_eos else eos_ids(model.config, tok), cfg.K)
     rounds = make_rounds(cfg, verifier, dcfg, out, where, started, max_batch, per_row=forget)
     sched = Scheduler(rounds, kv_budget(kv_tokens, dcfg, cfg.mode), max_batch, forget=forget)
@@ -428,7 +429,7 @@ def kv_budget(kv_tokens: int, dcfg: DraftConfig, mode) -> KVBudget:
     bs = dcfg.block_size
     draft = None if mode == "ar" else cache_tokens(dcfg.kv_tokens, bs)
     return KVBudget(cache_tokens(kv_tokens, bs), draft, bs, dcfg.K,
-                    branch_tokens(dcfg.ssd, dcfg.K, bs))
+                    branch_tokens(dcfg.ssd, dcfg.K, bs), dcfg.prefix_caching)
 
 
 # --------------------------------------------------------------------------------------------------

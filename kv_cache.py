@@ -1,9 +1,31 @@
 """The paged KV cache: one pool of fixed-size blocks for all sequences, a block table per
 sequence, reference counts so that SSD's branches share their common prefix (fork), rollback
-(truncate), and what attention needs from it: each forward's plan (slots, positions, block tables,
-mask; `AttnMeta`) and `paged_attention`, which writes and reads K/V through the block tables.
+(truncate), prefix caching (requests whose prompts start alike share those blocks), and what
+attention needs from it: each forward's plan (slots, positions, block tables, mask; `AttnMeta`)
+and `paged_attention`, which writes and reads K/V through the block tables.
+
+Prefix caching (nano-vllm's and vLLM's scheme). A full block of a prompt is named by a hash of its
+tokens and, through the previous block's hash, of every token before it (`block_hashes`): two
+prompts that agree on their first i full blocks have the same first i hashes. After a prefill the
+prompt's full blocks are registered under their hashes (`register`); a new sequence whose prompt
+starts with registered blocks takes them as they are (`reuse_prefix`, a reference each) and its
+prefill feeds only the rest: at least its last token, whose logits the prefill returns. Only full
+blocks of committed prompt tokens are shared: every sequence writes only past its length, and its
+length never goes below its prompt (rollback truncates speculation only), so a shared block is
+never written; the partial last block is always the sequence's own. A registered block that nobody
+holds stays in the free list and findable until the pool needs it: the free list hands out blocks
+without a hash first, then registered ones least recently freed first (a sequence frees its blocks
+last to first, so a prefix's tail goes before its head). Prompts prefilled together that agree on a
+block each compute it; `register` keeps one (the later ones take it and free theirs), so that a
+hash names one block while anyone holds it: scheduler.py counts a running request's shared blocks
+once by their hashes on that ground. Both caches do this alone, the target's and the draft's (in
+its own process in two-process SSD), each with its own hashes: a lookup decides only which K/V are
+computed again, never the tokens.
 """
+import hashlib
 import itertools
+from array import array
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -42,11 +64,30 @@ class AttnMeta:
     ragged: bool               # rows with fewer than T new tokens (else the padded [b, T] is [N])
 
 
+def block_hashes(tokens: list[int], block_size: int) -> list[bytes]:
+    """The hash chain of the full blocks of `tokens`: block i's digest covers its tokens and the
+    digest of block i - 1, so it names every token up to the block's end (128 bits: a collision
+    is as likely as guessing a random 16-byte key)."""
+    out, h = [], b""
+    for i in range(len(tokens) // block_size):
+        chunk = array("q", tokens[i * block_size:(i + 1) * block_size]).tobytes()
+        h = hashlib.blake2b(h + chunk, digest_size=16).digest()
+        out.append(h)
+    return out
+
+
+def shareable_hashes(prompt: list[int], block_size: int) -> list[bytes]:
+    """The hashes of the blocks a prompt can take from the cache (`reuse_prefix`): its full
+    blocks, less the last prompt token's when it ends one (that token is always prefilled)."""
+    return block_hashes(prompt[:-1], block_size)
+
+
 class PagedKVCache:
     def __init__(self, cfg, num_tokens: int, block_size: int = 16, device="cpu",
-                 dtype=torch.float32):
+                 dtype=torch.float32, prefix_caching: bool = False):
         """cfg: the model's ModelConfig (layers, heads, KV heads, head_dim): a pool for
-        num_tokens tokens (rounded up to whole blocks) on `device`, in `dtype`."""
+        num_tokens tokens (rounded up to whole blocks) on `device`, in `dtype`. prefix_caching:
+        prompts share the full blocks they start with (the module's docstring)."""
         if block_size < 1 or num_tokens < 1:
             raise ValueError(f"KV cache needs block_size >= 1 and num_tokens >= 1 "
                              f"(got {block_size}, {num_tokens})")
@@ -56,10 +97,16 @@ class PagedKVCache:
         self.kv = torch.zeros(cfg.num_hidden_layers, self.num_blocks, block_size, 2,
                               cfg.num_key_value_heads, cfg.head_dim, device=device, dtype=dtype)
         self.refcount = [0] * self.num_blocks
-        self.free_blocks = list(range(self.num_blocks - 1, -1, -1))  # a stack: pop() gives block 0
+        # the free blocks in the order they are handed out: those without a hash first (the last
+        # freed first), then the registered ones, least recently freed first
+        self.free_blocks = OrderedDict.fromkeys(range(self.num_blocks))
         self.seqs: dict[int, Seq] = {}
         self._next_id = 0
         self._pad_block = None  # pad_block()
+        self.prefix_caching = prefix_caching
+        self.cached: dict[bytes, int] = {}   # hash -> its block (held, or free until reused)
+        self.hash_of: dict[int, bytes] = {}  # block -> its hash, for the registered blocks
+        self.prefix_queries = self.prefix_hits = 0  # prompt tokens looked up, and found
 
     # -- the allocator
     def _reserve(self, need: int):
@@ -73,14 +120,24 @@ class PagedKVCache:
 
     def _alloc(self) -> int:
         self._reserve(1)
-        b = self.free_blocks.pop()
+        b, _ = self.free_blocks.popitem(last=False)
+        if b in self.hash_of:  # a registered block nobody holds, the least recently used: evicted
+            del self.cached[self.hash_of.pop(b)]
         self.refcount[b] = 1
         return b
+
+    def _hold(self, b: int):
+        """One more holder of block b (a free registered block leaves the free list)."""
+        if self.refcount[b] == 0:
+            del self.free_blocks[b]
+        self.refcount[b] += 1
 
     def _release(self, b: int):
         self.refcount[b] -= 1
         if self.refcount[b] == 0:
-            self.free_blocks.append(b)
+            self.free_blocks[b] = None  # at the end: a registered block, evicted last
+            if b not in self.hash_of:
+                self.free_blocks.move_to_end(b, last=False)
 
     def num_free_blocks(self) -> int:
         return len(self.free_blocks)
@@ -94,6 +151,41 @@ class PagedKVCache:
 
     def length(self, sid: int) -> int:
         return self.seqs[sid].length
+
+    # -- prefix caching
+    def reuse_prefix(self, sid: int, prompt: list[int]) -> int:
+        """An empty sequence about to be prefilled with `prompt` takes the registered blocks its
+        prompt starts with (never the last token's: the prefill must feed at least that one).
+        -> how many of the prompt's tokens it holds now (the prefill feeds the rest)."""
+        s = self.seqs[sid]
+        if not self.prefix_caching or s.length:
+            return 0
+        self.prefix_queries += len(prompt)
+        for h in shareable_hashes(prompt, self.block_size):
+            b = self.cached.get(h)
+            if b is None:
+                break
+            self._hold(b)
+            s.blocks.append(b)
+        s.length = len(s.blocks) * self.block_size
+        self.prefix_hits += s.length
+        return s.length
+
+    def register(self, sid: int, prompt: list[int]):
+        """After its prefill: the full blocks of `prompt` (the sequence's first tokens) become
+        findable by their hashes. A hash some block holds already (a prompt prefilled beside this
+        one): the sequence takes that block and frees its own, so one block per hash."""
+        if not self.prefix_caching:
+            return
+        s = self.seqs[sid]
+        for i, h in enumerate(block_hashes(prompt, self.block_size)):
+            b, mine = self.cached.get(h), s.blocks[i]
+            if b is None:
+                self.cached[h], self.hash_of[mine] = mine, h
+            elif b != mine:
+                self._hold(b)
+                self._release(mine)
+                s.blocks[i] = b
 
     def fork(self, sid: int, length: int) -> int:
         """A new sequence holding the first `length` tokens of `sid`: full blocks shared, the
@@ -116,12 +208,13 @@ class PagedKVCache:
         return new
 
     def truncate(self, sid: int, length: int):
-        """Roll back to the first `length` tokens; blocks that become empty are freed."""
+        """Roll back to the first `length` tokens; blocks that become empty are freed, last
+        first (prefix caching evicts a freed prefix's tail before its head)."""
         s = self.seqs[sid]
         if not 0 <= length <= s.length:
             raise ValueError(f"truncate length {length} outside [0, {s.length}]")
         keep = -(-length // self.block_size)
-        for b in s.blocks[keep:]:
+        for b in reversed(s.blocks[keep:]):
             self._release(b)
         del s.blocks[keep:]
         s.length = length
@@ -131,10 +224,13 @@ class PagedKVCache:
         del self.seqs[sid]
 
     def reset(self):
-        """Free every sequence: the pool as new, at the same address (the pad block stays taken).
-        Old K/V stay in the freed blocks; nothing reads them (attention masks past each length)."""
+        """Free every sequence and forget every hash: the pool as new, at the same address (the
+        pad block stays taken). Old K/V stay in the freed blocks; nothing reads them (attention
+        masks past each length)."""
         for sid in list(self.seqs):
             self.free(sid)
+        self.cached.clear(), self.hash_of.clear()
+        self.prefix_queries = self.prefix_hits = 0
 
     def holds(self, num_tokens: int, block_size: int) -> bool:
         """Whether this pool serves a request for a new cache of num_tokens tokens."""
@@ -157,6 +253,10 @@ class PagedKVCache:
             self.kv[:, new] = self.kv[:, old]
             self._release(old)
             s.blocks[first] = new
+        elif s.length % bs and s.blocks[first] in self.hash_of:
+            # a registered block truncated into and written again: its hash no longer names it
+            # (no caller truncates below a prompt; kept true for any that would)
+            del self.cached[self.hash_of.pop(s.blocks[first])]
         while len(s.blocks) * bs < s.length + n:
             s.blocks.append(self._alloc())
         slots = [s.blocks[p // bs] * bs + p % bs for p in range(s.length, s.length + n)]

@@ -396,20 +396,24 @@ class Transformer(nn.Module):
                 params[name] = p
         return params
 
-    def new_cache(self, num_tokens: int, block_size: int = 16, reuse: bool = False) -> PagedKVCache:
+    def new_cache(self, num_tokens: int, block_size: int = 16, reuse: bool = False,
+                  prefix_caching: bool = False) -> PagedKVCache:
         """A paged KV cache for num_tokens tokens on this model's device, in its dtype. reuse: the
         pool of this model's last reuse=True call, emptied, when it holds num_tokens (its address,
         and with it every CUDA graph captured on it, stays valid), else a new one that replaces it
         (the graphs of the old one dropped): for a caller that owns the model, one cache at a time
-        (the Verifier of generate(); its previous user must be done with the pool)."""
+        (the Verifier of generate(); its previous user must be done with the pool).
+        prefix_caching: prompts share the full blocks they start with (kv_cache.py)."""
         if reuse and self.kv_pool is not None and self.kv_pool.holds(num_tokens, block_size):
-            self.kv_pool.reset()
-            return self.kv_pool
-        cache = self.new_pool(num_tokens, block_size)
-        if reuse:
+            cache = self.kv_pool
+            cache.reset()
+        else:
+            cache = self.new_pool(num_tokens, block_size)
+        if reuse and cache is not self.kv_pool:
             if self.static is not None:
                 self.static.keep(cache)  # the old pool's graphs go with it
             self.kv_pool = cache
+        cache.prefix_caching = prefix_caching
         return cache
 
     def new_pool(self, num_tokens: int, block_size: int) -> PagedKVCache:
@@ -500,9 +504,13 @@ class Transformer(nn.Module):
         """Cache every prompt token; returns float32 logits [b, V] after each prompt's last token.
         Forwards take at most `chunk` new tokens (a longer prompt goes in pieces, in order), so a
         forward's mask and attention work stay [chunk x context]: one 16k-token prompt in one
-        forward would build a 16k x 16k mask per query head of a KV head."""
-        pieces = {i: [p[s:s + chunk] for s in range(0, len(p), chunk)]
-                  for i, p in enumerate(prompts)}
+        forward would build a 16k x 16k mask per query head of a KV head. With prefix caching on
+        (kv_cache.py), an empty sequence first takes the blocks its prompt starts with from the
+        cache and feeds only the rest; its full blocks are registered once all are cached."""
+        fresh = [cache.length(s) == 0 for s in seq_ids]
+        done = [cache.reuse_prefix(s, p) for s, p in zip(seq_ids, prompts)]
+        pieces = {i: [p[s:s + chunk] for s in range(c, len(p), chunk)]
+                  for i, (p, c) in enumerate(zip(prompts, done))}
         last = [None] * len(prompts)
         while pieces:
             rows, total = [], 0  # the next piece of each waiting prompt, while they fit in a chunk
@@ -519,4 +527,7 @@ class Transformer(nn.Module):
                 if not pieces[i]:
                     del pieces[i]
                     last[i] = row_logits
+        for s, p, f in zip(seq_ids, prompts, fresh):
+            if f:
+                cache.register(s, p)
         return torch.stack(last)

@@ -56,7 +56,8 @@ def generate(prompts, target="tiny", draft="tiny-draft", mode="sd", max_new_toke
              stream=None, target_devices: list[str] | None = None, tp_timeout: float = TP_TIMEOUT_S,
              dtype="auto", graphs: bool | None = None, pre_spec="always",
              tokenizer=None, torchrun: bool = False, fixed_budget=False,
-             compile: bool | None = None, quant="auto", draft_quant="auto") -> GenerateResult:
+             compile: bool | None = None, quant="auto", draft_quant="auto",
+             prefix_caching=True) -> GenerateResult:
     """Generate up to max_new_tokens for each prompt (strings, or lists of token ids).
 
     mode: "ar" (target only), "sd" (speculative decoding, k draft tokens per round), "ssd"
@@ -80,6 +81,8 @@ def generate(prompts, target="tiny", draft="tiny-draft", mode="sd", max_new_toke
     graphs' static shapes on any device (on the CPU, eagerly: the tests' check of that path).
     compile: None compiles the layers of those graphs (torch.compile, fused kernels) on CUDA and
     not elsewhere; False: not at all; True: on the static path on any device (graphs on).
+    prefix_caching: a prompt that starts with full KV blocks another prompt cached reuses them, on
+    the target's cache and the draft's (kv_cache.py); the tokens are the same either way.
     stream(row, tokens_so_far) is called as tokens are accepted. tokenizer: the target's, when the
     caller has it already (the CLI streams with it; a GGUF file's takes seconds to build), so it is
     not built twice. target may also be a model load_model() gave (on its device, in its dtype; not
@@ -96,7 +99,7 @@ def generate(prompts, target="tiny", draft="tiny-draft", mode="sd", max_new_toke
                        kv_tokens=kv_tokens, target_devices=target_devices, tp_timeout=tp_timeout,
                        dtype=dtype, graphs=graphs, pre_spec=pre_spec, fixed_budget=fixed_budget,
                        block_size=block_size, torchrun=torchrun, compile=compile, quant=quant,
-                       draft_quant=draft_quant)
+                       draft_quant=draft_quant, prefix_caching=prefix_caching)
     old_threads = torch.get_num_threads()
     started = Started()
     try:
@@ -349,6 +352,9 @@ def add_device_options(g):
                    help="target KV cache size in tokens (default: sized for the prompt and "
                         "--max-new-tokens); the draft's cache gets the same plus room for ssd's "
                         "branches")
+    g.add_argument("--no-prefix-caching", action="store_true",
+                   help="compute every prompt's KV anew, instead of reusing the full KV blocks "
+                        "of a prompt with the same start (both caches; the tokens are the same)")
 
 
 def add_output_options(g):
@@ -369,6 +375,7 @@ def generate_kwargs(a: argparse.Namespace) -> dict:
                 tp_timeout=a.tp_timeout, dtype=a.dtype, graphs=False if a.no_graphs else None,
                 quant=a.quant, draft_quant=a.draft_quant,
                 compile=False if a.no_compile else None,
+                prefix_caching=not a.no_prefix_caching,
                 target_devices=a.target_devices.split(",") if a.target_devices else None)
 
 

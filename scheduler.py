@@ -5,10 +5,13 @@ A waiting queue and a running set. At each round boundary the scheduler
    target's and the draft's (SSD's branches included), are freed at once (`Rounds.leave`);
 2. admits waiting requests in arrival order while their KV fits (`KVBudget`): each reserves the
    blocks its prompt and max_tokens can ever take, on both caches, so a running row never runs out
-   of cache and nothing is ever preempted. The head of the queue waits until enough is freed (first
-   come, first served: a long request is not starved by short ones). A request that could not fit
-   even alone is refused at submit. The admitted prompts are prefilled together and emit their
-   first token (`Rounds.join`);
+   of cache and nothing is ever preempted. With prefix caching, the full prompt blocks a request
+   can share (kv_cache.shareable_hashes) are counted once for all the running requests that hold
+   them, by their hashes: a cache keeps one block per hash while anyone holds it. The head of the
+   queue waits until enough is freed (first come, first served: a long request is not starved by
+   short ones). A request that could not fit even alone is refused at submit. The admitted prompts
+   are prefilled together (each cache feeding only what it does not hold) and emit their first
+   token (`Rounds.join`);
 3. runs one round over the running rows, old and new together (decode.SDRounds / SSDRounds).
 
 A static batch (generate()) is the simplest case: every request submitted at once, all admitted at
@@ -17,9 +20,11 @@ submits and cancels from its own (the queue is guarded by a lock; the rounds are
 """
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Callable
+
+from kv_cache import shareable_hashes
 
 
 def cache_tokens(kv_tokens: int, block_size: int) -> int:
@@ -36,6 +41,7 @@ class KVBudget:
     block_size: int
     K: int
     branch_tokens: int = 0      # ssd: the draft's B branches per row (engine.kv_sizes has the sum)
+    prefix_caching: bool = False  # both caches share prompts' full blocks (kv_cache.py)
 
     def need(self, prompt_len: int, max_tokens: int) -> tuple[int, int]:
         """(target, draft) tokens: the prompt, the output and a round's K + 1 in flight, in blocks
@@ -43,6 +49,16 @@ class KVBudget:
         bs = self.block_size
         target = -(-(prompt_len + max_tokens + self.K + 1) // bs) * bs
         return target, (0 if self.draft_tokens is None else target + self.branch_tokens)
+
+    def shared(self, prompt: list[int]) -> list[bytes]:
+        """The hashes of the prompt's blocks that the caches may share with other requests."""
+        return shareable_hashes(prompt, self.block_size) if self.prefix_caching else []
+
+    def own(self, need: tuple[int, int], shared: int) -> tuple[int, int]:
+        """(target, draft) tokens of a need that are the request's alone: all but its `shared`
+        blocks."""
+        s = shared * self.block_size
+        return need[0] - s, (0 if self.draft_tokens is None else need[1] - s)
 
     def never_fits(self, need: tuple[int, int]) -> str | None:
         """Why a request of this need could not run even alone, or None."""
@@ -72,6 +88,7 @@ class Request:
     cancelled: bool = False
     stopped: bool = False             # on_tokens ended it
     need: tuple[int, int] = (0, 0)
+    shared: list = field(default_factory=list)  # KVBudget.shared of its prompt
 
 
 class Scheduler:
@@ -84,7 +101,9 @@ class Scheduler:
         self.forget = forget  # drop a row's tokens once it has left (a server)
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}  # row -> request
-        self.used = [0, 0]  # tokens reserved on the target's and the draft's caches
+        # tokens reserved on the target's and the draft's caches: each running request's own
+        # (`own`), and every shareable block it holds once, by hash (`held`: how many hold it)
+        self.own, self.held = [0, 0], Counter()
         self.wake = threading.Condition()  # guards `waiting`; notified on submit and cancel
         self.submitted = self.finished = 0
 
@@ -92,6 +111,7 @@ class Scheduler:
     def submit(self, req: Request) -> Request:
         """Queue a request; a ValueError if it could never fit."""
         req.need = self.budget.need(len(req.prompt), req.max_tokens)
+        req.shared = self.budget.shared(req.prompt)
         why = self.budget.never_fits(req.need)
         if why:
             raise ValueError(why)
@@ -112,6 +132,18 @@ class Scheduler:
 
     def queue_length(self) -> int:
         return len(self.waiting)
+
+    @property
+    def used(self) -> list[int]:
+        """Tokens reserved on the target's and the draft's caches."""
+        s = len(self.held) * self.budget.block_size
+        return [self.own[0] + s, self.own[1] + (s if self.budget.draft_tokens is not None else 0)]
+
+    def prefix_tokens(self) -> dict:
+        """{"target": (looked up, found), "draft": the same or None}: prompt tokens each prefix
+        cache looked up and found since it started (its hit rate)."""
+        t, d = self.rounds.prefix_tokens()
+        return {"target": t, "draft": d}
 
     def kv_blocks(self) -> dict:
         """{"target": (used, free), "draft": (used, free) or None} blocks of each KV cache."""
@@ -162,18 +194,27 @@ class Scheduler:
     def admit(self):
         """Take waiting requests, first come first served, while the batch has room and their KV
         fits; prefill them together."""
-        new = []
+        new, bs, (t, d) = [], self.budget.block_size, self.used
         with self.wake:
             while self.waiting and len(self.running) + len(new) < self.max_batch:
-                need = self.waiting[0].need
-                t, d = self.used[0] + need[0], self.used[1] + need[1]
-                if t > self.budget.target_tokens or (self.budget.draft_tokens is not None
-                                                     and d > self.budget.draft_tokens):
+                req = self.waiting[0]
+                # blocks no running request holds are its own to pay for, even when another one
+                # joining now has them: prompts prefilled together each compute theirs (the
+                # cache keeps one of them after the prefill: kv_cache.PagedKVCache.register)
+                fresh = sum(h not in self.held for h in req.shared) * bs
+                own = self.budget.own(req.need, len(req.shared))
+                t_new, d_new = t + own[0] + fresh, d + own[1] + fresh
+                if t_new > self.budget.target_tokens or (self.budget.draft_tokens is not None
+                                                         and d_new > self.budget.draft_tokens):
                     break  # the head waits until enough is freed
-                self.used = [t, d]
+                t, d = t_new, d_new
                 new.append(self.waiting.popleft())
         if not new:
             return
+        for req in new:
+            own = self.budget.own(req.need, len(req.shared))
+            self.own = [self.own[0] + own[0], self.own[1] + own[1]]
+            self.held.update(req.shared)
         first = len(self.out.tokens)  # the rows they get (join numbers them on)
         self.running.update({first + i: req for i, req in enumerate(new)})
         self.rounds.join([req.prompt for req in new], [req.max_tokens for req in new],
@@ -194,7 +235,10 @@ class Scheduler:
         self.rounds.leave(rows)
         for r in rows:
             req = self.running.pop(r)
-            self.used = [self.used[0] - req.need[0], self.used[1] - req.need[1]]
+            own = self.budget.own(req.need, len(req.shared))
+            self.own = [self.own[0] - own[0], self.own[1] - own[1]]
+            self.held.subtract(req.shared)
+            self.held = +self.held  # the hashes no one holds any more are free
             req.tokens = list(self.out.tokens[r])
             if self.forget:
                 self.out.forget(r)
@@ -213,7 +257,8 @@ class Scheduler:
             self.running.clear()
             if waiting:
                 self.waiting.clear()
-            self.used = [0, 0]  # nothing runs: what the waiting need is reserved on admission
+            # nothing runs: what the waiting need is reserved on admission
+            self.own, self.held = [0, 0], Counter()
         for req in reqs:
             req.error = error
             self.done(req, "error")

@@ -317,6 +317,9 @@ class TPVerifier:
     def used_blocks(self) -> int:
         return self.verifier.used_blocks()  # rank 0's: every rank's cache is laid out the same
 
+    def prefix_tokens(self) -> tuple[int, int]:
+        return self.verifier.prefix_tokens()  # rank 0's: every rank looks up the same
+
     def capture_seconds(self) -> float:
         return self.verifier.capture_seconds()  # 0: no CUDA graphs with tensor parallelism
 

@@ -139,13 +139,15 @@ class Verifier:
     round."""
 
     def __init__(self, model, temperature: float, seed: int, kv_tokens: int, block_size: int = 16,
-                 reuse_cache: bool = False):
+                 prefix_caching: bool = False, reuse_cache: bool = False):
         # temperature: a joining row's unless it gives its own; seed: of the seeds drawn for rows
         # that give none
         self.model, self.temperature = model, temperature
         self.seeds = torch.Generator().manual_seed(seed)
-        # reuse_cache: the model's own pool (Transformer.new_cache), for a model decoded with again
-        self.cache = model.new_cache(kv_tokens, block_size, reuse=reuse_cache)
+        # reuse_cache: the model's own pool (Transformer.new_cache), for a model decoded with
+        # again; prefix_caching: prompts share the blocks they start with (kv_cache.py)
+        self.cache = model.new_cache(kv_tokens, block_size, reuse=reuse_cache,
+                                     prefix_caching=prefix_caching)
         self.seqs: list[int | None] = []  # per row: its sequence in the cache (None once finished)
         self.last = None                   # [b] per row: r, the last bonus token, not yet cached
         self.temps: list[float] = []       # per row: its temperature
@@ -216,3 +218,7 @@ class Verifier:
     def used_blocks(self) -> int:
         """KV blocks in use (the server's /metrics)."""
         return self.cache.num_blocks - self.cache.num_free_blocks()
+
+    def prefix_tokens(self) -> tuple[int, int]:
+        """Prompt tokens looked up in the prefix cache, and found (the server's /metrics)."""
+        return self.cache.prefix_queries, self.cache.prefix_hits
