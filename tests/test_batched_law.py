@@ -18,6 +18,12 @@ checks per test, each at delta = 1e-6 / 4, so a correct engine fails a test with
 < 1e-6. The negative control breaks only the joining rows: their first round's proposals are
 verified with a uniform q instead of the law they were drawn from; the same check on the late rows
 must then fail.
+
+With prefix caching (issue 53, item 4) the same check runs on two prompts that share their first
+block (and each its own earlier requests' blocks), with blocks of 2 tokens: most rows' prompts are
+then partly read from blocks other rows computed, on the target's cache and the draft's. Its
+negative control hashes each block by its first token alone, so that a prompt takes a block whose
+second token differs from its own; its law must then fail the check.
 """
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import kv_cache
 from checkpoint import load_model
 from decode import Output, SDRounds, SSDRounds
 from draft import DraftConfig, SSDConfig, in_row_order, load_draft
@@ -53,20 +60,23 @@ def small_vocab(tmp_path_factory):
     return tgt, dft, laws
 
 
-def engine(mode, tgt: Path, dft: Path, T, seed, fallback="neural", saguaro_c=0.3):
+def engine(mode, tgt: Path, dft: Path, T, seed, fallback="neural", saguaro_c=0.3,
+           prompts=PROMPTS, bs=BS, prefix_caching=False):
     """A scheduler over the mode's rounds (one process), its caches sized for max_batch rows, so
     that admission is bounded by max_batch alone. -> (the scheduler, the draft side)."""
     tmodel, _ = load_model(str(tgt), tokenizer=False)
     ssd = (SSDConfig(K, budget=BUDGET, saguaro_c=saguaro_c, fallback=fallback) if mode == "ssd"
            else None)
-    need = -(-(max(map(len, PROMPTS)) + max(MAX_TOKENS) + K + 1) // BS) * BS  # a row's, target
-    branches = 0 if ssd is None else BUDGET * (K + 3 + 2 * BS)  # its SSD branches, draft
-    kv, draft_kv = MAX_BATCH * need + 2 * BS, MAX_BATCH * (need + branches) + 2 * BS
-    verifier = Verifier(tmodel, T, seed, kv, BS)
-    drafter = load_draft(DraftConfig(str(dft), "cpu", torch.float32, K, T, seed + 1, draft_kv, BS,
-                                     ssd, None, tmodel.config.vocab_size))
+    need = -(-(max(map(len, prompts)) + max(MAX_TOKENS) + K + 1) // bs) * bs  # a row's, target
+    branches = 0 if ssd is None else BUDGET * (K + 3 + 2 * bs)  # its SSD branches, draft
+    kv, draft_kv = MAX_BATCH * need + 2 * bs, MAX_BATCH * (need + branches) + 2 * bs
+    verifier = Verifier(tmodel, T, seed, kv, bs, prefix_caching)
+    drafter = load_draft(DraftConfig(str(dft), "cpu", torch.float32, K, T, seed + 1, draft_kv, bs,
+                                     ssd, None, tmodel.config.vocab_size,
+                                     prefix_caching=prefix_caching))
     rounds = (SSDRounds if mode == "ssd" else SDRounds)(verifier, drafter, Output([], K))
-    budget = KVBudget(cache_tokens(kv, BS), cache_tokens(draft_kv, BS), BS, K, branches)
+    budget = KVBudget(cache_tokens(kv, bs), cache_tokens(draft_kv, bs), bs, K, branches,
+                      prefix_caching)
     return Scheduler(rounds, budget, MAX_BATCH), drafter
 
 
@@ -79,8 +89,8 @@ class Run:
     temp: list = None   # every row's own temperature (None: the engine's)
 
 
-def run_waves(sched: Scheduler, run: Run | None = None, temps=(None,)) -> Run:
-    """Submit WAVES between rounds, alternating PROMPTS, request i at temperature
+def run_waves(sched: Scheduler, run: Run | None = None, temps=(None,), prompts=PROMPTS) -> Run:
+    """Submit WAVES between rounds, alternating `prompts`, request i at temperature
     temps[i % len(temps)] (None: the engine's); run until every request has left. `run` fills as
     rows join (a negative control reads it during the run)."""
     rounds, out = sched.rounds, sched.out
@@ -88,11 +98,11 @@ def run_waves(sched: Scheduler, run: Run | None = None, temps=(None,)) -> Run:
     run.temp = []
     join = rounds.join
 
-    def recording_join(prompts, max_new, temperatures=None, seeds=None):
+    def recording_join(joining, max_new, temperatures=None, seeds=None):
         running = list(rounds.rows)
-        new = join(prompts, max_new, temperatures, seeds)
-        run.prompt += [PROMPTS.index(p) for p in prompts]
-        run.temp += temperatures or [None] * len(prompts)
+        new = join(joining, max_new, temperatures, seeds)
+        run.prompt += [prompts.index(p) for p in joining]
+        run.temp += temperatures or [None] * len(joining)
         if running:
             run.late.update(new)
             run.mid_joins += any(len(out.tokens[r]) > 1 for r in running)
@@ -102,7 +112,7 @@ def run_waves(sched: Scheduler, run: Run | None = None, temps=(None,)) -> Run:
     i = 0
     for size in WAVES:
         for _ in range(size):
-            sched.submit(Request(list(PROMPTS[i % len(PROMPTS)]), MAX_TOKENS[i % len(MAX_TOKENS)],
+            sched.submit(Request(list(prompts[i % len(prompts)]), MAX_TOKENS[i % len(MAX_TOKENS)],
                                  temperature=temps[i % len(temps)]))
             i += 1
         sched.step()
@@ -232,3 +242,51 @@ def test_mixed_temperatures_each_row_follows_its_own(small_vocab, mixed_laws, mo
               tv_bound(laws[other][1], len(rows(T, 1)), DELTA))
              for T, other in ((0.5, 1.0), (1.0, 0.5))]
     assert all(d > bound for d, bound in wrong), wrong
+
+
+# --------------------------------------------------------------------------------------------------
+# Prefix caching (issue 53, item 4): prompts read partly from blocks other rows computed
+
+SHARED = ([1, 2, 0, 3, 1, 0], [1, 2, 0, 1, 2, 3, 3])  # one block of 2 in common, then 1 and 2 own
+SHARED_BS = 2
+
+
+@pytest.fixture(scope="module")
+def shared_laws(small_vocab):
+    tgt, _, _ = small_vocab
+    return [exact_law(tgt, p, 3, 1.0) for p in SHARED]
+
+
+def shared_run(small_vocab, mode):
+    tgt, dft, _ = small_vocab
+    sched, drafter = engine(mode, tgt, dft, 1.0, seed=5, prompts=SHARED, bs=SHARED_BS,
+                            prefix_caching=True)
+    run = run_waves(sched, prompts=SHARED)
+    (t_looked, t_found), (d_looked, d_found) = sched.rounds.prefix_tokens()
+    # most prompts came from blocks other rows computed, on both caches
+    assert t_found > t_looked / 3 and d_found > d_looked / 3, sched.rounds.prefix_tokens()
+    return run
+
+
+@pytest.mark.parametrize("mode", ["sd", "ssd"])
+def test_batched_law_with_shared_prefixes(small_vocab, shared_laws, mode):
+    run = shared_run(small_vocab, mode)
+    checks = tvs(run, run.late, shared_laws) + tvs(run, range(N_ALL), shared_laws)
+    assert all(d < bound for d, bound in checks), checks
+
+
+def test_shared_prefixes_negative_control_blocks_named_by_their_first_token(small_vocab,
+                                                                          shared_laws,
+                                                                          monkeypatch):
+    """Blocks hashed by their first token alone: the second prompt takes the first one's block
+    [0, 3] for its own [0, 1] (the first registers it first), so its law is no longer the
+    target's; the first prompt's is untouched."""
+    def first_token_hashes(tokens, block_size):
+        return real([t for i in range(0, len(tokens) - block_size + 1, block_size)
+                     for t in [tokens[i]] * block_size], block_size)
+
+    real = kv_cache.block_hashes
+    monkeypatch.setattr(kv_cache, "block_hashes", first_token_hashes)
+    run = shared_run(small_vocab, "sd")
+    first, second = tvs(run, range(N_ALL), shared_laws)
+    assert first[0] < first[1] and second[0] > second[1], (first, second)
