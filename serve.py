@@ -360,6 +360,11 @@ def metrics_text(engine: Engine, state: dict) -> str:
                        blocks[0]),
                       ("gauge", f"ssd_kv_blocks_free{{cache=\"{cache}\"}}", "KV blocks free",
                        blocks[1])]
+    # prefix caching: prompt tokens each cache looked up and found (the hit rate is their ratio)
+    prefix = {c: v for c, v in s.prefix_tokens().items() if v is not None}
+    for i, (name, what) in enumerate([("queries", "looked up in"), ("hits", "found in")]):
+        lines += [("counter", f"ssd_prefix_cache_{name}_total{{cache=\"{c}\"}}",
+                   f"prompt tokens {what} the prefix cache", v[i]) for c, v in prefix.items()]
     text, typed = [], set()
     for kind, name, help_, value in lines:
         base = name.split("{")[0]

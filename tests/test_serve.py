@@ -128,6 +128,10 @@ def test_exact_under_load(server, alone):
     assert texts == alone
     m = server.metrics()
     assert m['ssd_kv_blocks_used{cache="target"}'] == 0 and m["ssd_requests_running"] == 0
+    # every prompt looked up in the prefix cache
+    looked = m['ssd_prefix_cache_queries_total{cache="target"}']
+    assert sum(map(len, PROMPTS)) <= looked
+    assert m['ssd_prefix_cache_hits_total{cache="target"}'] < looked
 
 
 def test_openai_client(server, alone):
