@@ -13,6 +13,13 @@ client count c send --requests streaming completions whose arrivals are a Poisso
                     tokens together; this charges each of them its share of the wait)
     decode tok/s    per request, tokens after the first over the time from the first to the last
                     (its median), the figure to compare with run.py's decode_tok_s
+    prefix hits     the prompt tokens the target's prefix cache found, of those it looked up, over
+                    the run (serve.py's /metrics; prefix caching is off with -- --no-prefix-caching)
+
+Workloads for prefix caching: --shared-prefix N starts every prompt with the same system prompt of
+N tokens (the start of Python's argparse.py, code the tiny pair knows); --turns T makes each
+request a conversation of T turns, each turn's prompt the previous one, its answer and the next
+question (a conversation's turns go one after another; a turn counts as a request in the figures).
 
 "hf" is `transformers serve --continuous-batching` on the same target (float32, the CPU). Tokens
 are counted by re-tokenising each answer with the target's tokenizer, the same for every server.
@@ -74,24 +81,44 @@ async def stream_one(client, url, body, timeout):
     return sent, chunks
 
 
+def shared_prefix(tok, n: int) -> str:
+    """A system prompt of n tokens of the target's tokenizer: the start of argparse.py."""
+    import argparse as source
+    ids = tok.encode(Path(source.__file__).read_text(), add_special_tokens=False)[:n]
+    return tok.decode(ids)
+
+
 async def run_load(base, model, prompts, clients, requests, rate, max_tokens, seed, chat=False,
-                   timeout=600):
-    """Send `requests` completions (Poisson arrivals, at most `clients` in flight); chat: as
-    chat completions, each prompt the user's message."""
+                   timeout=600, system="", turns=1):
+    """Send `requests` conversations of `turns` completions each (Poisson arrivals, at most
+    `clients` in flight), every prompt after the `system` prompt; chat: as chat completions, each
+    prompt the user's message. -> (start, [(sent, chunks)] of every turn)."""
     import httpx
     rng = random.Random(seed)
     gate = asyncio.Semaphore(clients)
     url = f"{base}/v1/chat/completions" if chat else f"{base}/v1/completions"
 
-    def body(p):
-        text = {"messages": [{"role": "user", "content": p}]} if chat else {"prompt": p}
+    def body(history):
+        """history: the conversation's (question, answer) turns, the last answer None."""
+        if chat:
+            text = {"messages": ([{"role": "system", "content": system}] if system else []) + [
+                {"role": role, "content": x} for q, a in history
+                for role, x in (("user", q), ("assistant", a)) if x is not None]}
+        else:
+            text = {"prompt": system + "".join(q + (a + "\n\n" if a is not None else "")
+                                               for q, a in history)}
         return {"model": model, **text, "max_tokens": max_tokens, "temperature": 0,
                 "stream": True}
 
     async def one(i, delay):
         await asyncio.sleep(delay)
         async with gate:
-            return await stream_one(client, url, body(prompts[i % len(prompts)]), timeout)
+            history, out = [], []
+            for k in range(turns):
+                history.append((prompts[(i + k) % len(prompts)], None))
+                out.append(await stream_one(client, url, body(history), timeout))
+                history[-1] = (history[-1][0], "".join(text for _, text in out[-1][1]))
+            return out
 
     delays, t = [], 0.0
     for _ in range(requests):
@@ -101,7 +128,7 @@ async def run_load(base, model, prompts, clients, requests, rate, max_tokens, se
     async with httpx.AsyncClient(limits=limits) as client:
         start = time.perf_counter()
         results = await asyncio.gather(*(one(i, d) for i, d in enumerate(delays)))
-    return start, results
+    return start, [turn for conversation in results for turn in conversation]
 
 
 def summarise(start, results, count_tokens) -> dict:
@@ -127,6 +154,18 @@ def summarise(start, results, count_tokens) -> dict:
             "decode_tok_s_median": statistics.median(decode) if decode else 0.0}
 
 
+def prefix_tokens(base) -> tuple[float, float] | None:
+    """(looked up, found) prompt tokens of the target's prefix cache so far (serve.py's /metrics);
+    None from a server that does not say."""
+    import httpx
+    counts = {}
+    for line in httpx.get(f"{base}/metrics", timeout=10).text.splitlines():
+        for name in ("queries", "hits"):
+            if line.startswith(f'ssd_prefix_cache_{name}_total{{cache="target"}} '):
+                counts[name] = float(line.split()[-1])
+    return (counts["queries"], counts["hits"]) if len(counts) == 2 else None
+
+
 def wait_healthy(base, proc, timeout):
     import httpx
     deadline = time.time() + timeout
@@ -142,7 +181,7 @@ def wait_healthy(base, proc, timeout):
     raise RuntimeError(f"the server was not up within {timeout} s")
 
 
-def bench_server(kind, a, prompts, count_tokens) -> list[dict]:
+def bench_server(kind, a, prompts, count_tokens, system="") -> list[dict]:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     log = open(Path(a.log_dir) / f"server-{kind}.log", "w")
@@ -152,11 +191,19 @@ def bench_server(kind, a, prompts, count_tokens) -> list[dict]:
     try:
         wait_healthy(base, proc, a.startup_timeout)
         model = a.hf_model or a.target if kind == "hf" else a.target
+        # the warm-up's prompts are not the load's: a system prompt cached here would flatter
+        # the first load's time to first token
         asyncio.run(run_load(base, model, prompts, 2, 2, 0, a.max_tokens, a.seed, a.chat))
         for c in a.clients:  # after the warm-up above
+            before = prefix_tokens(base) if kind != "hf" else None
             start, results = asyncio.run(run_load(base, model, prompts, c, a.requests, a.rate,
-                                                  a.max_tokens, a.seed, a.chat))
-            rows.append({"server": kind, "clients": c, **summarise(start, results, count_tokens)})
+                                                  a.max_tokens, a.seed, a.chat, system=system,
+                                                  turns=a.turns))
+            after = prefix_tokens(base) if before else None
+            hits = ((after[1] - before[1]) / (after[0] - before[0])
+                    if after and after[0] > before[0] else None)
+            rows.append({"server": kind, "clients": c, **summarise(start, results, count_tokens),
+                         "prefix_hit_rate": hits})
             print(json.dumps(rows[-1]), flush=True)
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
@@ -170,11 +217,12 @@ def bench_server(kind, a, prompts, count_tokens) -> list[dict]:
 
 def table(rows) -> str:
     head = ("| server | clients | output tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | "
-            "decode tok/s per request |\n|---|---|---|---|---|---|")
+            "decode tok/s per request | prefix hits |\n|---|---|---|---|---|---|---|")
+    hits = lambda x: "-" if x is None else f"{100 * x:.0f}%"
     lines = [f"| {r['server']} | {r['clients']} | {r['output_tok_s']:.1f} | "
              f"{r['ttft_ms_p50']:.0f} / {r['ttft_ms_p99']:.0f} | "
-             f"{r['itl_ms_p50']:.1f} / {r['itl_ms_p99']:.1f} | {r['decode_tok_s_median']:.1f} |"
-             for r in rows]
+             f"{r['itl_ms_p50']:.1f} / {r['itl_ms_p99']:.1f} | {r['decode_tok_s_median']:.1f} | "
+             f"{hits(r.get('prefix_hit_rate'))} |" for r in rows]
     return "\n".join([head, *lines])
 
 
@@ -196,6 +244,11 @@ def parse_args(argv=None):
     ap.add_argument("--prompt-file", default=None, help="one prompt per line, or JSONL 'prompt'")
     ap.add_argument("--chat", action="store_true",
                     help="send chat completions (instruct models): each prompt a user message")
+    ap.add_argument("--shared-prefix", type=int, default=0, metavar="TOKENS",
+                    help="start every prompt with the same system prompt of this many tokens")
+    ap.add_argument("--turns", type=int, default=1,
+                    help="turns per conversation: each prompt the last one, its answer and the "
+                         "next question")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--startup-timeout", type=float, default=300)
     ap.add_argument("--log-dir", default="/tmp", help="where the servers' logs go")
@@ -208,6 +261,8 @@ def parse_args(argv=None):
     if bad:
         ap.error(f"--servers: unknown {', '.join(bad)}; use ar, sd, ssd, hf")
     a.clients = [int(c) for c in a.clients.split(",")]
+    if a.turns < 1 or a.shared_prefix < 0:
+        ap.error("--turns must be >= 1 and --shared-prefix >= 0")
     a.serve_args = [x for x in a.serve_args if x != "--"]
     return a
 
@@ -221,13 +276,17 @@ def main(argv=None):
     prompts = file_prompts(a.prompt_file) if a.prompt_file else DEFAULT_PROMPTS
     if "hf" in a.servers and a.hf_model is None:
         a.hf_model = str(resolve(a.target))
-    rows = [r for kind in a.servers for r in bench_server(kind, a, prompts, count_tokens)]
+    system = shared_prefix(tok, a.shared_prefix) if a.shared_prefix else ""
+    rows = [r for kind in a.servers
+            for r in bench_server(kind, a, prompts, count_tokens, system)]
     print(table(rows))
     if a.json:
         with open(a.json, "a") as f:
             for r in rows:
                 f.write(json.dumps({**r, "target": a.target, "max_tokens": a.max_tokens,
-                                    "rate": a.rate, "requests": a.requests}) + "\n")
+                                    "rate": a.rate, "requests": a.requests,
+                                    "shared_prefix": a.shared_prefix, "turns": a.turns,
+                                    "serve_args": a.serve_args}) + "\n")
 
 
 if __name__ == "__main__":

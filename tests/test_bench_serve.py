@@ -36,3 +36,7 @@ def test_args():
     assert "--draft" not in bench_serve.server_command("ar", a, 8123)
     with pytest.raises(SystemExit):
         bench_serve.parse_args(["--servers", "vllm"])
+    a = bench_serve.parse_args(["--shared-prefix", "1024", "--turns", "3"])
+    assert (a.shared_prefix, a.turns) == (1024, 3)
+    with pytest.raises(SystemExit):
+        bench_serve.parse_args(["--turns", "0"])
