@@ -206,11 +206,12 @@ class SDRounds:
         self.captures.take()  # a prefill's captures are not decoding's
         return new
 
-    def leave(self, rows):
-        """Rows that ended (EOS, max_new_tokens, a stop string, cancelled): KV freed now."""
+    def leave(self, rows, tokens=None):
+        """Rows that ended (EOS, max_new_tokens, a stop string, cancelled): KV freed now. tokens:
+        each one's prompt and output (prefix caching registers the blocks they fill)."""
         gone = set(rows)
         self.drafter.leave(rows)
-        self.verifier.leave(rows)
+        self.verifier.leave(rows, tokens)
         self.rows = [r for r in self.rows if r not in gone]
 
     def kv_used(self) -> tuple[int, int]:
@@ -280,9 +281,9 @@ class SSDRounds:
         self.ours.take(), self.theirs.take()  # a prefill's captures are not decoding's
         return new
 
-    def leave(self, rows):
+    def leave(self, rows, tokens=None):
         gone = set(rows)
-        self.verifier.leave(rows)
+        self.verifier.leave(rows, tokens)
         self.speculator.leave(rows)
         keep = [i for i, r in enumerate(self.rows) if r not in gone]
         if len(keep) < len(self.rows):  # the outcome of the rows still running, on its device

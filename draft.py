@@ -224,10 +224,15 @@ class Drafter:
             row.pending = row.history[keep:]
 
     def finish(self, rows):
-        """Free the KV of rows that ended (EOS or max_new_tokens)."""
+        """Free the KV of rows that ended (EOS or max_new_tokens), after registering the full
+        blocks of their committed tokens (prefix caching: a chat's next turn starts with them).
+        The cache holds (history + proposed)[:length] in every phase (`Row`), so its first
+        min(len(history), length) tokens are committed."""
         for r in rows:
-            self.cache.free(self.rows[r].seq)
-            self.rows[r].seq = None
+            row = self.rows[r]
+            self.cache.register(row.seq, row.history[:self.cache.length(row.seq)])
+            self.cache.free(row.seq)
+            row.seq = None
 
     def capture_seconds(self) -> float:
         """Seconds the draft has spent capturing CUDA graphs (decode.Captures)."""

@@ -7,10 +7,11 @@ and `paged_attention`, which writes and reads K/V through the block tables.
 Prefix caching (nano-vllm's and vLLM's scheme). A full block of a prompt is named by a hash of its
 tokens and, through the previous block's hash, of every token before it (`block_hashes`): two
 prompts that agree on their first i full blocks have the same first i hashes. After a prefill the
-prompt's full blocks are registered under their hashes (`register`); a new sequence whose prompt
-starts with registered blocks takes them as they are (`reuse_prefix`, a reference each) and its
-prefill feeds only the rest: at least its last token, whose logits the prefill returns. Only full
-blocks of committed prompt tokens are shared: every sequence writes only past its length, and its
+prompt's full blocks are registered under their hashes (`register`), and when a row leaves, the
+full blocks of its prompt and output (a chat's next turn starts with them); a new sequence whose
+prompt starts with registered blocks takes them as they are (`reuse_prefix`, a reference each) and
+its prefill feeds only the rest: at least its last token, whose logits the prefill returns. Only
+full blocks of committed tokens are shared: every sequence writes only past its length, and its
 length never goes below its prompt (rollback truncates speculation only), so a shared block is
 never written; the partial last block is always the sequence's own. A registered block that nobody
 holds stays in the free list and findable until the pool needs it: the free list hands out blocks

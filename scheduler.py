@@ -232,7 +232,8 @@ class Scheduler:
         rows = [r for r, req in self.running.items() if self.out.done[r] or req.cancelled]
         if not rows:
             return
-        self.rounds.leave(rows)
+        # each row's prompt and output: the full blocks they fill stay cached (prefix caching)
+        self.rounds.leave(rows, [self.running[r].prompt + self.out.tokens[r] for r in rows])
         for r in rows:
             req = self.running.pop(r)
             own = self.budget.own(req.need, len(req.shared))

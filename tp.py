@@ -311,8 +311,8 @@ class TPVerifier:
     def finish(self, rows):
         return self.call("finish", rows) if len(rows) else None  # nothing to free, nothing to say
 
-    def leave(self, rows):
-        return self.call("leave", rows) if len(rows) else None
+    def leave(self, rows, tokens=None):
+        return self.call("leave", rows, tokens) if len(rows) else None
 
     def used_blocks(self) -> int:
         return self.verifier.used_blocks()  # rank 0's: every rank's cache is laid out the same

@@ -211,9 +211,15 @@ class Verifier:
             self.cache.free(self.seqs[r])
             self.seqs[r] = self.gens[r] = None
 
-    def leave(self, rows):
-        """Rows that left the batch (done or cancelled): their KV freed now."""
-        self.finish([r for r in rows if self.seqs[r] is not None])
+    def leave(self, rows, tokens=None):
+        """Rows that left the batch (done or cancelled): their KV freed now. tokens: each one's
+        prompt and output so far (None: unknown), whose full blocks the cache holds are
+        registered first (prefix caching: a chat's next turn starts with them)."""
+        rows = [r for r in rows if self.seqs[r] is not None]
+        for r, toks in zip(rows, tokens or []):
+            s = self.seqs[r]
+            self.cache.register(s, toks[:self.cache.length(s)])
+        self.finish(rows)
 
     def used_blocks(self) -> int:
         """KV blocks in use (the server's /metrics)."""

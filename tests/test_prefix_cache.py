@@ -10,7 +10,8 @@ token before them, shared by prompts that start alike, on the target's cache and
    still counts them while any holder runs.
 3. Exact: greedy tokens with prefix caching are those without, in AR, SD and SSD (one process and
    two), for requests sharing a prompt of several blocks that join while others run and after
-   they left (the caches hit on both sides). The law at T > 0 is tests/test_batched_law.py's.
+   they left (the caches hit on both sides), and a chat's next turn, which finds the blocks of the
+   earlier prompt and answer. The law at T > 0 is tests/test_batched_law.py's.
 """
 from types import SimpleNamespace
 
@@ -159,7 +160,7 @@ class Rounds:
         self.rows += new
         return new
 
-    def leave(self, rows):
+    def leave(self, rows, tokens=None):
         self.rows = [r for r in self.rows if r not in rows]
 
 
@@ -225,15 +226,18 @@ NEW = 12
 def tiny():
     model, tok = load_model("tiny")
     prompts = [tok.encode(SYSTEM + t) for t in TURNS]
-    prompts.append(prompts[0] + tok.encode("\n    return n\n\ndef main():"))  # a next turn
     assert all(len(p) > 4 * 16 for p in prompts), [len(p) for p in prompts]
     ref = generate(prompts, target=model, tokenizer=tok, mode="ar", max_new_tokens=NEW,
                    ignore_eos=True, prefix_caching=False).tokens
+    # a next turn: the first conversation, its answer and a new question
+    prompts.append(prompts[0] + ref[0] + tok.encode("\n\ndef main():"))
+    ref += generate(prompts[-1:], target=model, tokenizer=tok, mode="ar", max_new_tokens=NEW,
+                    ignore_eos=True, prefix_caching=False).tokens
     return model, tok, prompts, ref
 
 
-# request i is submitted before round WHEN[i]: beside the first (its shared blocks held) and after
-# it has left (cached, free)
+# request i is submitted before round WHEN[i]: beside the first (its shared blocks held) and,
+# the next turn, after it has left (its prompt's and answer's blocks cached, free)
 WHEN = [0, 2, 2, 4, NEW + 3]
 
 
@@ -253,10 +257,15 @@ def test_greedy_tokens_equal_those_without_prefix_caching(tiny, mode, parallel):
         while step <= max(WHEN) or sched.running or sched.waiting:
             for req, when in zip(reqs, WHEN):
                 if when == step:
+                    before = sched.prefix_tokens()["target"][1]
                     sched.submit(req)
             sched.step()
             step += 1
         assert [req.tokens for req in reqs] == ref
+        # the next turn found the first conversation's prompt and answer (all but the last bonus
+        # token, which the target had not cached), in full blocks: more than the prompt's
+        turn, p0 = sched.prefix_tokens()["target"][1] - before, len(prompts[0])
+        assert turn == (p0 + NEW - 1) // 16 * 16 > p0 // 16 * 16, (turn, p0)
         hits = sched.prefix_tokens()
         for side in ("target", "draft") if mode != "ar" else ("target",):
             looked, found = hits[side]
