@@ -23,7 +23,6 @@ from conftest import make_checkpoint
 from decode import Output
 from engine import EngineConfig, load_engine
 from kv_cache import PagedKVCache, block_hashes, shareable_hashes
-from run import generate
 from scheduler import KVBudget, Request, Scheduler
 
 torch.set_num_threads(1)
@@ -222,18 +221,14 @@ TURNS = ["def fib(n):", "class Stack:\n    def __init__(self):\n        ",
 NEW = 12
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    model, tok = load_model("tiny")
-    prompts = [tok.encode(SYSTEM + t) for t in TURNS]
-    assert all(len(p) > 4 * 16 for p in prompts), [len(p) for p in prompts]
-    ref = generate(prompts, target=model, tokenizer=tok, mode="ar", max_new_tokens=NEW,
-                   ignore_eos=True, prefix_caching=False).tokens
-    # a next turn: the first conversation, its answer and a new question
-    prompts.append(prompts[0] + ref[0] + tok.encode("\n\ndef main():"))
-    ref += generate(prompts[-1:], target=model, tokenizer=tok, mode="ar", max_new_tokens=NEW,
-                    ignore_eos=True, prefix_caching=False).tokens
-    return model, tok, prompts, ref
+def engine(model, mode, parallel=False, prefix_caching=True):
+    return load_engine(EngineConfig(
+        target=model, draft="tiny-draft", mode=mode, temperature=0.0, k=3, seed=0,
+        ignore_eos=True, fan_out="geometric", budget=4, saguaro_c=1.0, fallback="neural",
+        parallel=parallel, target_device=None, draft_device=None, target_threads=1,
+        draft_threads=1 if parallel else None, kv_tokens=2048, target_devices=None,
+        tp_timeout=60.0, dtype="float32", graphs=None, pre_spec="always", fixed_budget=False,
+        prefix_caching=prefix_caching), max_batch=8)
 
 
 # request i is submitted before round WHEN[i]: beside the first (its shared blocks held) and,
@@ -241,38 +236,58 @@ def tiny():
 WHEN = [0, 2, 2, 4, NEW + 3]
 
 
+def waves(engine, prompts, turn):
+    """The prompts, and a next turn of the first one (its prompt, its answer, `turn`), submitted
+    at WHEN's rounds. -> (every request, the target's prefix hits in tokens of the next turn)."""
+    sched, step = engine.scheduler, 0
+    reqs = [Request(p, NEW) for p in prompts] + [None]
+    while step <= max(WHEN) or sched.running or sched.waiting:
+        for i, when in enumerate(WHEN):
+            if when == step:
+                if reqs[i] is None:
+                    reqs[i] = Request(prompts[0] + reqs[0].tokens + turn, NEW)
+                    before = sched.prefix_tokens()["target"][1]
+                sched.submit(reqs[i])
+        sched.step()
+        step += 1
+    return reqs, sched.prefix_tokens()["target"][1] - before
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """The tiny target, the prompts, and the tokens each request gets without prefix caching."""
+    model, tok = load_model("tiny")
+    prompts, turn = [tok.encode(SYSTEM + t) for t in TURNS], tok.encode("\n\ndef main():")
+    assert all(len(p) > 4 * 16 for p in prompts), [len(p) for p in prompts]
+    off = engine(model, "ar", prefix_caching=False)
+    try:
+        reqs, _ = waves(off, prompts, turn)
+    finally:
+        off.started.stop()
+    return model, prompts, turn, [req.tokens for req in reqs]
+
+
 @pytest.mark.parametrize("mode,parallel", [("ar", False), ("sd", False), ("ssd", False),
                                            ("ssd", True)])
 def test_greedy_tokens_equal_those_without_prefix_caching(tiny, mode, parallel):
-    model, tok, prompts, ref = tiny
-    engine = load_engine(EngineConfig(
-        target=model, draft="tiny-draft", mode=mode, temperature=0.0, k=3, seed=0,
-        ignore_eos=True, fan_out="geometric", budget=4, saguaro_c=1.0, fallback="neural",
-        parallel=parallel, target_device=None, draft_device=None, target_threads=1,
-        draft_threads=1 if parallel else None, kv_tokens=2048, target_devices=None,
-        tp_timeout=60.0, dtype="float32", graphs=None, pre_spec="always", fixed_budget=False),
-        max_batch=8)
+    model, prompts, turn, ref = tiny
+    eng = engine(model, mode, parallel)
     try:
-        sched, reqs, step = engine.scheduler, [Request(p, NEW) for p in prompts], 0
-        while step <= max(WHEN) or sched.running or sched.waiting:
-            for req, when in zip(reqs, WHEN):
-                if when == step:
-                    before = sched.prefix_tokens()["target"][1]
-                    sched.submit(req)
-            sched.step()
-            step += 1
+        reqs, turn_hits = waves(eng, prompts, turn)
         assert [req.tokens for req in reqs] == ref
         # the next turn found the first conversation's prompt and answer (all but the last bonus
         # token, which the target had not cached), in full blocks: more than the prompt's
-        turn, p0 = sched.prefix_tokens()["target"][1] - before, len(prompts[0])
-        assert turn == (p0 + NEW - 1) // 16 * 16 > p0 // 16 * 16, (turn, p0)
+        p0 = len(prompts[0])
+        assert turn_hits == (p0 + NEW - 1) // 16 * 16 > p0 // 16 * 16, (turn_hits, p0)
+        sched = eng.scheduler
         hits = sched.prefix_tokens()
         for side in ("target", "draft") if mode != "ar" else ("target",):
             looked, found = hits[side]
             # every request after the first finds the system prompt (a few blocks at least)
-            assert looked == sum(map(len, prompts)) and found >= 4 * 16 * (len(prompts) - 1), hits
+            assert (looked == sum(len(req.prompt) for req in reqs)
+                    and found >= 4 * 16 * (len(reqs) - 1)), hits
         # every block returned (the draft's process frees its rows after this returns)
         used = sched.rounds.kv_used()
         assert sched.used == [0, 0] and used[0] == 0 and (parallel or used[1] == 0), used
     finally:
-        engine.started.stop()
+        eng.started.stop()
