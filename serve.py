@@ -5,9 +5,11 @@
     curl localhost:8000/v1/completions -d '{"prompt": "def fib(n):", "max_tokens": 32}'
 
 Endpoints: POST /v1/chat/completions and /v1/completions (streamed as server-sent events with
-"stream": true), GET /v1/models (the model id is --target as given), GET /health, GET /metrics
-(Prometheus text). Every decoding flag of run.py applies; --temperature is the default of a
-request that gives none. A request may give its own `temperature` (0 to 2) and `seed` (an integer):
+"stream": true), GET /v1/models (the model id is --target as given), GET /health, GET and HEAD
+/metrics (Prometheus' text format: latency histograms, token and request counters, acceptance,
+SSD's cache hits, KV blocks; metrics.py lists them). Every decoding flag of run.py applies;
+--temperature is the default of a request that gives none. A request may give its own
+`temperature` (0 to 2) and `seed` (an integer):
 its row samples at its own T from its own generators, so a seed gives the same text whatever else
 is in the batch (in SSD when every proposal is the draft's: docs/design.md, Serving). A field
 the engine cannot honour exactly (top_p != 1, n > 1, logprobs, ...) is a 400 naming it. Errors
