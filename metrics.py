@@ -115,7 +115,7 @@ class RequestTimer:
 
     def done(self, reason: str):
         with self.stats.lock:
-            self.stats.finished[reason] += 1
+            self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
             if reason in ("stop", "length"):
                 self.stats.e2e.observe(time.perf_counter() - self.start)
 
