@@ -7,7 +7,7 @@ clock, told of its tokens in the engine's thread, and adds to `RequestStats`. Pl
 engine needs no Prometheus library; tests/test_serve.py reads the output with prometheus_client's
 parser.
 
-The names follow vLLM's (`vllm:` -> `ssd_`), units in the name:
+The names are vLLM's (`vllm:` -> `ssd_`) where vLLM has the metric, units in the name:
 
     ssd_requests_total                      counter    requests queued
     ssd_requests_finished_total             counter    requests ended, by finished_reason
