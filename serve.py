@@ -5,9 +5,11 @@
     curl localhost:8000/v1/completions -d '{"prompt": "def fib(n):", "max_tokens": 32}'
 
 Endpoints: POST /v1/chat/completions and /v1/completions (streamed as server-sent events with
-"stream": true), GET /v1/models (the model id is --target as given), GET /health, GET /metrics
-(Prometheus text). Every decoding flag of run.py applies; --temperature is the default of a
-request that gives none. A request may give its own `temperature` (0 to 2) and `seed` (an integer):
+"stream": true), GET /v1/models (the model id is --target as given), GET /health, GET and HEAD
+/metrics (Prometheus' text format: latency histograms, token and request counters, acceptance,
+SSD's cache hits, KV blocks; metrics.py lists them). Every decoding flag of run.py applies;
+--temperature is the default of a request that gives none. A request may give its own
+`temperature` (0 to 2) and `seed` (an integer):
 its row samples at its own T from its own generators, so a seed gives the same text whatever else
 is in the batch (in SSD when every proposal is the draft's: docs/design.md, Serving). A field
 the engine cannot honour exactly (top_p != 1, n > 1, logprobs, ...) is a 400 naming it. Errors
@@ -27,6 +29,7 @@ import threading
 import time
 import uuid
 
+import metrics
 import run
 from engine import Engine, EngineConfig, load_engine
 from scheduler import Request
@@ -34,7 +37,7 @@ from scheduler import Request
 try:
     import uvicorn
     from fastapi import FastAPI, Request as HTTPRequest
-    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
 except ImportError:
     sys.exit("serve.py needs FastAPI and uvicorn: pip install fastapi uvicorn")
 
@@ -166,8 +169,9 @@ class Reply:
     thread; they decode, cut at a stop string (which ends the request) and post to the event
     loop. A whole answer with no stop string is decoded once, at the end, not every round."""
 
-    def __init__(self, engine: Engine, stop: list[str], loop, stream: bool):
-        self.tok, self.stop, self.loop = engine.tokenizer, stop, loop
+    def __init__(self, engine: Engine, stop: list[str], loop, stream: bool,
+                 timer: metrics.RequestTimer):
+        self.tok, self.stop, self.loop, self.timer = engine.tokenizer, stop, loop, timer
         self.each_round = stream or bool(stop)
         self.hold = max((len(s) - 1 for s in stop), default=0)  # a stop string's start, held back
         self.detok = run.Detokenizer(self.tok)
@@ -175,6 +179,7 @@ class Reply:
         self.text = ""
 
     def on_tokens(self, tokens) -> bool:
+        self.timer.tokens(len(tokens))
         if not self.each_round:
             return False
         seen = len(self.text)
@@ -188,6 +193,7 @@ class Reply:
         return cut >= 0
 
     def on_done(self, req):
+        self.timer.done(req.finish_reason)
         if not self.each_round:
             self.text = self.tok.decode(req.tokens, skip_special_tokens=True)
         elif not req.stopped:  # the last tokens' characters, complete or not
@@ -231,6 +237,7 @@ class API:
     def __init__(self, engine: Engine, model_id: str, defaults, state: dict):
         self.engine, self.model_id, self.defaults, self.state = engine, model_id, defaults, state
         self.sched = engine.scheduler
+        self.stats = metrics.RequestStats()  # /metrics: the requests' latencies and ends
 
     async def completions(self, http: HTTPRequest):
         return await self.complete(http, "text")
@@ -241,6 +248,7 @@ class API:
     async def complete(self, http: HTTPRequest, kind: str):
         """POST /v1/completions (kind "text") and /v1/chat/completions ("chat"): the request
         checked, submitted to the scheduler, and answered whole or streamed (events)."""
+        start = time.perf_counter()  # its arrival, for /metrics' latencies
         try:
             body = json.loads(await http.body())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -252,7 +260,8 @@ class API:
         if self.state["down"]:  # while the speculator restarts, requests wait in the queue
             return error(503, f"the engine is down: {self.state['error']}", kind="server_error",
                          code="engine_down")
-        reply = Reply(self.engine, f["stop"], asyncio.get_running_loop(), f["stream"])
+        reply = Reply(self.engine, f["stop"], asyncio.get_running_loop(), f["stream"],
+                      self.stats.timer(len(f["ids"]), start))
         req = Request(f["ids"], f["max_tokens"], reply.on_tokens, reply.on_done,
                       temperature=f["temperature"], seed=f["seed"])
         try:
@@ -316,7 +325,9 @@ class API:
         return JSONResponse(body, status_code=200 if ok else 503)
 
     async def metrics(self):
-        return PlainTextResponse(metrics_text(self.engine, self.state))
+        """GET (and HEAD) /metrics: Prometheus' text format (metrics.py says what each is)."""
+        text = metrics.render(metrics.families(self.engine, self.state, self.stats))
+        return Response(text, media_type=metrics.CONTENT_TYPE)
 
 
 def make_app(engine: Engine, model_id: str, defaults, state: dict) -> FastAPI:
@@ -326,48 +337,12 @@ def make_app(engine: Engine, model_id: str, defaults, state: dict) -> FastAPI:
     app.post("/v1/chat/completions")(api.chat_completions)
     app.get("/v1/models")(api.models)
     app.get("/health")(api.health)
-    app.get("/metrics")(api.metrics)
+    app.api_route("/metrics", methods=["GET", "HEAD"])(api.metrics)
     return app
 
 
 def sse(obj) -> str:
     return f"data: {json.dumps(obj)}\n\n"
-
-
-def metrics_text(engine: Engine, state: dict) -> str:
-    """Prometheus' text format: the engine's counters since it started."""
-    s, out = engine.scheduler, engine.scheduler.out
-    rows = len(out.tokens)  # each row's first token came from its prefill, not a round
-    looked = out.rounds_hit + out.rounds_miss
-    lines = [("counter", "ssd_requests_total", "requests submitted", s.submitted),
-             ("counter", "ssd_requests_finished_total", "requests ended", s.finished),
-             ("gauge", "ssd_requests_running", "rows in the batch", len(s.running)),
-             ("gauge", "ssd_queue_length", "requests waiting for KV room", s.queue_length()),
-             ("counter", "ssd_tokens_total", "tokens generated", out.new_tokens),
-             ("counter", "ssd_rounds_total", "verification rounds", out.rounds),
-             ("gauge", "ssd_tokens_per_round", "mean tokens per row per round",
-              (out.new_tokens - rows) / out.row_rounds if out.row_rounds else 0.0),
-             ("gauge", "ssd_acceptance_rate", "accepted / proposed draft tokens",
-              out.accepted / out.proposed if out.proposed else 0.0),
-             ("gauge", "ssd_cache_hit_rate", "ssd: rounds answered from the speculation cache",
-              out.rounds_hit / looked if looked else 0.0),
-             ("counter", "ssd_cache_hits_total", "ssd: row-rounds answered from the cache",
-              out.rounds_hit),
-             ("counter", "ssd_engine_restarts_total", "speculator restarts", state["restarts"])]
-    for cache, blocks in s.kv_blocks().items():
-        if blocks is not None:
-            lines += [("gauge", f"ssd_kv_blocks_used{{cache=\"{cache}\"}}", "KV blocks in use",
-                       blocks[0]),
-                      ("gauge", f"ssd_kv_blocks_free{{cache=\"{cache}\"}}", "KV blocks free",
-                       blocks[1])]
-    text, typed = [], set()
-    for kind, name, help_, value in lines:
-        base = name.split("{")[0]
-        if base not in typed:
-            typed.add(base)
-            text += [f"# HELP {base} {help_}", f"# TYPE {base} {kind}"]
-        text.append(f"{name} {value}")
-    return "\n".join(text) + "\n"
 
 
 # --------------------------------------------------------------------------------------------------
