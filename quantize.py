@@ -86,7 +86,8 @@ def pack_int4(q):
 
 def dequantize(q, scales, mins=None):
     """The float32 weights of stored rows (any leading dims): int8 q [..., in] with scales
-    [..., in / G] (and mins, where the layer has them), or int4 q [..., in / 32, 16] with scales and mins [..., in / 32] -> [..., in]."""
+    [..., in / G] (and mins, where the layer has them), or int4 q [..., in / 32, 16] with scales
+    and mins [..., in / 32] -> [..., in]."""
     if q.dtype == torch.int8:
         G = q.shape[-1] // scales.shape[-1]
         w = q.unflatten(-1, (-1, G)).float() * scales[..., None]  # [..., in / G, G]
