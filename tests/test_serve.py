@@ -5,7 +5,8 @@
 - the API: chat and completions, streaming and not, /v1/models, /health;
 - /metrics as a Prometheus scraper reads it (prometheus_client's parser): every family once with
   its type, histograms cumulative, the counters moved by what the responses say;
-- bad input: each case a 400 in OpenAI's error shape, naming the field;
+- bad input: each case a 400 in OpenAI's error shape, naming the field (an unknown model: 404;
+  tests/test_openai_conformance.py has the rest of OpenAI's conformance);
 - a client that disconnects mid-stream: its row leaves, the KV blocks return to their baseline,
   the other stream goes on unchanged;
 - a full KV cache: requests wait in the queue and all finish exactly; one that could never fit is
@@ -164,7 +165,6 @@ BAD = [  # (body or raw bytes, the param the error names)
     ({"prompt": "x", "max_tokens": "10"}, "max_tokens"),           # wrong type
     ({"prompt": 5}, "prompt"),
     ({"prompt": "x", "stream": "yes"}, "stream"),
-    ({"prompt": "x", "model": "gpt-4"}, "model"),                  # unknown model
     ({"prompt": [1] * 2100}, "prompt"),                            # longer than the context
     ({"prompt": "x", "max_tokens": 5000}, "max_tokens"),           # beyond the context
     ({"prompt": "x", "top_p": 0.5}, "top_p"),                      # cannot be honoured exactly
@@ -219,6 +219,8 @@ def test_bad_input(server):
         assert set(err) == {"message", "type", "param", "code"} and err["param"] == param, err
     r = httpx.post(server.url + "/v1/chat/completions", json={"messages": "hi"}, timeout=10)
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "model": "gpt-4"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     with pytest.raises(openai.BadRequestError):
         server.client().completions.create(model="tiny", prompt="x", top_p=0.5)
 
