@@ -208,7 +208,7 @@ def load_model(name_or_path, device="cpu", dtype=None, tp: TP | None = None,
         if model.tp is not None:
             raise ValueError(f"quant={quant!r} with tensor parallelism is not implemented: load "
                              f"the model with quant='none' (--quant none), or on one device")
-        quantize_layers(model, *plan, device, dtype, compiled=compile_quant)
+        quantize_layers(model, plan, device, dtype, compiled=compile_quant)
     materialize(model, device, dtype)
     if gguf_file:
         load_gguf_weights(model, gguf_file)
@@ -252,47 +252,46 @@ def load_tokenizer(name_or_path, gguf_file: "GGUFFile | None" = None):
 # --------------------------------------------------------------------------------------------------
 # Which layers are quantized, in how many bits (quantize.py has the layouts)
 
-# GGUF's weight types -> the bits of the layout that holds them: Q8_0, Q4_0 and Q4_1 blocks as they
-# are (GGUF_STORED below), the others dequantised a tensor at a time and quantized again (an
-# approximation of the file: 5- and 6-bit types into int8, Q4_K into int4); float types stay float
-GGUF_BITS = {"Q8_0": 8, "Q8_1": 8, "Q8_K": 8, "Q6_K": 8, "Q5_0": 8, "Q5_1": 8, "Q5_K": 8,
-             "Q4_0": 4, "Q4_1": 4, "Q4_K": 4}
-
-
-# checkpoint layers -> the fused layer of model.py that holds their rows
-FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
-         "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
-
-
 def quant_plan(quant: str, cfg: ModelConfig, g: "GGUFFile | None"):
-    """-> (bits_of, group_of) for quantize.quantize_layers, or None for a float model. int8 is
-    per output channel from safetensors, in groups of 32 (Q8_0's) from a GGUF file. With int4 the
-    LM head and the embedding are int8, as llama.cpp's Q4 files keep them at 6 or 8 bits: the head
-    decides every token and is where 4 bits cost agreement most."""
+    """-> layout_of(name) -> (bits, group, mins) | None for quantize.quantize_layers, or None for
+    a float model. int8 is per output channel from safetensors, in groups of 32 (Q8_0's) from a
+    GGUF file. With int4 the LM head and the embedding are int8, as llama.cpp's Q4 files keep
+    them at 6 or 8 bits: the head decides every token and is where 4 bits cost agreement most.
+    auto on a GGUF file: each layer in the layout that holds its tensors' block types exactly
+    (GGUF_INTEGERS, below): int4 where all are 4-bit, else int8 in the smallest group among them
+    (16 with Q6_K), with mins where one has a min; a layer with any other type stays float."""
     check_quant(quant)
     if quant == "none" or (quant == "auto" and g is None):
         return None
-    group = BLOCK if g is not None else None
     if quant != "auto":  # a layer whose inputs do not split into int4 blocks refuses (QuantLinear)
-        bits = 8 if quant == "int8" else 4
-        return (lambda name: 8 if name in ("lm_head", "model.embed_tokens") else bits,
-                lambda name: group)
-    layer_bits = {}  # module -> the bits of its tensors' types (None: a float type)
+        bits, group = (8 if quant == "int8" else 4), (BLOCK if g is not None else None)
+        return lambda name: ((8, group, False) if name in ("lm_head", "model.embed_tokens")
+                             else (bits, group, bits == 4))
+    kinds = {}  # module -> the block types of its tensors (None: float or another type)
     for t in g.tensors.values():
         if t.name == "rope_freqs.weight" or len(t.shape) != 2:
             continue
         parent, _, leaf = gguf_param_name(t.name).rpartition(".")[0].rpartition(".")
         module = f"{parent}.{FUSED.get(leaf, leaf)}".lstrip(".")  # the layer it fills
-        layer_bits.setdefault(module, []).append(GGUF_BITS.get(t.qtype.name))
+        kinds.setdefault(module, []).append(GGUF_INTEGERS.get(t.qtype.name))
     if cfg.tie_word_embeddings:
-        layer_bits["lm_head"] = layer_bits["model.embed_tokens"]
-    if all(b is None for bits in layer_bits.values() for b in bits):
+        kinds["lm_head"] = kinds["model.embed_tokens"]
+    if all(k is None for ks in kinds.values() for k in ks):
         return None  # a float file (F32 / F16 / BF16)
 
-    def bits_of(name):  # a layer any of whose parts is float stays float; 8 where types mix
-        bits = layer_bits.get(name, [None])
-        return None if None in bits else max(bits)
-    return bits_of, lambda name: group
+    def layout_of(name):
+        ks = kinds.get(name, [None])
+        if None in ks:
+            return None
+        if all(k.bits == 4 for k in ks):
+            return 4, BLOCK, True
+        return 8, min(k.group for k in ks), any(k.mins for k in ks)
+    return layout_of
+
+
+# checkpoint layers -> the fused layer of model.py that holds their rows
+FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
+         "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
 
 
 def hf_over_target_vocab(m):
@@ -603,36 +602,125 @@ def read_gguf_tensor(g: GGUFFile, t: GGUFTensor, name: str, param, tp: TP | None
     return w.reshape(param.shape)
 
 
-# GGUF block types that are quantize.py's layouts as they are: (bits, bytes per block of 32)
-GGUF_STORED = {"Q8_0": (8, 34), "Q4_0": (4, 18), "Q4_1": (4, 20)}
+# GGUF's block types as integers: each block holds float16 fields and small integers, w = q * scale
+# (+ min) per group of 16 or 32 inputs, so the integers and the scales computed from the fields
+# (in float32, as gguf's own dequantisation does) are quantize.py's layouts exactly. Each function
+# takes the blocks b (uint8 [rows, blocks, bytes per block]) and returns q [rows, blocks, values
+# per block] (an integer type) with scales and mins (or None) [rows, blocks, groups per block].
+
+def f16(b, lo: int):
+    """The float16 at bytes [lo, lo + 2) of every block -> float32 [rows, blocks]."""
+    return b[..., lo:lo + 2].contiguous().view(torch.float16)[..., 0].float()
+
+
+def nibbles(b):
+    """Bytes [..., n] -> [..., 2n]: their low nibbles, then their high ones."""
+    return torch.cat((b & 15, b >> 4), -1)
+
+
+def bits_of_bytes(b):
+    """Bytes [..., n] -> their bits [..., 8n], bit i of byte j at 8j + i (little-endian)."""
+    return ((b[..., None] >> torch.arange(8, dtype=torch.uint8)) & 1).flatten(-2)
+
+
+def q8_0(b):  # d, 32 int8
+    return b[..., 2:].contiguous().view(torch.int8), f16(b, 0)[..., None], None
+
+
+def q4_0(b):  # d, 16 bytes of nibbles: w = d (q - 8)
+    return nibbles(b[..., 2:]).to(torch.int16) - 8, f16(b, 0)[..., None], None
+
+
+def q4_1(b):  # d, m, 16 bytes of nibbles: w = d q + m
+    return nibbles(b[..., 4:]), f16(b, 0)[..., None], f16(b, 2)[..., None]
+
+
+def q5_0(b):  # d, 4 bytes of fifth bits, 16 of nibbles: w = d (q - 16)
+    q = nibbles(b[..., 6:]).to(torch.int16) | (bits_of_bytes(b[..., 2:6]).to(torch.int16) << 4)
+    return q - 16, f16(b, 0)[..., None], None
+
+
+def q5_1(b):  # d, m, 4 bytes of fifth bits, 16 of nibbles: w = d q + m
+    q = nibbles(b[..., 8:]) | (bits_of_bytes(b[..., 4:8]) << 4)
+    return q, f16(b, 0)[..., None], f16(b, 2)[..., None]
+
+
+def k_scales(b):
+    """Q4_K / Q5_K: the 8 six-bit scales and mins packed in bytes 4..15 -> two uint8 [..., 8]:
+    bytes 0-3 hold scales 0-3 (low 6 bits), 4-7 mins 0-3; scales and mins 4-7 are the nibbles of
+    bytes 8-11 with their top two bits in the top bits of bytes 0-3 and 4-7."""
+    s = b[..., 4:16]
+    sc = torch.cat((s[..., 0:4] & 63, (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)), -1)
+    m = torch.cat((s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)), -1)
+    return sc, m
+
+
+def k_nibbles(qs):
+    """Q4_K / Q5_K's 128 bytes of nibbles -> [..., 8, 32]: byte l of chunk c (32 bytes) holds
+    element l of group 2c in its low nibble and of group 2c + 1 in its high one."""
+    qs = qs.unflatten(-1, (4, 32))  # [..., chunk, 32]
+    return torch.stack((qs & 15, qs >> 4), -2).flatten(-3, -2)  # [..., 8, 32]
+
+
+def q4_k(b):  # d, dmin, scales, 128 bytes of nibbles: 8 groups of 32, w = d sc q - dmin m
+    sc, m = k_scales(b)
+    q = k_nibbles(b[..., 16:]).flatten(-2)
+    return q, f16(b, 0)[..., None] * sc, -f16(b, 2)[..., None] * m
+
+
+def q5_k(b):  # as Q4_K, plus 32 bytes of fifth bits (bit i of byte l: element l of group i)
+    sc, m = k_scales(b)
+    high = (b[..., 16:48, None] >> torch.arange(8, dtype=torch.uint8)) & 1  # [..., l, i]
+    q = k_nibbles(b[..., 48:]) | (high.transpose(-1, -2) << 4)  # [..., 8, 32]
+    return q.flatten(-2), f16(b, 0)[..., None] * sc, -f16(b, 2)[..., None] * m
+
+
+def q6_k(b):
+    """128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales (one per 16 values), d:
+    w = d sc (q - 32). Of a half of 128 values, element 32k + l (k = 0..3) has the low (k < 2)
+    or high nibble of ql byte 32 (k % 2) + l and the bit pair k of qh byte l."""
+    ql = b[..., :128].unflatten(-1, (2, 2, 32))  # [..., half, k % 2, l]
+    low = torch.stack((ql & 15, ql >> 4), -3).flatten(-3, -2)  # [..., half, k, l]
+    qh = b[..., 128:192].unflatten(-1, (2, 1, 32))  # [..., half, 1, l]
+    high = (qh >> torch.arange(0, 8, 2, dtype=torch.uint8)[:, None]) & 3  # [..., half, k, l]
+    q = (low | (high << 4)).to(torch.int16).flatten(-3) - 32
+    return q, f16(b, 208)[..., None] * b[..., 192:208].contiguous().view(torch.int8), None
+
+
+@dataclass(frozen=True)
+class BlockType:
+    bits: int    # the layout that holds its integers (4: 0..15 or -8..7, 8: int8)
+    group: int   # inputs per scale
+    mins: bool   # w = q * scale + min (else q * scale)
+    size: int    # bytes per block
+    decode: object
+
+
+GGUF_INTEGERS = {"Q8_0": BlockType(8, 32, False, 34, q8_0),
+                 "Q6_K": BlockType(8, 16, False, 210, q6_k),
+                 "Q5_K": BlockType(8, 32, True, 176, q5_k),
+                 "Q5_1": BlockType(8, 32, True, 24, q5_1),
+                 "Q5_0": BlockType(8, 32, False, 22, q5_0),
+                 "Q4_K": BlockType(4, 32, True, 144, q4_k),
+                 "Q4_1": BlockType(4, 32, True, 20, q4_1),
+                 "Q4_0": BlockType(4, 32, False, 18, q4_0)}
+
+
+def gguf_integers(raw, qtype: str):
+    """A GGUF tensor's blocks (raw: uint8 [rows, bytes per row]) -> (q [rows, in] integers,
+    scales [rows, in / group], mins [rows, in / group] or None): w = q * scale (+ min)."""
+    kind = GGUF_INTEGERS[qtype]
+    b = torch.from_numpy(raw.copy()).view(raw.shape[0], -1, kind.size)  # [rows, blocks, bytes]
+    q, scales, mins = kind.decode(b)
+    rows = raw.shape[0]
+    return (q.reshape(rows, -1), scales.reshape(rows, -1),
+            None if mins is None else mins.reshape(rows, -1))
 
 
 def stored_as(t: GGUFTensor, target: QuantRows) -> bool:
-    """Whether tensor t's blocks go into target's layer without a float copy."""
-    bits = GGUF_STORED.get(t.qtype.name, (None,))[0]
-    return bits == target.layer.bits and (bits == 4 or target.layer.group == BLOCK)
-
-
-def gguf_stored(raw, qtype: str):
-    """A GGUF tensor's Q8_0 / Q4_0 / Q4_1 blocks (raw: uint8 [rows, bytes per row]) -> the layout
-    of quantize.py: (q int8 [rows, in], scales) for Q8_0, (q uint8 [rows, in / 32, 16], scales,
-    mins) for Q4_0 and Q4_1. A block is a float16 scale d (Q4_1: then a float16 min m) and its
-    32 values: Q8_0 w = d q (q int8), Q4_0 w = d (q - 8), Q4_1 w = d q + m (q in 0..15, two to a
-    byte, element j in byte j's low nibble and j + 16 in its high one)."""
-    import numpy as np
-    bits, size = GGUF_STORED[qtype]
-    blocks = raw.reshape(raw.shape[0], -1, size)  # [rows, blocks, bytes per block]
-
-    def f16(lo):  # the float16 at bytes [lo, lo + 2) of every block -> float32 [rows, blocks]
-        return torch.from_numpy(np.ascontiguousarray(blocks[..., lo:lo + 2]).view(np.float16)
-                                [..., 0].astype(np.float32))
-    d = f16(0)
-    if qtype == "Q8_0":
-        q = np.ascontiguousarray(blocks[..., 2:]).view(np.int8)
-        return torch.from_numpy(q.reshape(raw.shape[0], -1)), d
-    first = 2 if qtype == "Q4_0" else 4
-    q = torch.from_numpy(np.ascontiguousarray(blocks[..., first:]))  # [rows, blocks, 16]
-    return q, d, (-8 * d if qtype == "Q4_0" else f16(2))
+    """Whether tensor t's blocks go into target's layer exactly, without a float copy."""
+    kind = GGUF_INTEGERS.get(t.qtype.name)
+    return kind is not None and target.holds(kind.bits, kind.group, kind.mins)
 
 
 def read_gguf_blocks(g: GGUFFile, t: GGUFTensor, target: QuantRows, cfg: ModelConfig):
@@ -640,15 +728,15 @@ def read_gguf_blocks(g: GGUFFile, t: GGUFTensor, target: QuantRows, cfg: ModelCo
     if t.shape != tuple(target.shape):
         raise ValueError(f"tensor {t.name!r} has shape {t.shape} in {g.path.name}, the config "
                          f"implies {tuple(target.shape)}")
-    parts = gguf_stored(g.raw(t), t.qtype.name)
+    parts = gguf_integers(g.raw(t), t.qtype.name)
     if cfg.arch.gguf_qk_permuted and t.name.endswith(("attn_q.weight", "attn_k.weight")):
-        parts = [unpermute_qk(p, cfg.head_dim) for p in parts]  # rows reordered, blocks kept
+        parts = [p if p is None else unpermute_qk(p, cfg.head_dim) for p in parts]  # rows only
     return parts
 
 
 def load_gguf_weights(model: Transformer, g: GGUFFile):
     """The tensors of a GGUF file one at a time straight into the model's parameters: dequantised,
-    or into a quantized layer as blocks (gguf_stored) where its layout is theirs."""
+    or into a quantized layer as integers (gguf_integers) where its layout holds them."""
     params = model.checkpoint_params()
     filled = set()
     for t in g.tensors.values():
@@ -660,7 +748,7 @@ def load_gguf_weights(model: Transformer, g: GGUFFile):
                              f"this {model.config.model_type} model")
         target = params[name]
         if isinstance(target, QuantRows) and stored_as(t, target):  # the file's blocks as they are
-            target.copy_stored(*read_gguf_blocks(g, t, target, model.config))
+            target.copy_integers(*read_gguf_blocks(g, t, target, model.config))
         else:
             w = read_gguf_tensor(g, t, name, target, model.tp, model.config)
             with torch.no_grad():

@@ -25,11 +25,14 @@ from devices import device_index, sync, to_device, to_host
 class Output:
     """Every mode's output: tokens per row, cut at EOS (kept) or the row's max_new_tokens inside a
     round. Rows are added as they join (`add`); a row's number is its place in every side's lists.
+    A row's EOS ends it only once the row is longer than its eos_after (a server's min_tokens, or
+    max_new_tokens for ignore_eos): before, the EOS is kept and the row goes on. Which tokens are
+    drawn never changes: only where the row stops, so SD and SSD stay exact as they are.
     stream(row, tokens_so_far) is called as tokens are accepted; it may return True to end the row
     there (a stop string)."""
 
     def __init__(self, eos_ids, K, stream=None):
-        self.tokens, self.done, self.max_new = [], [], []
+        self.tokens, self.done, self.max_new, self.eos_after = [], [], [], []
         self.eos, self.stream = set(eos_ids), stream
         self.rounds, self.row_rounds, self.accepted, self.proposed = 0, 0, 0, 0
         self.new_tokens = 0  # every row's, including rows whose tokens were dropped (`forget`)
@@ -38,17 +41,23 @@ class Output:
         self.verify_s = 0.0  # the target's verifications (the theory's c against SD's and AR's)
         self.capture_s = 0.0  # CUDA graph captures, left out of the decode time (Captures)
 
-    def add(self, max_new_tokens: list[int]) -> list[int]:
-        """New rows, one per max_new_tokens; -> their numbers."""
+    def add(self, max_new_tokens: list[int], eos_after: list[int] | None = None) -> list[int]:
+        """New rows, one per max_new_tokens (eos_after: each row's, default 0); -> their
+        numbers."""
         first = len(self.tokens)
         self.tokens += [[] for _ in max_new_tokens]
         self.done += [False] * len(max_new_tokens)
         self.max_new += list(max_new_tokens)
+        self.eos_after += list(eos_after or [0] * len(max_new_tokens))
         return list(range(first, len(self.tokens)))
 
     def forget(self, row):
         """Drop a row's tokens once its reader has them (a server runs for ever)."""
         self.tokens[row] = None
+
+    def ended_at_eos(self, row, tokens) -> bool:
+        """Whether an EOS ends the row whose tokens (so far) these are."""
+        return bool(tokens) and tokens[-1] in self.eos and len(tokens) > self.eos_after[row]
 
     def emit(self, row, new) -> bool:
         """Append tokens to a row; returns True when the row is done."""
@@ -56,7 +65,7 @@ class Output:
         for x in new:
             out.append(x)
             self.new_tokens += 1
-            if x in self.eos or len(out) >= self.max_new[row]:
+            if self.ended_at_eos(row, out) or len(out) >= self.max_new[row]:
                 self.done[row] = True
                 break
         if self.stream and self.stream(row, out):
@@ -192,11 +201,12 @@ class SDRounds:
         self.rows: list[int] = []  # the rows the next round runs
         self.captures = Captures(verifier, drafter)
 
-    def join(self, prompts, max_new_tokens: list[int], temps=None, seeds=None) -> list[int]:
+    def join(self, prompts, max_new_tokens: list[int], temps=None, seeds=None,
+             eos_after=None) -> list[int]:
         """Prefill new rows (round 0: no proposals, its outcome is (0, t0)) and emit their first
         tokens; they run from the next round on. temps, seeds: each row's own (None: the sides'
-        defaults, saguaro_sample.row_settings). -> their row numbers."""
-        new = self.out.add(max_new_tokens)
+        defaults, saguaro_sample.row_settings); eos_after: Output.add's. -> their row numbers."""
+        new = self.out.add(max_new_tokens, eos_after)
         q0 = self.drafter.add(prompts, new[0], temps, seeds)
         t0 = self.verifier.add(prompts, temps, seeds)
         wait_for_devices(q0, t0)
@@ -265,8 +275,9 @@ class SSDRounds:
         self.verify_start, self.wait = None, 0.0  # wait: seconds the verifier waited for proposals
         self.ours, self.theirs = Captures(verifier), Captures(speculator)
 
-    def join(self, prompts, max_new_tokens: list[int], temps=None, seeds=None) -> list[int]:
-        new = self.out.add(max_new_tokens)
+    def join(self, prompts, max_new_tokens: list[int], temps=None, seeds=None,
+             eos_after=None) -> list[int]:
+        new = self.out.add(max_new_tokens, eos_after)
         # None in two processes: the speculator prefills over there
         q0 = self.speculator.add(prompts, new[0], temps, seeds)
         if not self.rows:  # a batch starting from empty: round 0's outcome is (0, t0), guess t0

@@ -214,6 +214,12 @@ def load_target(cfg: EngineConfig, started: Started, tokenizer=None) -> Loaded:
         return Loaded(cfg.target, tokenizer, where, started)
     with LOADING:
         tp = None
+        if where.torchrun or len(where.target_devices or []) > 1:
+            # the tokenizer before the process group exists: through transformers it imports
+            # torch modules (FSDP's) that bind the group as a default argument when first imported
+            # while it exists; destroy_process_group could not free it then, its gloo threads
+            # would live into the interpreter's exit, and one releasing a tensor there aborts
+            tokenizer = tokenizer or load_tokenizer(cfg.target)
         if where.torchrun:  # torchrun started ranks 1..
             started.workers = TorchrunWorld(where.torchrun, cfg.target, where.target_device,
                                             cfg.tp_timeout)

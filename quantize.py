@@ -5,11 +5,13 @@ Why: a decode step reads every weight once, so on a CPU (and on a GPU at small b
 the weights' bytes over the memory's bandwidth. Stored in int8 a weight reads 4x fewer bytes than in
 float32, in int4 about 6x fewer (with its scales); the activations stay in float (weight-only).
 
-Two layouts, one per bit width. A GGUF file's Q8_0, Q4_0 and Q4_1 blocks are these exactly, so
-such a file loads without a float copy (checkpoint.load_gguf_weights):
+Two layouts, one per bit width. The common GGUF block types (Q8_0, Q6_K, Q5_K, Q5_0/1,
+Q4_K, Q4_0/1) are integers with a scale (and a min) per group of 16 or 32 inputs, so they go into
+these layouts exactly, without a float copy (checkpoint.gguf_integers, QuantRows.copy_integers):
   int8: qweight int8 [out, in] and scales float32 [out, in / G]: w = q * scale, one scale per G
         consecutive inputs of a row (G = in, one per output channel, for safetensors quantized
-        here; G = 32 for GGUF's Q8_0).
+        here; G = 32 for GGUF's Q8_0, 16 for Q6_K). A layer that holds a GGUF type with a min
+        (Q5_1, Q4_K, Q5_K in int8) also has mins float32 [out, in / G]: w = q * scale + min.
   int4: qweight uint8 [out, in / 32, 16], scales and mins float32 [out, in / 32]: w = q * scale +
         min with q in 0..15, per block of 32 inputs. Byte j of a block holds element j in its low
         nibble and element j + 16 in its high one (GGUF's Q4_0 / Q4_1 block; Q4_0's w = d (q - 8)
@@ -72,28 +74,37 @@ def quantize_int4(w):
     mins, maxs = wb.amin(-1), wb.amax(-1)
     scales = (maxs - mins) / 15
     q = torch.round((wb - mins[..., None]) / scales.clamp(min=1e-30)[..., None]).clamp(0, 15)
-    q = q.to(torch.uint8).view(out, n // BLOCK, 2, 16)  # [out, blocks, low | high, 16]
-    return q[:, :, 0] | (q[:, :, 1] << 4), scales, mins
+    return pack_int4(q), scales, mins
+
+
+def pack_int4(q):
+    """Integers 0..15 [out, in] (any dtype) -> uint8 [out, in / 32, 16], two to a byte: element j
+    of a block in byte j's low nibble, element j + 16 in its high one."""
+    q = q.to(torch.uint8).reshape(q.shape[0], -1, 2, 16)  # [out, blocks, low | high, 16]
+    return q[:, :, 0] | (q[:, :, 1] << 4)
 
 
 def dequantize(q, scales, mins=None):
     """The float32 weights of stored rows (any leading dims): int8 q [..., in] with scales
-    [..., in / G], or int4 q [..., in / 32, 16] with scales and mins [..., in / 32] -> [..., in]."""
+    [..., in / G] (and mins, where the layer has them), or int4 q [..., in / 32, 16] with scales
+    and mins [..., in / 32] -> [..., in]."""
     if q.dtype == torch.int8:
         G = q.shape[-1] // scales.shape[-1]
         w = q.unflatten(-1, (-1, G)).float() * scales[..., None]  # [..., in / G, G]
-        return w.flatten(-2)
+        return (w if mins is None else w + mins[..., None]).flatten(-2)
     halves = torch.stack((q & 15, q >> 4), -2).float()  # [..., blocks, 2, 16]: elements 0-15, 16-31
     w = halves * scales[..., None, None] + mins[..., None, None]
     return w.flatten(-3)
 
 
 def int8_product(x, q, scales, mins=None):
-    """x [M, in] float32 @ (q * scales)^T -> [M, out]. One reduction per row of x over the same
-    expression of the weight, so that Inductor's loop converts each weight once for all M rows.
-    (mins: none in this layout; taken so that both products are called alike.)"""
+    """x [M, in] float32 @ (q * scales (+ mins))^T -> [M, out]. One reduction per row of x over
+    the same expression of the weight, so that Inductor's loop converts each weight once for all
+    M rows."""
     G = q.shape[1] // scales.shape[1]
     w = q.view(q.shape[0], -1, G).to(x.dtype) * scales[:, :, None]  # [out, in / G, G]
+    if mins is not None:
+        w = w + mins[:, :, None]
     xg = x.view(x.shape[0], 1, -1, G)  # [M, 1, in / G, G]
     return torch.stack([(xg[i] * w).sum((-1, -2)) for i in range(x.shape[0])])
 
@@ -117,8 +128,8 @@ def renamed(fn, tag: str):
     return types.FunctionType(code, fn.__globals__, code.co_name)
 
 
-# The compiled products, one per weight layout and shape: (bits, group, out, in) -> the product
-# through torch.compile, which keeps one graph per row bucket. A memo of compiled code (as
+# The compiled products, one per weight layout and shape: (bits, group, out, in, has mins) -> the
+# product through torch.compile, which keeps one graph per row bucket. A memo of compiled code (as
 # torch.compile's own caches are), shared by every model of the process.
 KERNELS = {}
 
@@ -131,7 +142,7 @@ def product(x, q, scales, mins):
     if M > ROW_BUCKETS[-1]:
         return dequantised_product(x, q, scales, mins)
     bits = 8 if q.dtype == torch.int8 else 4
-    key = (bits, n // scales.shape[1], q.shape[0], n)
+    key = (bits, n // scales.shape[1], q.shape[0], n, mins is not None)
     if key not in KERNELS:
         fn = int8_product if bits == 8 else int4_product
         KERNELS[key] = torch.compile(renamed(fn, "_".join(map(str, key))), dynamic=False,
@@ -173,12 +184,14 @@ def _(x, q, scales, mins):
 
 class QuantLinear(nn.Module):
     """An nn.Linear whose weight is stored quantized (the layouts above): y = x W^T (+ bias), in
-    x's dtype, or in float32 (out_dtype) for an LM head. compiled: a few rows' product through
+    x's dtype, or in float32 (out_dtype) for an LM head. mins: an int8 layer with a min per group
+    (int4 always has them). compiled: a few rows' product through
     the compiled kernels (quant_product), else eager: dequantise and multiply (a test's reference,
     and where compiling is off)."""
 
     def __init__(self, in_features: int, out_features: int, bits: int, group: int | None = None,
-                 bias: bool = False, device=None, dtype=torch.float32, compiled: bool = True):
+                 bias: bool = False, device=None, dtype=torch.float32, compiled: bool = True,
+                 mins: bool = False):
         super().__init__()
         if bits not in (4, 8):
             raise ValueError(f"bits={bits}: quantized layers are int8 or int4")
@@ -199,13 +212,13 @@ class QuantLinear(nn.Module):
         self.register_buffer("qweight", q)
         self.register_buffer("scales", torch.empty(out_features, n, device=device))
         self.register_buffer("mins", torch.empty(out_features, n, device=device)
-                             if bits == 4 else None)
+                             if bits == 4 or mins else None)
         self.bias = (nn.Parameter(torch.empty(out_features, device=device, dtype=dtype),
                                   requires_grad=False) if bias else None)
 
     def stored(self, lo: int = 0, hi: int | None = None):
         """(q, scales[, mins]) of rows [lo, hi)."""
-        parts = (self.qweight, self.scales) + ((self.mins,) if self.bits == 4 else ())
+        parts = (self.qweight, self.scales) + ((self.mins,) if self.mins is not None else ())
         return tuple(t[lo:hi] for t in parts)
 
     def dequantize(self, lo: int = 0, hi: int | None = None):
@@ -237,27 +250,54 @@ class QuantLinear(nn.Module):
 
     def extra_repr(self):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"int{self.bits}, group={self.group}")
+                f"int{self.bits}, group={self.group}" + (", mins" * (self.bits == 8
+                                                                     and self.mins is not None)))
 
 
 class QuantRows:
     """Rows [lo, hi) of a QuantLinear, as a loader fills them (checkpoint.py): the float weight's
-    shape, copy_ from a float tensor (quantized here, one tensor at a time) or copy_stored from
-    tensors already in the layout (a GGUF file's blocks)."""
+    shape, copy_ from a float tensor (quantized here, one tensor at a time) or copy_integers from
+    integers with their scales (a GGUF file's blocks), copy_stored from the layout's tensors."""
 
     def __init__(self, layer: QuantLinear, lo: int, hi: int):
         self.layer, self.lo, self.hi = layer, lo, hi
         self.shape = torch.Size((hi - lo, layer.in_features))
 
     def quantize(self, w):
-        """w [rows, in] float -> the layout's tensors for these rows."""
-        if self.layer.bits == 8:
-            return quantize_int8(w, self.layer.group)
-        return quantize_int4(w)
+        """w [rows, in] float -> the layout's tensors for these rows (an int8 layer's mins 0)."""
+        if self.layer.bits == 4:
+            return quantize_int4(w)
+        q, scales = quantize_int8(w, self.layer.group)
+        return (q, scales) + ((torch.zeros_like(scales),) if self.layer.mins is not None else ())
 
     def copy_(self, w):
         self.copy_stored(*self.quantize(w.reshape(self.shape)))
         return self
+
+    def holds(self, bits: int, group: int, has_mins: bool) -> bool:
+        """Whether integers of `bits` bits (4: 0..15 or -8..7; 8: -128..127) with a scale (and a
+        min, has_mins) per `group` inputs go into this layer's layout exactly."""
+        layer = self.layer
+        if layer.bits == 4:
+            return bits == 4 and group == BLOCK
+        return group % layer.group == 0 and (layer.mins is not None or not has_mins)
+
+    def copy_integers(self, q, scales, mins=None):
+        """Rows as integers q [rows, in] with a scale (and a min) per group of consecutive inputs,
+        w = q * scale (+ min), into this layer's layout without rounding (holds() says where it
+        can): groups split to the layer's, a symmetric int4 q (-8..7) shifted to 0..15."""
+        layer, split = self.layer, q.shape[1] // scales.shape[1] // self.layer.group
+        scales = scales.repeat_interleave(split, 1)  # the same scale for each part of a group
+        mins = None if mins is None else mins.repeat_interleave(split, 1)
+        if layer.bits == 4:
+            if mins is None:
+                q, mins = q + 8, -8 * scales
+            parts = pack_int4(q), scales, mins
+        else:
+            if mins is None and layer.mins is not None:
+                mins = torch.zeros_like(scales)
+            parts = (q.to(torch.int8), scales) + ((mins,) if mins is not None else ())
+        self.copy_stored(*parts)
 
     def copy_stored(self, *parts):
         for dst, src in zip(self.layer.stored(self.lo, self.hi), parts):
@@ -281,15 +321,16 @@ class QuantEmbedding(QuantLinear):
     rows it looks up, into `dtype`. A tied LM head's embedding shares the head's tensors (tied)."""
 
     def __init__(self, num_embeddings: int, dim: int, bits: int, group: int | None = None,
-                 device=None, dtype=torch.float32):
-        super().__init__(dim, num_embeddings, bits, group, device=device, compiled=False)
+                 mins: bool = False, device=None, dtype=torch.float32):
+        super().__init__(dim, num_embeddings, bits, group, device=device, compiled=False,
+                         mins=mins)
         self.dtype = dtype
         self.num_embeddings, self.embedding_dim = num_embeddings, dim
 
     @staticmethod
     def tied(head: QuantLinear, dtype) -> "QuantEmbedding":
-        emb = QuantEmbedding(head.out_features, head.in_features, head.bits, head.group, "meta",
-                             dtype)
+        emb = QuantEmbedding(head.out_features, head.in_features, head.bits, head.group,
+                             head.mins is not None, "meta", dtype)
         emb.qweight, emb.scales, emb.mins = head.qweight, head.scales, head.mins
         return emb
 
@@ -300,21 +341,21 @@ class QuantEmbedding(QuantLinear):
 # --------------------------------------------------------------------------------------------------
 # Swapping the layers of a model (built on the meta device, before its weights are loaded)
 
-def quantize_layers(model: nn.Module, bits_of, group_of, device, dtype,
-                    compiled: bool = True):
-    """Replace the model's nn.Linear layers (and its embedding, where `bits_of` names it) with
+def quantize_layers(model: nn.Module, layout_of, device, dtype, compiled: bool = True):
+    """Replace the model's nn.Linear layers (and its embedding, where `layout_of` names it) with
     quantized ones whose storage is allocated on `device` (contents uninitialised: the loader
-    fills them). bits_of(name) -> 8, 4 or None (kept in float) for "lm_head", "embed_tokens" and
-    each layer's name (model.layers.3.self_attn.qkv_proj); group_of(name) -> int8 group size (None:
-    per output channel). compiled: the CPU/GPU product through torch.compile (else eager)."""
+    fills them). layout_of(name) -> (bits, group, mins) or None (kept in float) for "lm_head",
+    "model.embed_tokens" and each layer's name (model.layers.3.self_attn.qkv_proj): 8 or 4 bits,
+    the int8 group size (None: per output channel), whether an int8 layer has mins.
+    compiled: the CPU/GPU product through torch.compile (else eager)."""
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             full = f"{name}.{child_name}".lstrip(".")
-            if type(child) is not nn.Linear or (bits := bits_of(full)) is None:
+            if type(child) is not nn.Linear or (layout := layout_of(full)) is None:
                 continue
-            layer = QuantLinear(child.in_features, child.out_features, bits,
-                                group_of(full), child.bias is not None,
-                                device, dtype, compiled)
+            bits, group, mins = layout
+            layer = QuantLinear(child.in_features, child.out_features, bits, group,
+                                child.bias is not None, device, dtype, compiled, mins)
             setattr(module, child_name, layer)
     head = getattr(model, "lm_head", None)
     if isinstance(head, QuantLinear):
@@ -322,10 +363,9 @@ def quantize_layers(model: nn.Module, bits_of, group_of, device, dtype,
     emb = model.model.embed_tokens
     if model.config.tie_word_embeddings and isinstance(head, QuantLinear):
         model.model.embed_tokens = QuantEmbedding.tied(head, dtype)  # the head's rows, read back
-    elif (bits := bits_of("model.embed_tokens")) is not None:
-        model.model.embed_tokens = QuantEmbedding(
-            emb.num_embeddings, emb.embedding_dim, bits,
-            group_of("model.embed_tokens"), device, dtype)
+    elif (layout := layout_of("model.embed_tokens")) is not None:
+        model.model.embed_tokens = QuantEmbedding(emb.num_embeddings, emb.embedding_dim,
+                                                  *layout, device=device, dtype=dtype)
 
 
 def warm_up(model: nn.Module, rows) -> int:

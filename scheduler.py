@@ -1,7 +1,8 @@
 """Continuous batching: which rows the next round runs (nano-vllm's scheduler is the model).
 
 A waiting queue and a running set. At each round boundary the scheduler
-1. lets rows leave: done (EOS, max_tokens, a stop string) or cancelled. Their KV blocks, the
+1. lets rows leave: done (EOS, past the request's min_tokens and unless it ignores EOS;
+   max_tokens; a stop string) or cancelled. Their KV blocks, the
    target's and the draft's (SSD's branches included), are freed at once (`Rounds.leave`);
 2. admits waiting requests in arrival order while their KV fits (`KVBudget`): each reserves the
    blocks its prompt and max_tokens can ever take, on both caches, so a running row never runs out
@@ -81,6 +82,8 @@ class Request:
     on_done: Callable | None = None   # on_done(request) once it has left
     temperature: float | None = None  # its own (None: the engine's)
     seed: int | None = None           # its own (None: one drawn from the engine's seed)
+    min_tokens: int = 0               # an EOS before this many tokens does not end it (kept)
+    ignore_eos: bool = False          # no EOS ends it (max_tokens, a stop string do)
     tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" (EOS or a stop string), "length", "cancelled",
                                       #   "error" (then `error` says why)
@@ -218,7 +221,8 @@ class Scheduler:
         first = len(self.out.tokens)  # the rows they get (join numbers them on)
         self.running.update({first + i: req for i, req in enumerate(new)})
         self.rounds.join([req.prompt for req in new], [req.max_tokens for req in new],
-                         [req.temperature for req in new], [req.seed for req in new])
+                         [req.temperature for req in new], [req.seed for req in new],
+                         [req.max_tokens if req.ignore_eos else req.min_tokens for req in new])
 
     def stream(self, row, tokens) -> bool:
         """Output's stream: hand each request its tokens; True when the request ends itself."""
@@ -243,7 +247,7 @@ class Scheduler:
             req.tokens = list(self.out.tokens[r])
             if self.forget:
                 self.out.forget(r)
-            eos = bool(req.tokens) and req.tokens[-1] in self.out.eos
+            eos = self.out.ended_at_eos(r, req.tokens)
             self.done(req, "cancelled" if req.cancelled else
                       "stop" if req.stopped or eos else "length")
 

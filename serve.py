@@ -5,52 +5,80 @@
     curl localhost:8000/v1/completions -d '{"prompt": "def fib(n):", "max_tokens": 32}'
 
 Endpoints: POST /v1/chat/completions and /v1/completions (streamed as server-sent events with
-"stream": true), GET /v1/models (the model id is --target as given), GET /health, GET /metrics
-(Prometheus text). Every decoding flag of run.py applies; --temperature is the default of a
-request that gives none. A request may give its own `temperature` (0 to 2) and `seed` (an integer):
-its row samples at its own T from its own generators, so a seed gives the same text whatever else
-is in the batch (in SSD when every proposal is the draft's: docs/design.md, Serving). A field
-the engine cannot honour exactly (top_p != 1, n > 1, logprobs, ...) is a 400 naming it. Errors
-have OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
+"stream": true), GET /v1/models and /v1/models/{id} (the model id is --target as given), GET
+/health, GET and HEAD /metrics (Prometheus' text format: latency histograms, token and request
+counters, acceptance, SSD's cache hits, KV blocks; metrics.py lists them), GET /openapi.json
+(every body, protocol.py's models).
+Every decoding flag of run.py applies; --temperature is the default of a request that gives none.
+A request may give its own `temperature` (0 to 2) and `seed` (an integer): its row samples at its
+own T from its own generators, so a seed gives the same text whatever else is in the batch (in
+SSD when every proposal is the draft's: docs/design.md, Serving). `prompt` may be a list (of
+strings or of token lists): one choice each, `index` set. Chat content may be text parts.
+`stream_options`: `include_usage` (OpenAI's usage chunk, `choices: []`, after the last content
+chunk) and vLLM's `continuous_usage_stats` (usage on every chunk). vLLM's `ignore_eos` and
+`min_tokens` change where a row stops, never which tokens are drawn: an EOS before min_tokens (or
+any, with ignore_eos) is kept and the row goes on, so SD and SSD stay exact; vLLM instead masks
+EOS until min_tokens (docs/design.md, Serving). A field the engine cannot honour exactly (top_p !=
+1, n > 1, logprobs, ...) is a 400 naming it; an unknown model a 404 `model_not_found`.
+
+Every error, whatever its status (400, 401, 404, 405, 413, 500, 503), has OpenAI's shape:
+{"error": {"message", "type", "param", "code"}}. Bodies are JSON whatever their content type;
+pydantic's parser reads them (a malformed, 100,000-deep or lone-surrogate body is a 400); one over
+--max-body-mb is a 413; an exception nothing foresaw is a 500 and one line in the log, and the
+server goes on. --api-key (or SSD_API_KEY): each /v1 request must send it as a Bearer token (a
+401 otherwise), as vLLM's and llama.cpp's servers do; /health, /metrics and /openapi.json stay
+open (probes and scrapers carry no key).
 
 This file speaks HTTP only: the engine (engine.load_engine: scheduler.py over decode.py's rounds)
 runs in its own thread, which hands each request's tokens to the asyncio side. FastAPI and uvicorn
-are optional requirements that only this file imports. A checkpoint without a chat template (the
-tiny pair) is chatted with in a plain one: "role: content" lines, then "assistant:".
+are optional requirements that only this file (and protocol.py, its bodies) imports. A checkpoint
+without a chat template (the tiny pair) is chatted with in a plain one: "role: content" lines,
+then "assistant:".
 """
 import argparse
 import asyncio
 import json
+import os
+import secrets
 import signal
 import sys
 import threading
 import time
 import uuid
 
+import metrics
 import run
 from engine import Engine, EngineConfig, load_engine
 from scheduler import Request
 
 try:
     import uvicorn
-    from fastapi import FastAPI, Request as HTTPRequest
-    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from fastapi import Depends, FastAPI, Request as HTTPRequest
+    from fastapi.openapi.utils import get_openapi
+    from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+    from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+    from pydantic import ValidationError
+    from starlette.exceptions import HTTPException
+
+    from protocol import (ChatCompletion, ChatRequest, Completion, CompletionRequest,
+                          ErrorResponse, Health, Model, ModelList)
 except ImportError:
     sys.exit("serve.py needs FastAPI and uvicorn: pip install fastapi uvicorn")
 
-# Fields this server honours, and the ones OpenAI defines that it accepts only at the value that
-# changes nothing (any other value, or any other field, is a 400 naming it: never silently ignored)
-HONOURED = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature",
-            "seed", "stop", "stream", "user"}
+# OpenAI's fields the engine honours only at the value that changes nothing (null, or one of
+# these); any other value is a 400 naming it, never silently ignored
 NEUTRAL = {"n": (1,), "top_p": (1,), "presence_penalty": (0,), "frequency_penalty": (0,),
-           "logprobs": (None, False), "echo": (False,), "best_of": (1,), "logit_bias": (None,),
-           "top_logprobs": (None,), "suffix": (None,), "stream_options": (None,)}
+           "logprobs": (False,), "echo": (False,), "best_of": (1,), "logit_bias": ({},),
+           "top_logprobs": (), "suffix": ()}
+MiB = 2**20
 
 
 class BadRequest(Exception):
-    def __init__(self, message, param=None, code=None):
+    """A request refused: a 400 naming the field (404: an unknown model; 413: too large)."""
+
+    def __init__(self, message, param=None, code=None, status=400):
         super().__init__(message)
-        self.param, self.code = param, code
+        self.param, self.code, self.status = param, code, status
 
 
 def error(status: int, message: str, param=None, code=None, kind="invalid_request_error"):
@@ -59,92 +87,90 @@ def error(status: int, message: str, param=None, code=None, kind="invalid_reques
 
 
 # --------------------------------------------------------------------------------------------------
-# A request's fields, checked before the engine sees it
+# A request's fields, checked before the engine sees it (protocol.py has checked their types)
 
-def check_fields(body, chat: bool, engine: Engine, model_id: str, defaults) -> dict:
-    """The request's settings from its JSON body, or a BadRequest naming the field."""
-    if not isinstance(body, dict):
-        raise BadRequest("the request body must be a JSON object")
-    for name, value in body.items():
-        if name in NEUTRAL and value not in NEUTRAL[name]:
-            raise BadRequest(f"{name}={value!r} is not supported: this engine decodes one "
-                             f"sequence per request at the server's settings; leave {name} out",
-                             name, "unsupported_parameter")
-        if name not in HONOURED and name not in NEUTRAL:
-            raise BadRequest(f"unknown or unsupported field {name!r}: leave it out", name,
+def check_fields(body, engine: Engine, model_id: str, defaults) -> dict:
+    """The request's settings from its validated body, or a BadRequest naming the field."""
+    chat = isinstance(body, ChatRequest)
+    for name, neutral in NEUTRAL.items():
+        value = getattr(body, name, None)
+        if value is not None and value not in neutral:
+            raise BadRequest(f"{name}={value!r} is not supported: this engine samples one answer "
+                             f"per prompt from the model's own law; leave {name} out", name,
                              "unsupported_parameter")
-    if body.get("model", model_id) != model_id:
-        raise BadRequest(f"model {body['model']!r} is not served here: use {model_id!r}", "model",
-                         "model_not_found")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens", defaults.max_new_tokens))
-    param = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
-    if not is_int(max_tokens) or max_tokens < 1:
-        raise BadRequest(f"{param} must be an integer >= 1", param, "invalid_type")
-    temperature, seed = sampling_fields(body)
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise BadRequest("stream must be true or false", "stream", "invalid_type")
-    stop = body.get("stop") or []
-    stop = [stop] if isinstance(stop, str) else stop
-    if not (isinstance(stop, list) and len(stop) <= 4 and all(isinstance(s, str) and s
-                                                               for s in stop)):
-        raise BadRequest("stop must be a non-empty string or a list of up to 4", "stop",
-                         "invalid_type")
-    ids = chat_ids(body, engine) if chat else prompt_ids(body, engine)
-    check_length(ids, max_tokens, engine, "messages" if chat else "prompt", param)
-    return {"ids": ids, "max_tokens": max_tokens, "stop": stop, "stream": stream,
-            "temperature": temperature, "seed": seed}
+    if body.model is not None and body.model != model_id:
+        raise BadRequest(f"the model {body.model!r} does not exist: this server serves "
+                         f"{model_id!r}", "model", "model_not_found", status=404)
+    given = body.max_completion_tokens if chat else None
+    param = "max_completion_tokens" if given is not None else "max_tokens"
+    max_tokens = given or body.max_tokens or defaults.max_new_tokens
+    min_tokens = body.min_tokens or 0
+    if min_tokens > max_tokens:
+        raise BadRequest(f"min_tokens={min_tokens} is more than {param}={max_tokens}",
+                         "min_tokens", "invalid_value")
+    options = body.stream_options
+    if options is not None and not body.stream:
+        raise BadRequest("stream_options is only allowed with stream: true", "stream_options",
+                         "invalid_value")
+    prompts = [chat_ids(body.messages, engine)] if chat else prompt_ids(body.prompt, engine)
+    for ids in prompts:
+        check_length(ids, max_tokens, engine, "messages" if chat else "prompt", param)
+    include_usage = bool(options and options.include_usage)
+    return {"prompts": prompts, "max_tokens": max_tokens, "min_tokens": min_tokens,
+            "ignore_eos": bool(body.ignore_eos), "stream": bool(body.stream),
+            "stop": [body.stop] if isinstance(body.stop, str) else body.stop or [],
+            "temperature": body.temperature, "seed": body.seed, "usage": include_usage,
+            # vLLM's: usage on every chunk, only with include_usage
+            "continuous": include_usage and bool(options.continuous_usage_stats)}
 
 
-def sampling_fields(body) -> tuple:
-    """The request's own (temperature, seed); None where it gives none (the server's
-    --temperature; a seed drawn from the server's --seed)."""
-    temperature, seed = body.get("temperature"), body.get("seed")
-    if temperature is not None and not (isinstance(temperature, (int, float))
-                                        and not isinstance(temperature, bool)
-                                        and 0 <= temperature <= 2):
-        raise BadRequest(f"temperature must be a number from 0 to 2 (0 = greedy), got "
-                         f"{temperature!r}", "temperature", "invalid_value")
-    if seed is not None and not is_int(seed):
-        raise BadRequest("seed must be an integer", "seed", "invalid_type")
-    return temperature, seed
+def encode(engine, text: str, param: str) -> list[int]:
+    try:
+        return run.encode(engine.tokenizer, text, chat=False)
+    except ValueError as e:  # no tokenizer, or no tokens
+        raise BadRequest(str(e), param, "invalid_value") from None
 
 
-def is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+def prompt_ids(prompt, engine) -> list[list[int]]:
+    """/v1/completions' prompt: a string, token ids, or a list of either (one choice each)."""
+    single = isinstance(prompt, str) or isinstance(prompt[0], int)
+    ids = [encode(engine, p, "prompt") if isinstance(p, str) else p
+           for p in ([prompt] if single else prompt)]
+    V = engine.config.vocab_size
+    bad = [x for p in ids for x in p if x >= V]
+    if bad:
+        raise BadRequest(f"prompt token id {bad[0]} outside the vocabulary ({V})", "prompt",
+                         "invalid_value")
+    return ids
 
 
-def prompt_ids(body, engine) -> list[int]:
-    """/v1/completions' prompt: a string, token ids, or a list of one of either."""
-    p = body.get("prompt")
-    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
-        p = p[0]
-    if isinstance(p, str) and p:
-        return run.encode(engine.tokenizer, p, chat=False)
-    if isinstance(p, list) and p and all(is_int(x) for x in p):
-        bad = [x for x in p if not 0 <= x < engine.config.vocab_size]
-        if bad:
-            raise BadRequest(f"prompt token id {bad[0]} outside the vocabulary", "prompt")
-        return p
-    raise BadRequest("prompt must be a non-empty string or list of token ids (one prompt per "
-                     "request)", "prompt", "invalid_type")
-
-
-def chat_ids(body, engine) -> list[int]:
+def chat_ids(messages, engine) -> list[int]:
     """/v1/chat/completions' messages, through the tokenizer's chat template (or the plain one)."""
-    msgs = body.get("messages")
-    if not (isinstance(msgs, list) and msgs and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str)
-            and isinstance(m.get("content"), str) for m in msgs)):
-        raise BadRequest("messages must be a non-empty list of {role, content} strings",
-                         "messages", "invalid_type")
-    msgs = [{"role": m["role"], "content": m["content"]} for m in msgs]
+    msgs = [{"role": "system" if m.role == "developer" else m.role,  # OpenAI's newer name
+             "content": message_text(m.content, i)} for i, m in enumerate(messages)]
     tok = engine.tokenizer
-    if getattr(tok, "chat_template", None):
+    if not getattr(tok, "chat_template", None):
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in msgs) + "assistant:"
+        return encode(engine, text, "messages")
+    try:
         return list(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,
                                             return_dict=False))
-    text = "".join(f"{m['role']}: {m['content']}\n" for m in msgs) + "assistant:"
-    return run.encode(tok, text, chat=False)
+    except Exception as e:  # noqa: BLE001 - a template's own checks (jinja's raise_exception)
+        raise BadRequest(f"the chat template refused the messages: {e}", "messages",
+                         "invalid_value") from None
+
+
+def message_text(content, i: int) -> str:
+    """A message's content: a string, or text parts (joined by newlines, as vLLM does)."""
+    if isinstance(content, str):
+        return content
+    for j, part in enumerate(content):
+        if part.type != "text" or part.text is None:
+            what = ("a text part without text" if part.type == "text" else
+                    f"a part of type {part.type!r}")
+            raise BadRequest(f"messages[{i}].content[{j}] is {what}: this server reads text "
+                             f"only", f"messages[{i}].content[{j}]", "unsupported_content")
+    return "\n".join(part.text for part in content)
 
 
 def check_length(ids, max_tokens, engine, prompt_param, tokens_param):
@@ -158,41 +184,84 @@ def check_length(ids, max_tokens, engine, prompt_param, tokens_param):
                          "context_length_exceeded")
 
 
+def invalid(e: ValidationError) -> JSONResponse:
+    """A body protocol.py's models refused -> a 400 naming the field of the first error."""
+    errors = e.errors(include_url=False)
+    first = errors[0]
+    if first["type"] == "json_invalid":
+        why = first["msg"].removeprefix("Invalid JSON: ")
+        return error(400, f"malformed JSON: {why}", code="invalid_json")
+    if first["type"] == "extra_forbidden":
+        param = ".".join(filter(None, [field_path(first["loc"][:-1]), str(first["loc"][-1])]))
+        return error(400, f"unknown or unsupported field {param!r}: leave it out", param,
+                     "unsupported_parameter")
+    param = field_path(first["loc"])
+    if param is None:
+        return error(400, "the request body must be a JSON object", code="invalid_type")
+    why = "; or ".join(dict.fromkeys(x["msg"] for x in errors if field_path(x["loc"]) == param))
+    return error(400, f"{param}: {why}", param, "invalid_value")
+
+
+def field_path(loc) -> str | None:
+    """pydantic's error location as OpenAI's param ("messages[0].role"), up to the tag pydantic
+    puts after a field of several types ("list[int]", "str")."""
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif part.isidentifier() and part not in ("str", "int", "float", "bool"):
+            path += f".{part}" if path else part
+        else:
+            break
+    return path or None
+
+
 # --------------------------------------------------------------------------------------------------
 # From the engine's thread to the asyncio side
 
 class Reply:
-    """One request's text as the engine produces it. on_tokens and on_done run in the engine's
-    thread; they decode, cut at a stop string (which ends the request) and post to the event
-    loop. A whole answer with no stop string is decoded once, at the end, not every round."""
+    """One choice's text as the engine produces it. on_tokens and on_done run in the engine's
+    thread; they decode, cut at a stop string (which ends the request; none is looked for before
+    min_tokens, as in vLLM) and post (index, None: new text; or the finished request) to the
+    request's queue. A whole answer with no stop string is decoded once, at the end."""
 
-    def __init__(self, engine: Engine, stop: list[str], loop, stream: bool):
-        self.tok, self.stop, self.loop = engine.tokenizer, stop, loop
-        self.each_round = stream or bool(stop)
-        self.hold = max((len(s) - 1 for s in stop), default=0)  # a stop string's start, held back
+    def __init__(self, engine: Engine, f: dict, index: int, queue: asyncio.Queue, loop,
+                 timer: metrics.RequestTimer):
+        self.tok, self.stop, self.min_tokens = engine.tokenizer, f["stop"], f["min_tokens"]
+        self.index, self.queue, self.loop, self.timer = index, queue, loop, timer
+        self.each_round = f["stream"] or bool(self.stop)
+        self.hold = max((len(s) - 1 for s in self.stop), default=0)  # a stop string's start
         self.detok = run.Detokenizer(self.tok)
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.text = ""
+        self.text, self.n_tokens = "", 0
+
+    def post(self, item):
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, (self.index, item))
 
     def on_tokens(self, tokens) -> bool:
+        self.n_tokens = len(tokens)
+        self.timer.tokens(len(tokens))
         if not self.each_round:
             return False
         seen = len(self.text)
         self.text = self.detok.add(tokens)
-        # a stop string ends within the new text: look from where one could have started
-        cut = min((i for i in (self.text.find(s, max(seen - self.hold, 0)) for s in self.stop)
-                   if i >= 0), default=-1)
+        cut = -1
+        if len(tokens) > self.min_tokens:  # a stop string ends within the new text: look from
+            # where one could have started
+            cut = min((i for i in (self.text.find(s, max(seen - self.hold, 0)) for s in self.stop)
+                       if i >= 0), default=-1)
         if cut >= 0:
             self.text = self.text[:cut]
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, None)  # new text
+        self.post(None)
         return cut >= 0
 
     def on_done(self, req):
+        self.timer.done(req.finish_reason)
+        self.n_tokens = len(req.tokens)
         if not self.each_round:
             self.text = self.tok.decode(req.tokens, skip_special_tokens=True)
         elif not req.stopped:  # the last tokens' characters, complete or not
             self.text = self.detok.add(req.tokens, done=True)
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, req)
+        self.post(req)
 
     def ready(self, done: bool) -> str:
         """The text safe to send: at the end all of it; before, without what could be the start
@@ -202,111 +271,184 @@ class Reply:
         return self.text[:len(self.text) - self.hold] if self.hold else self.text
 
 
-def completion(kind, rid, model_id, text, reason, usage=None, delta=False):
-    """A response body (or a stream's chunk) of /v1/chat/completions or /v1/completions."""
-    if kind == "chat":
+class Answer:
+    """The bodies of one response in OpenAI's shapes (protocol.py): the whole answer, or a
+    stream's chunks; one choice per prompt."""
+
+    def __init__(self, kind: str, model_id: str, stream: bool):
+        self.kind, self.model_id, self.created = kind, model_id, int(time.time())
+        self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        self.object = ("text_completion" if kind == "text" else
+                       "chat.completion.chunk" if stream else "chat.completion")
+
+    def body(self, choices: list, **usage) -> dict:
+        return {"id": self.id, "object": self.object, "created": self.created,
+                "model": self.model_id, "choices": choices, **usage}
+
+    def choice(self, index: int, text: str, reason, delta=False) -> dict:
+        if self.kind == "text":
+            return {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
         body = ({"delta": {"content": text} if text or reason is None else {}} if delta
                 else {"message": {"role": "assistant", "content": text}})
-        obj = "chat.completion.chunk" if delta else "chat.completion"
-    else:
-        body, obj = {"text": text, "logprobs": None}, "text_completion"
-    out = {"id": rid, "object": obj, "created": int(time.time()), "model": model_id,
-           "choices": [{"index": 0, **body, "finish_reason": reason}]}
-    if usage:
-        out["usage"] = usage
-    return out
+        return {"index": index, **body, "logprobs": None, "finish_reason": reason}
 
 
-def usage_of(req: Request) -> dict:
-    p, c = len(req.prompt), len(req.tokens)
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def usage_of(reqs: list[Request]) -> dict:
+    return usage(sum(len(r.prompt) for r in reqs), sum(len(r.tokens) for r in reqs))
+
+
+def chunk_usage(f: dict, req: Request, reply: Reply) -> dict:
+    """A chunk's usage: none without include_usage; null, or with continuous_usage_stats its
+    choice's so far."""
+    if not f["usage"]:
+        return {}
+    return {"usage": usage(len(req.prompt), reply.n_tokens) if f["continuous"] else None}
 
 
 # --------------------------------------------------------------------------------------------------
 # The app
 
+BEARER = HTTPBearer(auto_error=False, description="serve.py --api-key (or SSD_API_KEY)")
+
+
 class API:
     """The endpoints of one engine; `state` says whether the engine is up ("healthy", "error")."""
 
-    def __init__(self, engine: Engine, model_id: str, defaults, state: dict):
+    def __init__(self, engine: Engine, model_id: str, defaults, state: dict, api_key=None):
         self.engine, self.model_id, self.defaults, self.state = engine, model_id, defaults, state
-        self.sched = engine.scheduler
+        self.sched, self.api_key = engine.scheduler, api_key
+        self.max_body = int(defaults.max_body_mb * MiB)
+        self.stats = metrics.RequestStats()  # /metrics: the requests' latencies and ends
 
     async def completions(self, http: HTTPRequest):
-        return await self.complete(http, "text")
+        return await self.complete(http, CompletionRequest, "text")
 
     async def chat_completions(self, http: HTTPRequest):
-        return await self.complete(http, "chat")
+        return await self.complete(http, ChatRequest, "chat")
 
-    async def complete(self, http: HTTPRequest, kind: str):
+    async def complete(self, http: HTTPRequest, schema, kind: str):
         """POST /v1/completions (kind "text") and /v1/chat/completions ("chat"): the request
-        checked, submitted to the scheduler, and answered whole or streamed (events)."""
+        checked, each of its prompts submitted to the scheduler, and answered whole or streamed
+        (events)."""
+        start = time.perf_counter()  # its arrival, for /metrics' latencies
         try:
-            body = json.loads(await http.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            return error(400, f"malformed JSON: {e}", code="invalid_json")
-        try:
-            f = check_fields(body, kind == "chat", self.engine, self.model_id, self.defaults)
+            body = schema.model_validate_json(await self.read(http))
+            f = check_fields(body, self.engine, self.model_id, self.defaults)
+        except ValidationError as e:
+            return invalid(e)
         except BadRequest as e:
-            return error(400, str(e), e.param, e.code)
+            return error(e.status, str(e), e.param, e.code)
         if self.state["down"]:  # while the speculator restarts, requests wait in the queue
             return error(503, f"the engine is down: {self.state['error']}", kind="server_error",
                          code="engine_down")
-        reply = Reply(self.engine, f["stop"], asyncio.get_running_loop(), f["stream"])
-        req = Request(f["ids"], f["max_tokens"], reply.on_tokens, reply.on_done,
-                      temperature=f["temperature"], seed=f["seed"])
+        queue, loop = asyncio.Queue(), asyncio.get_running_loop()
+        replies = [Reply(self.engine, f, i, queue, loop, self.stats.timer(len(ids), start))
+                   for i, ids in enumerate(f["prompts"])]
+        reqs = [Request(ids, f["max_tokens"], r.on_tokens, r.on_done, temperature=f["temperature"],
+                        seed=f["seed"], min_tokens=f["min_tokens"], ignore_eos=f["ignore_eos"])
+                for ids, r in zip(f["prompts"], replies)]
         try:
-            self.sched.submit(req)
+            for req in reqs:
+                self.sched.submit(req)
         except ValueError as e:
+            self.cancel(reqs)  # the prompts queued before this one
             return error(400, str(e), "max_tokens", "kv_cache_too_small")
-        rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        answer = Answer(kind, self.model_id, f["stream"])
         if f["stream"]:
-            return StreamingResponse(self.events(reply, req, kind, rid),
+            return StreamingResponse(self.events(f, answer, replies, reqs),
                                      media_type="text/event-stream")
         try:
-            while (item := await reply.queue.get()) is None:
-                pass
+            left = len(reqs)
+            while left:
+                left -= (await queue.get())[1] is not None
         finally:
-            if req.finish_reason is None:  # the client went away: free its row
-                self.sched.cancel(req)
-        if item.finish_reason == "error":
-            return error(500, f"the engine failed: {item.error}", kind="server_error",
+            self.cancel(reqs)  # the client went away: free its rows
+        failed = [req for req in reqs if req.finish_reason == "error"]
+        if failed:
+            return error(500, f"the engine failed: {failed[0].error}", kind="server_error",
                          code="engine_error")
-        return completion(kind, rid, self.model_id, reply.text, item.finish_reason,
-                          usage_of(item))
+        return answer.body([answer.choice(i, r.text, req.finish_reason)
+                            for i, (r, req) in enumerate(zip(replies, reqs))],
+                           usage=usage_of(reqs))
 
-    async def events(self, reply: Reply, req: Request, kind: str, rid: str):
-        """The stream's server-sent events; a client that disconnects cancels its request."""
-        sent, model_id = 0, self.model_id
+    async def read(self, http: HTTPRequest) -> bytes:
+        """The request's body, or a 413 once it is over --max-body-mb (before it is all read)."""
+        too_large = BadRequest(f"the request body is over {self.max_body} bytes (serve.py "
+                               f"--max-body-mb)", code="request_too_large", status=413)
+        length = http.headers.get("content-length", "")
+        if length.isdigit() and int(length) > self.max_body:
+            raise too_large
+        size, chunks = 0, []
+        async for chunk in http.stream():
+            size += len(chunk)
+            if size > self.max_body:
+                raise too_large
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def events(self, f: dict, answer: Answer, replies: list[Reply], reqs: list[Request]):
+        """The stream's server-sent events: each choice's text as it comes, its finish_reason,
+        then (include_usage) the usage chunk; a client that disconnects cancels its requests."""
+        queue, sent, left = replies[0].queue, [0] * len(replies), len(replies)
         try:
-            if kind == "chat":
-                first = completion(kind, rid, model_id, "", None, delta=True)
-                first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
-                yield sse(first)
-            while True:
-                item = await reply.queue.get()
-                text = reply.ready(done=item is not None)
-                if len(text) > sent:
-                    yield sse(completion(kind, rid, model_id, text[sent:], None, delta=True))
-                    sent = len(text)
+            if answer.kind == "chat":  # each choice's first chunk names the role
+                for i, (r, req) in enumerate(zip(replies, reqs)):
+                    first = answer.choice(i, "", None, delta=True)
+                    first["delta"] = {"role": "assistant", "content": ""}
+                    yield sse(answer.body([first], **chunk_usage(f, req, r)))
+            while left:
+                i, item = await queue.get()
+                r, req = replies[i], reqs[i]
+                text = r.ready(done=item is not None)
+                if len(text) > sent[i]:
+                    yield sse(answer.body([answer.choice(i, text[sent[i]:], None, delta=True)],
+                                          **chunk_usage(f, req, r)))
+                    sent[i] = len(text)
                 if item is None:
                     continue
                 if item.finish_reason == "error":
                     yield sse({"error": {"message": f"the engine failed: {item.error}",
                                          "type": "server_error", "param": None,
                                          "code": "engine_error"}})
-                else:
-                    yield sse(completion(kind, rid, model_id, "", item.finish_reason,
-                                         usage_of(item), delta=True))
-                yield "data: [DONE]\n\n"
-                return
+                    break
+                left -= 1
+                yield sse(answer.body([answer.choice(i, "", item.finish_reason, delta=True)],
+                                      **chunk_usage(f, req, r)))
+            if f["usage"] and not left:
+                yield sse(answer.body([], usage=usage_of(reqs)))
+            yield "data: [DONE]\n\n"
         finally:
-            if req.finish_reason is None:  # the client went away: free its row
+            self.cancel(reqs)  # the client went away: free its rows
+
+    def cancel(self, reqs: list[Request]):
+        for req in reqs:
+            if req.finish_reason is None:
                 self.sched.cancel(req)
 
+    async def authorize(self, key: HTTPAuthorizationCredentials | None = Depends(BEARER)):
+        """--api-key: each /v1 request must bring it as a Bearer token."""
+        if key is None or not secrets.compare_digest(key.credentials.encode(),
+                                                     self.api_key.encode()):
+            raise HTTPException(401, "invalid or missing API key: send the server's --api-key "
+                                     "as 'Authorization: Bearer KEY'",
+                                headers={"WWW-Authenticate": "Bearer"})
+
     async def models(self):
-        return {"object": "list", "data": [{"id": self.model_id, "object": "model",
-                                            "created": 0, "owned_by": "ssd"}]}
+        return {"object": "list", "data": [self.model()]}
+
+    async def get_model(self, model_id: str):
+        if model_id != self.model_id:
+            return error(404, f"the model {model_id!r} does not exist: this server serves "
+                              f"{self.model_id!r}", "model", "model_not_found")
+        return self.model()
+
+    def model(self) -> dict:
+        return {"id": self.model_id, "object": "model", "created": 0, "owned_by": "ssd"}
 
     async def health(self):
         ok = self.state["healthy"]
@@ -316,67 +458,99 @@ class API:
         return JSONResponse(body, status_code=200 if ok else 503)
 
     async def metrics(self):
-        return PlainTextResponse(metrics_text(self.engine, self.state))
+        """GET (and HEAD) /metrics: Prometheus' text format (metrics.py says what each is)."""
+        text = metrics.render(metrics.families(self.engine, self.state, self.stats))
+        return Response(text, media_type=metrics.CONTENT_TYPE)
 
 
-def make_app(engine: Engine, model_id: str, defaults, state: dict) -> FastAPI:
-    """The HTTP side: API's endpoints at their paths."""
-    api, app = API(engine, model_id, defaults, state), FastAPI(title="ssd serve")
-    app.post("/v1/completions")(api.completions)
-    app.post("/v1/chat/completions")(api.chat_completions)
-    app.get("/v1/models")(api.models)
-    app.get("/health")(api.health)
-    app.get("/metrics")(api.metrics)
+ERRORS = {status: {"model": ErrorResponse, "description": why} for status, why in [
+    (400, "a field the engine cannot honour, or a malformed body"), (401, "--api-key not given"),
+    (404, "an unknown model"), (413, "a body over --max-body-mb"),
+    (500, "the engine failed"), (503, "the engine is down")]}
+STREAM = {200: {"content": {"text/event-stream": {"schema": {
+    "type": "string", "description": "with stream: true, server-sent events, each 'data: ' "
+                                     "and one chunk, then 'data: [DONE]'"}}}}}
+
+
+def make_app(engine: Engine, model_id: str, defaults, state: dict, api_key=None) -> FastAPI:
+    """The HTTP side: API's endpoints at their paths, errors in OpenAI's shape."""
+    api, app = API(engine, model_id, defaults, state, api_key), FastAPI(title="ssd serve")
+    v1 = dict(dependencies=[Depends(api.authorize)] if api_key else [],
+              responses={**ERRORS, **STREAM})
+    app.post("/v1/completions", response_model=Completion, **v1)(api.completions)
+    app.post("/v1/chat/completions", response_model=ChatCompletion, **v1)(api.chat_completions)
+    app.get("/v1/models", response_model=ModelList, **v1)(api.models)
+    app.get("/v1/models/{model_id:path}", response_model=Model, **v1)(api.get_model)
+    app.get("/health", response_model=Health, responses={503: {"model": Health}})(api.health)
+    app.api_route("/metrics", methods=["GET", "HEAD"], response_class=PlainTextResponse)(
+        api.metrics)
+    app.exception_handler(HTTPException)(http_error)
+    app.add_middleware(CatchAll)
+    schema = describe(app, {"/v1/completions": CompletionRequest,
+                            "/v1/chat/completions": ChatRequest})
+    app.openapi = lambda: schema  # (FastAPI's own would make it again, without the bodies)
     return app
+
+
+async def http_error(http: HTTPRequest, e: HTTPException) -> JSONResponse:
+    """Starlette's own errors (an unknown path, a method not allowed, a missing key) in OpenAI's
+    shape."""
+    where = f"{http.method} {http.url.path}"
+    message = {404: f"no such path: {where}", 405: f"method not allowed: {where}"}
+    code = {401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed"}
+    response = error(e.status_code, message.get(e.status_code, str(e.detail)),
+                     code=code.get(e.status_code))
+    response.headers.update(e.headers or {})  # 405's Allow, 401's WWW-Authenticate
+    return response
+
+
+class CatchAll:
+    """Anything unforeseen that a handler raised: a 500 in OpenAI's shape and one line in the
+    log (no traceback); the engine goes on serving."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        started = False
+
+        async def sending(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+        try:
+            await self.app(scope, receive, sending)
+        except Exception as e:  # noqa: BLE001
+            where = f"{scope.get('method', '')} {scope.get('path', '')}"
+            print(f"serve.py: {where}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            if not started and scope["type"] == "http":
+                await error(500, f"internal error ({type(e).__name__}); the server goes on",
+                            kind="server_error", code="internal_error")(scope, receive, send)
+
+
+def describe(app: FastAPI, bodies: dict) -> dict:
+    """/openapi.json: FastAPI's, with the request bodies the handlers parse themselves (pydantic's
+    JSON parser, protocol.py) and without the 422 this server never sends (a bad body is a
+    400)."""
+    schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    for path, model in bodies.items():
+        body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        components.update(body.pop("$defs", {}))
+        components[model.__name__] = body
+        schema["paths"][path]["post"]["requestBody"] = {"required": True, "content": {
+            "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+    for operations in schema["paths"].values():
+        for op in operations.values():
+            op["responses"].pop("422", None)
+    for unused in ("HTTPValidationError", "ValidationError"):  # (the 422's body)
+        components.pop(unused, None)
+    return schema
 
 
 def sse(obj) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
-
-def metrics_text(engine: Engine, state: dict) -> str:
-    """Prometheus' text format: the engine's counters since it started."""
-    s, out = engine.scheduler, engine.scheduler.out
-    rows = len(out.tokens)  # each row's first token came from its prefill, not a round
-    looked = out.rounds_hit + out.rounds_miss
-    lines = [("counter", "ssd_requests_total", "requests submitted", s.submitted),
-             ("counter", "ssd_requests_finished_total", "requests ended", s.finished),
-             ("gauge", "ssd_requests_running", "rows in the batch", len(s.running)),
-             ("gauge", "ssd_queue_length", "requests waiting for KV room", s.queue_length()),
-             ("counter", "ssd_tokens_total", "tokens generated", out.new_tokens),
-             ("counter", "ssd_rounds_total", "verification rounds", out.rounds),
-             ("gauge", "ssd_tokens_per_round", "mean tokens per row per round",
-              (out.new_tokens - rows) / out.row_rounds if out.row_rounds else 0.0),
-             ("gauge", "ssd_acceptance_rate", "accepted / proposed draft tokens",
-              out.accepted / out.proposed if out.proposed else 0.0),
-             ("gauge", "ssd_cache_hit_rate", "ssd: rounds answered from the speculation cache",
-              out.rounds_hit / looked if looked else 0.0),
-             ("counter", "ssd_cache_hits_total", "ssd: row-rounds answered from the cache",
-              out.rounds_hit),
-             ("counter", "ssd_engine_restarts_total", "speculator restarts", state["restarts"])]
-    for cache, blocks in s.kv_blocks().items():
-        if blocks is not None:
-            lines += [("gauge", f"ssd_kv_blocks_used{{cache=\"{cache}\"}}", "KV blocks in use",
-                       blocks[0]),
-                      ("gauge", f"ssd_kv_blocks_free{{cache=\"{cache}\"}}", "KV blocks free",
-                       blocks[1])]
-    # prefix caching: prompt tokens each cache looked up and found (the hit rate is their ratio)
-    prefix = {c: v for c, v in s.prefix_tokens().items() if v is not None}
-    for i, (name, what) in enumerate([("queries", "looked up in"), ("hits", "found in")]):
-        lines += [("counter", f"ssd_prefix_cache_{name}_total{{cache=\"{c}\"}}",
-                   f"prompt tokens {what} the prefix cache", v[i]) for c, v in prefix.items()]
-    text, typed = [], set()
-    for kind, name, help_, value in lines:
-        base = name.split("{")[0]
-        if base not in typed:
-            typed.add(base)
-            text += [f"# HELP {base} {help_}", f"# TYPE {base} {kind}"]
-        text.append(f"{name} {value}")
-    return "\n".join(text) + "\n"
-
-
-# --------------------------------------------------------------------------------------------------
-# The engine's thread and the command line
 
 def run_engine(engine: Engine, stopping: threading.Event, state: dict):
     """Rounds until the server stops. If a round fails, every request in flight has ended with
@@ -419,6 +593,12 @@ def parser() -> argparse.ArgumentParser:
                    help="CPU cores left to the HTTP side (the event loop, and clients on this "
                         "machine); the engine's threads take the rest. 0: every core to the "
                         "engine, as run.py (default: %(default)s)")
+    g.add_argument("--api-key", default=os.environ.get("SSD_API_KEY"), metavar="KEY",
+                   help="every /v1 request must send 'Authorization: Bearer KEY' (a 401 "
+                        "otherwise); /health, /metrics and /openapi.json stay open (default: "
+                        "$SSD_API_KEY, else no key)")
+    g.add_argument("--max-body-mb", type=float, default=16.0, metavar="MB",
+                   help="a request body over this many MiB is a 413 (default: %(default)s)")
     g.add_argument("--grace", type=float, default=10.0, metavar="SECONDS",
                    help="on SIGTERM / Ctrl-C, seconds in-flight requests get to finish "
                         "(default: %(default)s)")
@@ -436,6 +616,8 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
         raise ValueError(f"--max-new-tokens={a.max_new_tokens} must be >= 1")
     if a.http_cores < 0:
         raise ValueError(f"--http-cores={a.http_cores} must be >= 0")
+    if not a.max_body_mb > 0:
+        raise ValueError(f"--max-body-mb={a.max_body_mb} must be > 0")
     return EngineConfig(**kw, reserve_cores=a.http_cores)
 
 
@@ -451,7 +633,7 @@ def main(argv=None):
     stopping = threading.Event()
     thread = threading.Thread(target=run_engine, args=(engine, stopping, state), daemon=True)
     thread.start()
-    app = make_app(engine, a.target, a, state)
+    app = make_app(engine, a.target, a, state, a.api_key)
     print(f"serve.py: {a.mode} on http://{a.host}:{a.port} (model {a.target!r})", file=sys.stderr)
     # uvicorn stops accepting on SIGTERM / Ctrl-C, waits up to --grace for the requests in flight,
     # then raises the signal again for the handler it found: ours lets main stop the engine and

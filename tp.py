@@ -433,13 +433,15 @@ class Heartbeat:
 
     def __init__(self, prefix: str, rank: int, world: int):
         self.store = dist.PrefixStore(prefix, store_client())
-        self.rank, self.world, self.stopped, self.store_lost = rank, world, False, False
+        self.rank, self.world, self.store_lost = rank, world, False
         self.counts, self.moved, self.last = [None] * world, [time.monotonic()] * world, 0.0
-        threading.Thread(target=self.run, daemon=True).start()
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self.run, name="ssd-heartbeat", daemon=True)
+        self.thread.start()
 
     def run(self):
         keys = [f"beat/{r}" for r in range(self.world)]
-        while not self.stopped:
+        while not self.stopped.is_set():
             try:
                 self.store.add(keys[self.rank], 1)
                 counts = [self.store.add(k, 0) for k in keys]  # adding 0 reads without waiting
@@ -450,7 +452,15 @@ class Heartbeat:
             for r, c in enumerate(counts):
                 if c != self.counts[r]:
                     self.counts[r], self.moved[r] = c, now
-            time.sleep(BEAT_S)
+            self.stopped.wait(BEAT_S)
+
+    def stop(self):
+        """End the thread and wait for it (at most STORE_S, a store call's limit). A thread still
+        inside a store call when the interpreter exits aborts the process: the call releases the
+        GIL, and taking it back during finalization ends the thread through C++ frames that
+        cannot unwind ("terminate called without an active exception")."""
+        self.stopped.set()
+        self.thread.join()
 
     def silent(self, after: float) -> list[int]:
         """The ranks that beat, then stopped `after` seconds (gather() names those never seen)."""
@@ -580,7 +590,7 @@ class TorchrunWorld(Ranks):
                     else f"rank {self.env.rank} failed: {type(error).__name__}: {first}")
             with suppress(Exception):  # the store is gone too: the others see this rank fall silent
                 self.store.set(f"error/{self.env.rank}", line)
-        self.beat.stopped = True
+        self.beat.stop()
         if dist.is_initialized():
             dist.destroy_process_group()
         if msg:

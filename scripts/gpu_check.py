@@ -135,8 +135,8 @@ def random_quant_model(fields: dict, device, quant: str, dtype=torch.bfloat16, s
     with torch.device("meta"):
         model = Transformer(cfg)
     bits = 8 if quant == "int8" else 4
-    quantize_layers(model, lambda n: 8 if n in ("lm_head", "model.embed_tokens") else bits,
-                    lambda n: None, device, dtype)
+    quantize_layers(model, lambda n: (8, None, False) if n in ("lm_head", "model.embed_tokens")
+                    else (bits, None, bits == 4), device, dtype)
     materialize(model, device, dtype)
     g = torch.Generator(device=device).manual_seed(seed)
     for m in model.modules():

@@ -1,4 +1,5 @@
-"""Weight-only quantization (quantize.py, issue 52): the layouts' math, GGUF blocks kept as stored,
+"""Weight-only quantization (quantize.py, issue 52): the layouts' math, GGUF blocks kept as stored
+(every block type the layouts hold, K-quants included, exactly),
 quantized loading of safetensors and GGUF, and speculative decoding exact with respect to the
 quantized model: greedy SD / SSD emit the quantized AR's tokens, and at T > 0 the output law is
 the quantized target's (with a negative control).
@@ -6,7 +7,7 @@ the quantized target's (with a negative control).
 import pytest
 import torch
 
-from checkpoint import GGUF_STORED, gguf_stored, load_model
+from checkpoint import GGUF_INTEGERS, gguf_integers, load_model
 from quantize import (QuantLinear, QuantRows, dequantize, int4_product, int8_product,
                       quantize_int4, quantize_int8, weight_bytes)
 from test_generate import N_LAW, empirical_law, gen, make_small_vocab_pair, tv, tv_bound
@@ -49,6 +50,9 @@ def test_products_equal_a_matmul_with_the_dequantised_weight(M):
     q4, s4, m4 = quantize_int4(w)
     torch.testing.assert_close(int4_product(x, q4, s4, m4), x @ dequantize(q4, s4, m4).T,
                                rtol=1e-5, atol=1e-5)
+    mins = torch.randn(40, 2, generator=g) / 10  # int8 with a min per group (a Q4_K / Q5_K part)
+    torch.testing.assert_close(int8_product(x, q8, s8 / 2, mins), x @ dequantize(q8, s8 / 2, mins).T,
+                               rtol=1e-5, atol=1e-5)
 
 
 def test_compiled_layer_equals_the_eager_one_for_every_row_bucket():
@@ -56,9 +60,9 @@ def test_compiled_layer_equals_the_eager_one_for_every_row_bucket():
     prefill's many rows take the dequantise-and-multiply path."""
     g = torch.Generator().manual_seed(3)
     w = torch.randn(48, 64, generator=g)
-    for bits in (8, 4):
-        eager = QuantLinear(64, 48, bits, compiled=False)
-        fast = QuantLinear(64, 48, bits, compiled=True)
+    for bits, mins in ((8, False), (4, True), (8, True)):
+        eager = QuantLinear(64, 48, bits, 16, compiled=False, mins=mins)
+        fast = QuantLinear(64, 48, bits, 16, compiled=True, mins=mins)
         for layer in (eager, fast):
             layer.rows(0, 48).copy_(w)
         for M in (1, 3, 40):
@@ -77,19 +81,43 @@ def test_bad_layouts_are_one_line_errors():
 # --------------------------------------------------------------------------------------------------
 # GGUF blocks as stored
 
-@pytest.mark.parametrize("qtype", sorted(GGUF_STORED))
-def test_gguf_blocks_are_the_layout_exactly(qtype):
-    """A Q8_0 / Q4_0 / Q4_1 tensor made by the gguf package, read into quantize.py's layout, gives
-    back gguf's own dequantisation exactly."""
-    gguf = pytest.importorskip("gguf")
+def random_blocks(qtype: str, rows: int, blocks: int, seed: int = 0):
+    """uint8 [rows, bytes]: random GGUF blocks of qtype, their float16 fields small and finite
+    (weights of order 0.1)."""
     import numpy as np
-    w = np.random.default_rng(0).standard_normal((6, 96)).astype(np.float32)
-    t = gguf.GGMLQuantizationType[qtype]
-    raw = gguf.quants.quantize(w, t)  # uint8 [rows, bytes per row]
-    want = torch.from_numpy(gguf.quants.dequantize(raw, t))
-    parts = gguf_stored(raw, qtype)
-    assert parts[0].dtype == (torch.int8 if qtype == "Q8_0" else torch.uint8)
-    assert torch.equal(dequantize(*parts), want)
+    kind = GGUF_INTEGERS[qtype]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (rows, blocks, kind.size), dtype=np.uint8)
+    fields = {"Q6_K": [208], "Q4_1": [0, 2], "Q5_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2]}
+    scale = {"Q6_K": 2e-5, "Q4_K": 1e-4, "Q5_K": 5e-5}.get(qtype, 1e-2)
+    for lo in fields.get(qtype, [0]):
+        d = rng.uniform(-scale, scale, (rows, blocks)).astype(np.float16)
+        raw[..., lo:lo + 2] = d[..., None].view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("qtype", sorted(GGUF_INTEGERS))
+def test_gguf_blocks_into_the_layouts_exactly(qtype):
+    """Random blocks of each type GGUF_INTEGERS reads, put into the layout that holds them (and
+    into an int8 layer of groups of 16 with mins, which holds them all), dequantise to exactly
+    what the gguf package's own dequantisation gives."""
+    gguf = pytest.importorskip("gguf")
+    kind = GGUF_INTEGERS[qtype]
+    n = 2 * (256 if qtype.endswith("_K") else 32)  # inputs: two blocks a row
+    raw = random_blocks(qtype, 6, 2)
+    want = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]))
+    parts = gguf_integers(raw, qtype)
+    for bits, group, mins in ((kind.bits, kind.group, kind.mins), (8, 16, True)):
+        layer = QuantLinear(n, 6, bits, group, compiled=False, mins=mins)
+        rows = layer.rows(0, 6)
+        assert rows.holds(kind.bits, kind.group, kind.mins)
+        rows.copy_integers(*parts)
+        assert torch.equal(layer.dequantize(), want.reshape(6, n))
+    # layouts that would round it say so: int8 in groups of 32 without mins holds only the
+    # symmetric 32-groups, int4 only 4-bit types
+    plain8, int4 = (QuantLinear(n, 6, b, 32).rows(0, 6) for b in (8, 4))
+    assert plain8.holds(kind.bits, kind.group, kind.mins) == (kind.group == 32 and not kind.mins)
+    assert int4.holds(kind.bits, kind.group, kind.mins) == (kind.bits == 4)
 
 
 def smollm2():
@@ -129,6 +157,43 @@ def test_gguf_file_requantized_to_int8():
         a, b = model(ids), ref(ids)
     assert (a - b).abs().max() < 2.0 and (a - b).abs().mean() < 0.2
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.75
+
+
+def test_k_quant_file_loads_exactly(tmp_path):
+    """A file of mixed types as llama.cpp's Q4_K_M mixes them (Q4_K, Q5_K and Q6_K in one fused
+    layer, a Q6_K head) loads at its own precision into the layouts that hold each layer's types
+    exactly (int4; int8 in groups of 16 or 32, with mins where a part has them), and its logits
+    are those of the same file dequantised by gguf (quant none)."""
+    gguf = pytest.importorskip("gguf")
+    from conftest import hf_config
+    from config import ModelConfig
+    from test_gguf import finish, new_writer
+    cfg = ModelConfig.from_hf(hf_config("llama", vocab_size=256, hidden_size=256,
+                                        intermediate_size=512, num_hidden_layers=1).to_dict())
+    types = {"token_embd": ("Q4_K", 256), "blk.0.attn_q": ("Q4_K", 256),
+             "blk.0.attn_k": ("Q4_K", 128), "blk.0.attn_v": ("Q6_K", 128),
+             "blk.0.attn_output": ("Q4_K", 256), "blk.0.ffn_gate": ("Q4_K", 512),
+             "blk.0.ffn_up": ("Q5_K", 512), "blk.0.ffn_down": ("Q6_K", 256),
+             "output": ("Q6_K", 256)}
+    w = new_writer(tmp_path / "mixed.gguf", "llama", cfg)
+    for i, (name, (qtype, rows)) in enumerate(types.items()):
+        blocks = (512 if name.endswith("ffn_down") else 256) // 256
+        w.add_tensor(f"{name}.weight", random_blocks(qtype, rows, blocks, seed=i),
+                     raw_dtype=gguf.GGMLQuantizationType[qtype])
+    for name in ("blk.0.attn_norm", "blk.0.ffn_norm", "output_norm"):
+        w.add_tensor(f"{name}.weight", torch.ones(256).numpy())
+    finish(w)
+    model, _ = load_model(tmp_path / "mixed.gguf", tokenizer=False, compile_quant=False)
+    ref, _ = load_model(tmp_path / "mixed.gguf", tokenizer=False, quant="none")
+    layer = model.model.layers[0]
+    layouts = {m: (m.bits, m.group, m.mins is not None) for m in (
+        layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+        layer.mlp.down_proj, model.lm_head, model.model.embed_tokens)}
+    assert list(layouts.values()) == [(8, 16, True), (4, 32, True), (8, 32, True),
+                                      (8, 16, False), (8, 16, False), (4, 32, True)]
+    ids = torch.tensor([[1, 50, 7, 200, 31, 99]])
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), ref(ids), rtol=1e-4, atol=1e-4)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -2,8 +2,11 @@
 
 - exact under load: 9 greedy requests streaming at once, joining a running batch at different
   rounds, each return the tokens generate() gives for the prompt alone (fp32), for ar, sd and ssd;
-- the API: chat and completions, streaming and not, /v1/models, /health, /metrics;
-- bad input: each case a 400 in OpenAI's error shape, naming the field;
+- the API: chat and completions, streaming and not, /v1/models, /health;
+- /metrics as a Prometheus scraper reads it (prometheus_client's parser): every family once with
+  its type, histograms cumulative, the counters moved by what the responses say;
+- bad input: each case a 400 in OpenAI's error shape, naming the field (an unknown model: 404;
+  tests/test_openai_conformance.py has the rest of OpenAI's conformance);
 - a client that disconnects mid-stream: its row leaves, the KV blocks return to their baseline,
   the other stream goes on unchanged;
 - a full KV cache: requests wait in the queue and all finish exactly; one that could never fit is
@@ -127,7 +130,7 @@ def test_exact_under_load(server, alone):
         t.join(timeout=300)
     assert texts == alone
     m = server.metrics()
-    assert m['ssd_kv_blocks_used{cache="target"}'] == 0 and m["ssd_requests_running"] == 0
+    assert m['ssd_kv_blocks_used{cache="target"}'] == 0 and m["ssd_num_requests_running"] == 0
     # every prompt looked up in the prefix cache
     looked = m['ssd_prefix_cache_queries_total{cache="target"}']
     assert sum(map(len, PROMPTS)) <= looked
@@ -166,7 +169,6 @@ BAD = [  # (body or raw bytes, the param the error names)
     ({"prompt": "x", "max_tokens": "10"}, "max_tokens"),           # wrong type
     ({"prompt": 5}, "prompt"),
     ({"prompt": "x", "stream": "yes"}, "stream"),
-    ({"prompt": "x", "model": "gpt-4"}, "model"),                  # unknown model
     ({"prompt": [1] * 2100}, "prompt"),                            # longer than the context
     ({"prompt": "x", "max_tokens": 5000}, "max_tokens"),           # beyond the context
     ({"prompt": "x", "top_p": 0.5}, "top_p"),                      # cannot be honoured exactly
@@ -221,6 +223,8 @@ def test_bad_input(server):
         assert set(err) == {"message", "type", "param", "code"} and err["param"] == param, err
     r = httpx.post(server.url + "/v1/chat/completions", json={"messages": "hi"}, timeout=10)
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "model": "gpt-4"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     with pytest.raises(openai.BadRequestError):
         server.client().completions.create(model="tiny", prompt="x", top_p=0.5)
 
@@ -267,16 +271,122 @@ def test_disconnect_frees_its_row(server, alone):
     assert any(line.startswith("data: ") for line in got)
     t.join(timeout=120)
     assert other["text"] == alone[1]
-    deadline = time.time() + 30
-    while time.time() < deadline:
-        m = server.metrics()
-        if m["ssd_requests_running"] == 0:
-            break
-        time.sleep(0.1)
+    m = idle_metrics(server)
     for cache in ("target", "draft"):
         key = f'ssd_kv_blocks_used{{cache="{cache}"}}'
         assert m.get(key) == base.get(key), (cache, m)
-    assert m["ssd_requests_finished_total"] >= base["ssd_requests_finished_total"] + 2
+    key = 'ssd_requests_finished_total{finished_reason="cancelled"}'
+    assert m[key] == base[key] + 1 and m["ssd_requests_total"] == base["ssd_requests_total"] + 2
+
+
+def idle_metrics(server) -> dict:
+    """/metrics once no request runs or waits (within 30 s)."""
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        m = server.metrics()
+        if m["ssd_num_requests_running"] == m["ssd_num_requests_waiting"] == 0:
+            break
+        time.sleep(0.1)
+    return m
+
+
+PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
+FAMILIES = {  # name as the parser gives it (a counter's without _total) -> type
+    "ssd_requests": "counter", "ssd_requests_finished": "counter",
+    "ssd_num_requests_running": "gauge", "ssd_num_requests_waiting": "gauge",
+    "ssd_prompt_tokens": "counter", "ssd_generation_tokens": "counter",
+    "ssd_time_to_first_token_seconds": "histogram", "ssd_inter_token_latency_seconds": "histogram",
+    "ssd_e2e_request_latency_seconds": "histogram", "ssd_rounds": "counter",
+    "ssd_engine_restarts": "counter", "ssd_kv_blocks_used": "gauge", "ssd_kv_blocks_free": "gauge",
+    "ssd_prefix_cache_queries": "counter", "ssd_prefix_cache_hits": "counter"}
+SPEC_FAMILIES = {"ssd_spec_decode_num_drafts": "counter",
+                 "ssd_spec_decode_num_draft_tokens": "counter",
+                 "ssd_spec_decode_num_accepted_tokens": "counter",
+                 "ssd_spec_decode_num_accepted_tokens_per_pos": "counter"}
+CACHE_FAMILIES = {"ssd_spec_cache_hits": "counter", "ssd_spec_cache_misses": "counter"}
+
+
+def scrape(server) -> dict:
+    """/metrics through prometheus_client's parser: {family: its samples}, no family twice."""
+    parser = pytest.importorskip("prometheus_client.parser")
+    r = httpx.get(server.url + "/metrics", timeout=10)
+    assert r.status_code == 200 and r.headers["content-type"] == PROMETHEUS_TEXT
+    fams = list(parser.text_string_to_metric_families(r.text))
+    assert len({f.name for f in fams}) == len(fams), [f.name for f in fams]
+    return {f.name: f for f in fams}
+
+
+def value(fams, family, suffix="_total", **labels) -> float:
+    """The sum of a family's samples named family + suffix whose labels include `labels`."""
+    return sum(s.value for s in fams[family].samples if s.name == family + suffix
+               and labels.items() <= s.labels.items())
+
+
+def test_metrics_a_scraper_reads(server):
+    """After two requests answered whole (completion, chat) and one streamed: /metrics is
+    Prometheus' text (its content type; HEAD answered), each family once with its type and the
+    mode's families only; each histogram cumulative up to +Inf = its count; no counter went
+    down; prompt and generation tokens moved by the responses' usage, one time to first token
+    and one end-to-end latency per request, one inter-token latency per token after the first;
+    acceptance and SSD's cache lookups add up."""
+    before = scrape(server)
+    client, mode = server.client(), httpx.get(server.url + "/health").json()["mode"]
+    r = client.completions.create(model="tiny", prompt="def fib(n):", max_tokens=8)
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "def add(a, b):"}], max_tokens=8)
+    usage = [(x.usage.prompt_tokens, x.usage.completion_tokens) for x in (r, chat)]
+    chunks = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=8,
+                                       stream=True)
+    reasons = [c.finish_reason for chunk in chunks for c in chunk.choices if c.finish_reason]
+    assert reasons == ["length"]  # so it has 8 tokens
+    usage.append((len(PROMPTS[0]), 8))
+    idle_metrics(server)
+    after = scrape(server)
+    head = httpx.head(server.url + "/metrics", timeout=10)
+    assert head.status_code == 200 and head.content == b""
+    assert head.headers["content-type"] == PROMETHEUS_TEXT
+
+    want = {**FAMILIES, **(SPEC_FAMILIES if mode != "ar" else {}),
+            **(CACHE_FAMILIES if mode == "ssd" else {})}
+    assert {name: f.type for name, f in after.items()} == want
+    for name, f in after.items():
+        if f.type == "histogram":
+            buckets = [(float(s.labels["le"]), s.value) for s in f.samples
+                       if s.name == name + "_bucket"]
+            les, counts = zip(*buckets)
+            assert list(les) == sorted(les) and les[-1] == float("inf"), name
+            assert list(counts) == sorted(counts), name
+            assert counts[-1] == value(after, name, "_count") and value(after, name, "_sum") >= 0
+        if f.type == "counter":
+            for s in f.samples:
+                old = [o.value for o in before[name].samples if o.labels == s.labels]
+                assert s.value >= max(old, default=0), (name, s)
+
+    def moved(family, suffix="_total", **labels):
+        return value(after, family, suffix, **labels) - value(before, family, suffix, **labels)
+    n, prompt_tokens, tokens = len(usage), sum(p for p, _ in usage), sum(c for _, c in usage)
+    assert moved("ssd_requests") == n
+    assert moved("ssd_requests_finished", finished_reason="stop") + moved(
+        "ssd_requests_finished", finished_reason="length") == moved("ssd_requests_finished") == n
+    assert moved("ssd_prompt_tokens") == prompt_tokens
+    assert moved("ssd_generation_tokens") == tokens
+    assert moved("ssd_time_to_first_token_seconds", "_count") == n
+    assert moved("ssd_e2e_request_latency_seconds", "_count") == n
+    assert moved("ssd_inter_token_latency_seconds", "_count") == tokens - n
+    assert moved("ssd_inter_token_latency_seconds", "_sum") > 0 and moved("ssd_rounds") > 0
+    assert value(after, "ssd_num_requests_running", "") == 0
+    assert value(after, "ssd_kv_blocks_used", "") == 0  # every cache's
+    if mode == "ar":
+        return
+    drafts, accepted = moved("ssd_spec_decode_num_drafts"), after[
+        "ssd_spec_decode_num_accepted_tokens_per_pos"].samples
+    assert drafts > 0 and moved("ssd_spec_decode_num_draft_tokens") == 3 * drafts  # --k 3
+    assert moved("ssd_spec_decode_num_accepted_tokens") <= 3 * drafts
+    per_pos = [s.value for s in sorted(accepted, key=lambda s: int(s.labels["position"]))]
+    assert len(per_pos) == 3 and per_pos == sorted(per_pos, reverse=True)
+    assert sum(per_pos) == value(after, "ssd_spec_decode_num_accepted_tokens")
+    if mode == "ssd":  # every row-round of SSD looked its outcome up
+        assert moved("ssd_spec_cache_hits") + moved("ssd_spec_cache_misses") == drafts
 
 
 def test_kv_full_waits(target):
@@ -410,11 +520,11 @@ def test_speculator_killed_then_sigterm(target, alone):
     assert body["mode"] == "ssd" and "speculator" in body["error"], body
     new = speculator_pid(s.proc.pid)
     assert new != old
-    hits = s.metrics()["ssd_cache_hits_total"]
+    hits = s.metrics()["ssd_spec_cache_hits_total"]
     text = client.completions.create(model="tiny", prompt=PROMPTS[1],
                                      max_tokens=MAX_NEW - 1).choices[0].text
     assert text == alone[1]
-    assert s.metrics()["ssd_cache_hits_total"] > hits  # SSD again: the new speculator's cache hits
+    assert s.metrics()["ssd_spec_cache_hits_total"] > hits  # SSD again: the new speculator's cache hits
     # SIGTERM while a request streams: it finishes (within --grace), then the server exits 0
     got = []
     t = threading.Thread(target=lambda: got.append(stream_text(client, PROMPTS[2], MAX_NEW - 2)))

@@ -5,8 +5,10 @@ Each test starts real torchrun jobs on 127.0.0.1: two invocations, one per simul
 two ranks, rank 0 the verifier, rank 1 serving it.
 1. The world emits exactly the TP = 1 greedy tokens in ar, sd and ssd, on a small Llama and a small
    Qwen3: one job runs all six, rank 0 calling generate(torchrun=True) and rank 1
-   tp.serve_torchrun_rank, one world after another. run.py itself under torchrun: rank 0 says on
-   stderr that it runs across the world and prints TP = 1's --json line; rank 1 prints nothing.
+   tp.serve_torchrun_rank, one world after another (after a first world on the tiny pair, which
+   loads a tokenizer); each world leaves no thread of its own behind on either rank (issue 53).
+   run.py itself under torchrun: rank 0 says on stderr that it runs across the world and prints
+   TP = 1's --json line; rank 1 prints nothing.
 2. Killing the second node mid-decode ends the first with one line naming rank 1 and its node;
    Ctrl-C on the first node ends both, naming the interruption; no process is left behind.
 3. A world size the heads cannot divide is refused on every rank before any weight loads (the
@@ -26,12 +28,13 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from conftest import hf_config, make_checkpoint, one_line
 from safetensors.torch import load_file, save_file
 from test_reliability import processes_with
 
 from run import DEFAULT_PROMPT, generate
-from tp import TorchrunEnv, TorchrunWorld, torchrun_device, torchrun_env
+from tp import Heartbeat, TorchrunEnv, TorchrunWorld, torchrun_device, torchrun_env
 
 REPO = Path(__file__).resolve().parent.parent
 PROMPTS = [[1, 5, 9, 23, 40, 7], [1, 77, 3]]
@@ -141,9 +144,17 @@ def pairs(tmp_path_factory):
 # 1. The tokens of TP = 1
 
 DRIVER = """
-import json, sys
+import json, os, sys, threading
 from run import generate
 from tp import serve_torchrun_rank, torchrun_env
+
+def left():
+    # threads a world leaves behind: its process group's (gloo's, named by torch) or heartbeat
+    tasks = "/proc/self/task"
+    names = [open(f"{tasks}/{t}/comm").read().strip() for t in os.listdir(tasks)]
+    return [n for n in names if "gloo" in n] + [t.name for t in threading.enumerate()
+                                                if t.name == "ssd-heartbeat"]
+
 env = torchrun_env()
 prompts, kw, jobs = json.loads(sys.argv[1])
 for target, draft, mode in jobs:
@@ -152,18 +163,27 @@ for target, draft, mode in jobs:
         print("RESULT", json.dumps([target, mode, res.tokens, res.stats]), flush=True)
     else:
         serve_torchrun_rank(env, target, "cpu", threads=1, timeout_s=60)
+    print("LEFT", json.dumps(left()), flush=True)
 """
 
 
 def test_two_nodes_emit_the_tokens_of_tp1(pairs, tmp_path, start):
-    jobs = [(str(t), str(d), mode) for t, d in pairs.values() for mode in ("ar", "sd", "ssd")]
+    """Also: each world ends its threads in close(), on every rank. The first world's target has a
+    tokenizer, whose loading imports torch modules that, imported while the process group exists,
+    would keep it (and its gloo threads, which abort the exit: issue 53) past close()."""
+    jobs = [("tiny", "tiny-draft", "ar")]
+    jobs += [(str(t), str(d), mode) for t, d in pairs.values() for mode in ("ar", "sd", "ssd")]
     driver = tmp_path / "driver.py"
     driver.write_text(DRIVER)
     nodes = start([driver, json.dumps([PROMPTS, {**KW, "tp_timeout": 60}, jobs])])
     err = nodes.wait()
     results = [json.loads(x[len("RESULT "):]) for x in nodes.out[0] if x.startswith("RESULT ")]
-    assert [p.returncode for p in nodes.procs] == [0, 0] and len(results) == 6, err
-    assert not nodes.out[1], "rank 1 prints nothing"
+    assert [p.returncode for p in nodes.procs] == [0, 0] and len(results) == 7, err
+    assert "terminate called" not in err[0] + err[1]
+    for out in nodes.out:
+        assert [x for x in out if x.startswith("LEFT ")] == ["LEFT []\n"] * 7, out
+    assert all(x.startswith("LEFT ") for x in nodes.out[1]), "rank 1 prints nothing"
+    assert [len(x) for x in results[0][2]] == [12, 12]  # the tiny pair's world
     for kind, (target, draft) in pairs.items():
         ref = generate(PROMPTS, target=target, mode="ar", **KW).tokens
         assert [len(x) for x in ref] == [12, 12]
@@ -173,6 +193,21 @@ def test_two_nodes_emit_the_tokens_of_tp1(pairs, tmp_path, start):
                 if mode != "ar":  # rounds that accepted and rounds that rejected
                     assert 0 < stats["acceptance_rate"] < 1, (kind, mode, stats)
     assert nodes.all_gone()
+
+
+def test_heartbeat_stop_ends_its_thread(monkeypatch):
+    """A heartbeat thread still inside a store call when the interpreter exits aborts the process
+    (issue 53): stop() returns only once the thread has ended."""
+    server = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(server.port))
+    beat = Heartbeat("test/", 0, 1)
+    deadline = time.time() + 10
+    while beat.counts[0] is None and time.time() < deadline:
+        time.sleep(0.01)
+    assert beat.counts[0] == 1 and beat.thread.is_alive()
+    beat.stop()
+    assert not beat.thread.is_alive()
 
 
 def test_run_py_under_torchrun(start):
