@@ -482,8 +482,8 @@ def make_app(engine: Engine, model_id: str, defaults, state: dict, api_key=None)
     app.get("/v1/models", response_model=ModelList, **v1)(api.models)
     app.get("/v1/models/{model_id:path}", response_model=Model, **v1)(api.get_model)
     app.get("/health", response_model=Health, responses={503: {"model": Health}})(api.health)
-    app.api_route("/metrics", methods=["GET", "HEAD"], response_class=PlainTextResponse)(
-        api.metrics)
+    app.get("/metrics", response_class=PlainTextResponse)(api.metrics)
+    app.head("/metrics", include_in_schema=False)(api.metrics)  # a scraper's probe: no body
     app.exception_handler(HTTPException)(http_error)
     app.add_middleware(CatchAll)
     schema = describe(app, {"/v1/completions": CompletionRequest,

@@ -98,9 +98,9 @@ def run_waves(sched: Scheduler, run: Run | None = None, temps=(None,), prompts=P
     run.temp = []
     join = rounds.join
 
-    def recording_join(joining, max_new, temperatures=None, seeds=None):
+    def recording_join(joining, max_new, temperatures=None, seeds=None, eos_after=None):
         running = list(rounds.rows)
-        new = join(joining, max_new, temperatures, seeds)
+        new = join(joining, max_new, temperatures, seeds, eos_after)
         run.prompt += [prompts.index(p) for p in joining]
         run.temp += temperatures or [None] * len(joining)
         if running:

@@ -154,8 +154,8 @@ class Rounds:
     def __init__(self):
         self.out, self.rows = Output([], 1), []
 
-    def join(self, prompts, max_new, temps=None, seeds=None):
-        new = self.out.add(max_new)
+    def join(self, prompts, max_new, temps=None, seeds=None, eos_after=None):
+        new = self.out.add(max_new, eos_after)
         self.rows += new
         return new
 
