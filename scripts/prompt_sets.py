@@ -8,6 +8,7 @@ the package is not imported (its __init__ is empty, but its evaluation code runs
 prompt is the text a model continues: the signature and docstring of the function to write, fed
 raw, with no chat template (as the paper feeds it).
 """
+import functools
 import gzip
 import importlib.util
 import json
@@ -52,8 +53,16 @@ def code_prompts(n: int, seed: int = 0) -> list[str]:
     dedented (a method reads as a function), ending after the docstring's last line, for a model
     to continue with the body. Each distinct text once, in a seeded order (the same n and seed
     give the same list, and a smaller n a prefix of it); fewer than n if the stdlib has fewer."""
-    import ast
     import random
+    order = list(stdlib_functions())
+    random.Random(seed).shuffle(order)
+    return order[:n]
+
+
+@functools.cache  # parsing the stdlib's training files takes seconds: once a process
+def stdlib_functions() -> tuple[str, ...]:
+    """Every distinct code prompt of the stdlib's training files (code_prompts' form), sorted."""
+    import ast
     import textwrap
 
     from scripts.stdlib_corpus import read_text, split_files
@@ -75,6 +84,4 @@ def code_prompts(n: int, seed: int = 0) -> list[str]:
             if body.end_lineno - first > CODE_MAX_LINES:
                 continue
             found.add(textwrap.dedent("\n".join(lines[first:body.end_lineno])) + "\n")
-    order = sorted(found)
-    random.Random(seed).shuffle(order)
-    return order[:n]
+    return tuple(sorted(found))
