@@ -77,8 +77,8 @@ def main():
                     s = stats.setdefault(f"draft {dq} vs target {tq}", dict(agree=0, n=0))
                     s["agree"] += (guess == top[tq]).sum().item()
                     s["n"] += len(guess)
-    print(f"{len(texts)} held-out chat prompts, the float target's greedy answers of {a.tokens} "
-          f"tokens, teacher-forced:")
+    print(f"{len(texts)} chat prompts of {Path(a.prompt_file).name}, the float target's greedy "
+          f"answers of {a.tokens} tokens, teacher-forced:")
     for name, s in stats.items():
         extra = (f"  logits max |diff| {s['max']:.3f}, mean {s['sum'] / s['n']:.4f}"
                  if "max" in s else "")
