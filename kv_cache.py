@@ -230,7 +230,8 @@ class PagedKVCache:
         masks past each length)."""
         for sid in list(self.seqs):
             self.free(sid)
-        self.cached.clear(), self.hash_of.clear()
+        self.cached.clear()
+        self.hash_of.clear()
         self.prefix_queries = self.prefix_hits = 0
 
     def holds(self, num_tokens: int, block_size: int) -> bool:
