@@ -1,7 +1,8 @@
 """The decode loops, one round per function: start reading here.
 
-    sd_round    the draft proposes K tokens, the target verifies them in one forward (accept/reject
-                plus a bonus token), the draft follows the outcome. AR is the same round with K = 0.
+    sd_round    the draft proposes up to K tokens, the target verifies them in one forward
+                (accept/reject plus a bonus token), the draft follows the outcome. AR is the same
+                round with K = 0.
     ssd_round   the previous round's outcome arrives (cache hit: proposals ready; miss: fallback),
                 the speculator pre-speculates the next round for guessed outcomes, the target
                 verifies.
@@ -10,9 +11,16 @@
 prefilled, their first token emitted) and leave (`leave`: their KV freed) between rounds;
 scheduler.py decides who, and when (a static batch, generate()'s, joins once). In SSD's
 two-process form the speculator is channel.SpeculatorProcess: the same methods, run across the
-channel in another process, so `pre_speculate` there overlaps `verify` here. The pieces: draft.py
-(Drafter, Speculator), verify.py (Verifier, accept_reject), spec_cache.py (guesses), fallback.py
-(misses).
+channel in another process, so `pre_speculate` there overlaps `verify` here.
+
+Reading order (the same in the README and docs/design.md; tests/test_docs.py keeps it so):
+    a round     decode.py, draft.py, verify.py, spec_cache.py, spec_policy.py, saguaro_sample.py,
+                fallback.py
+    around it   channel.py, scheduler.py, tp.py, engine.py, run.py
+    the model   config.py, model.py, kv_cache.py, graphs.py, devices.py, quantize.py,
+                cpu_linear.py, checkpoint.py
+    serving     serve.py, protocol.py, metrics.py
+    measuring   bench.py, bench_report.py, bench_serve.py
 """
 import time
 
