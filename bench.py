@@ -33,6 +33,7 @@ speed-ups, the theory, tables, grid, plot) is bench_report.py.
 """
 import argparse
 import ast
+import dataclasses
 import functools
 import importlib.util
 import inspect
@@ -53,7 +54,7 @@ from bench_report import (add_counters, add_speedups, add_theory, counters, hard
                           print_grid, print_tables, summarize)
 from checkpoint import hf_over_target_vocab, load_config, load_model, load_tokenizer, resolve
 from devices import DTYPES
-from draft import PRE_SPEC
+from draft import PRE_SPEC, DraftSettings
 from fallback import POLICIES
 from quantize import QUANTS
 from spec_cache import FAN_OUTS
@@ -61,8 +62,10 @@ from engine import default_devices, split_cores
 from run import encode, generate
 
 MODES = ("ar", "sd", "ssd", "hf", "hf-assisted", "llama.cpp")
-# run.generate's defaults: the one source of this benchmark's engine settings
+# run.generate's defaults and the draft's (DraftSettings): the one source of this benchmark's
+# engine settings
 RUN = {name: p.default for name, p in inspect.signature(generate).parameters.items()}
+SPEC = DraftSettings()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -184,55 +187,62 @@ def batches_of(ids, b):
 
 @dataclass(frozen=True)
 class Config:
-    engine: str                  # ar, sd, ssd, hf, hf-assisted
+    engine: str                  # ar, sd, ssd, hf, hf-assisted, llama.cpp
     temperature: float
     batch: int
-    k: int = 0                   # draft tokens per round (0 for ar / hf)
+    spec: DraftSettings = SPEC   # how the draft proposes (sd, ssd; hf-assisted reads K)
     threads: int = 1             # the target's CPU threads
     draft_threads: int | None = None  # ssd only: the speculator's
-    fan_out: str = RUN["fan_out"]  # ssd only, from here on
-    budget: int = RUN["budget"]
-    saguaro_c: float = RUN["saguaro_c"]
-    fallback: str = RUN["fallback"]
-    pre_spec: str = RUN["pre_spec"]
-    fixed_budget: bool = RUN["fixed_budget"]
     label: str = ""
     quant: str = RUN["quant"]    # the target's weights (this engine's rows)
 
 
+# the draft settings a command line sweeps: DraftSettings' field -> its flag's values (a.k, ...),
+# and how a label names a value of it (" k=2", " B=8", " uniform"); --sweep adds any other field
+SSD_AXES = ("fan_out", "saguaro_c", "fallback", "budget", "pre_spec")
+LABEL = {"K": "k=", "saguaro_c": "C=", "budget": "B=", "fan_out": "", "fallback": "",
+         "pre_spec": ""}
+
+
+def spec_grid(a, mode) -> list[tuple[str, DraftSettings]]:
+    """The draft settings a mode's rows run: every combination of the values given for K (--k),
+    ssd's axes (--fan-out, --saguaro-c, --fallback, --budget, --pre-spec) and any field of
+    --sweep; with each, the part of its label that names the fields that vary."""
+    axes = {"K": a.k, **({f: getattr(a, f) for f in SSD_AXES} if mode == "ssd" else {}),
+            **a.sweep}
+    out = []
+    for values in product(*axes.values()):
+        kw = dict(zip(axes, values))
+        label = "".join(f" {LABEL.get(f, f + '=')}{format(v, 'g') if isinstance(v, float) else v}"
+                        for f, v in kw.items() if len(axes[f]) > 1)
+        out.append((label, DraftSettings(**kw, fixed_budget=a.fixed_budget)))
+    return out
+
+
 def make_configs(a, cores):
     """Every configuration the sweep asks for. Baselines run with the target's share of the cores
-    and with all of them; ssd variants along every axis given (K x fan-out x C x fallback x
-    budget x pre-spec). A label names only the axes that vary."""
+    and with all of them; sd and ssd along every axis of their draft settings (spec_grid). A label
+    names only the axes that vary."""
     ts, td = split_cores(cores)
     threads = sorted({ts, cores})
-
-    def tag(name, values, v):  # e.g. " B=8" when the sweep varies this axis, else nothing
-        return f" {name}{format(v, 'g') if isinstance(v, float) else v}" if len(values) > 1 else ""
-
     out = []
     for T, b, mode in product(a.temperatures, a.batch_sizes, a.modes):
         if mode in ("hf-assisted", "llama.cpp") and b > 1:
             continue  # transformers assisted generation (and the llama.cpp peer) run batch 1
         if mode in ("hf", "hf-assisted", "llama.cpp"):
-            for K, th in product(a.k if mode == "hf-assisted" else [0], threads):
-                label = f"{mode}{tag('k=', a.k, K) if K else ''}@{th}t"
-                out.append(Config(mode, T, b, K, th, label=label, quant=""))
+            grid = spec_grid(a, mode) if mode == "hf-assisted" else [("", SPEC)]
+            for (var, spec), th in product(grid, threads):
+                out.append(Config(mode, T, b, spec, th, label=f"{mode}{var}@{th}t", quant=""))
             continue
         for q in a.quant:
-            qt = tag("", a.quant, q)
+            qt = f" {q}" if len(a.quant) > 1 else ""
             if mode == "ssd":
-                for K, fan, c, fb, B, pre in product(a.k, a.fan_out, a.saguaro_c, a.fallback,
-                                                     a.budget, a.pre_spec):
-                    var = "".join([tag("k=", a.k, K), tag("", a.fan_out, fan),
-                                   tag("C=", a.saguaro_c, c), tag("", a.fallback, fb),
-                                   tag("B=", a.budget, B), tag("", a.pre_spec, pre)])
-                    out.append(Config("ssd", T, b, K, ts, td, fan, B, c, fb, pre,
-                                      a.fixed_budget, f"ssd{var}{qt}@{ts}+{td}t", q))
-            else:
-                for K, th in product(a.k if mode == "sd" else [0], threads):
-                    label = f"{mode}{tag('k=', a.k, K) if K else ''}{qt}@{th}t"
-                    out.append(Config(mode, T, b, K, th, label=label, quant=q))
+                for var, spec in spec_grid(a, mode):
+                    out.append(Config("ssd", T, b, spec, ts, td, f"ssd{var}{qt}@{ts}+{td}t", q))
+                continue
+            grid = spec_grid(a, mode) if mode == "sd" else [("", SPEC)]
+            for (var, spec), th in product(grid, threads):
+                out.append(Config(mode, T, b, spec, th, label=f"{mode}{var}{qt}@{th}t", quant=q))
     return out
 
 
@@ -245,11 +255,8 @@ def run_engine(cfg: Config, batches, a, first=0, target=None):
     for i, batch in enumerate(batches):
         s = generate(batch, target=a.target if target is None else target, draft=a.draft,
                      mode=cfg.engine,
-                     max_new_tokens=a.max_new_tokens, temperature=cfg.temperature, k=cfg.k or 1,
-                     seed=a.seed + first + i, ignore_eos=True, fan_out=cfg.fan_out,
-                     budget=cfg.budget,
-                     saguaro_c=cfg.saguaro_c, fallback=cfg.fallback, pre_spec=cfg.pre_spec,
-                     fixed_budget=cfg.fixed_budget,
+                     max_new_tokens=a.max_new_tokens, temperature=cfg.temperature,
+                     draft_settings=cfg.spec, seed=a.seed + first + i, ignore_eos=True,
                      target_threads=cfg.threads,
                      draft_threads=cfg.draft_threads, dtype=a.dtype,
                      graphs=False if a.no_graphs else None,
@@ -295,7 +302,7 @@ class HF:
         if cfg.engine == "hf-assisted":
             d = self.model(self.a.draft)
             # a constant K drafted tokens per round, as sd; no confidence-based early stop
-            d.generation_config.num_assistant_tokens = cfg.k
+            d.generation_config.num_assistant_tokens = cfg.spec.K
             d.generation_config.num_assistant_tokens_schedule = "constant"
             d.generation_config.assistant_confidence_threshold = 0.0
             kw["assistant_model"] = d
@@ -423,7 +430,7 @@ def measure(configs, batches, a, hf, target=None):
 
 
 TUNE_K, TUNE_BUDGET, TUNE_FALLBACK = (2, 3, 4, 6), (4, 8, 16), ("auto", "neural")
-DEFAULTS = {name: RUN[name] for name in ("k", "budget", "fallback")}  # what tune compares against
+DEFAULTS = {"k": SPEC.K, "budget": SPEC.budget, "fallback": SPEC.fallback}  # tune compares
 
 
 def tune(a, batches, hf, target=None):
@@ -431,19 +438,20 @@ def tune(a, batches, hf, target=None):
     the fastest."""
     T = a.temperatures[0]
     ts, td = split_cores(a.cores)
-    base = Config("ssd", T, 1, threads=ts, draft_threads=td, fan_out=a.fan_out[0],
-                  saguaro_c=a.saguaro_c[0], fixed_budget=a.fixed_budget, quant=a.quant[0])
-    grid = [replace(base, k=K, budget=B, fallback=f, label=f"ssd k={K} B={B} {f}")
+    base = DraftSettings(fan_out=a.fan_out[0], saguaro_c=a.saguaro_c[0],
+                         fixed_budget=a.fixed_budget, **{f: v[0] for f, v in a.sweep.items()})
+    grid = [Config("ssd", T, 1, replace(base, K=K, budget=B, fallback=f), ts, td,
+                   f"ssd k={K} B={B} {f}", a.quant[0])
             for K in TUNE_K for B in TUNE_BUDGET for f in TUNE_FALLBACK]
     rows = measure(grid, batches, a, hf, target)
     best = max(rows, key=lambda r: r["decode_tok_s"])
     default = next(r for r in rows if all(r[k] == v for k, v in DEFAULTS.items()))
     flags = (f"--mode ssd --k {best['k']} --budget {best['budget']} --fallback {best['fallback']} "
              f"--temperature {T:g}"
-             + (f" --fan-out {best['fan_out']}" if best["fan_out"] != RUN["fan_out"] else "")
+             + (f" --fan-out {best['fan_out']}" if best["fan_out"] != SPEC.fan_out else "")
              + (" --fixed-budget" if a.fixed_budget else "")
              + (f" --saguaro-c {best['saguaro_c']:g}"
-                if best["saguaro_c"] != RUN["saguaro_c"] else ""))
+                if best["saguaro_c"] != SPEC.saguaro_c else ""))
     print(f"\ntune (temperature {T:g}, batch 1, median of {a.repeats} runs, decode tok/s):")
     for r in sorted(rows, key=lambda r: -r["decode_tok_s"]):
         print(f"  {r['label']:<24} {r['decode_tok_s']:>8.1f}  hit {r['cache_hit_rate']:.2f}  "
@@ -521,37 +529,41 @@ def add_sweep_args(ap):
     ap.add_argument("--batch-sizes", type=csv(int), default=[1], metavar="B[,B...]",
                     help="batch sizes to sweep, in sequences decoded together, comma-separated "
                          "(default: 1)")
-    ap.add_argument("--k", type=csv(int), default=[RUN["k"]], metavar="K[,K...]",
-                    help="draft tokens per round for sd, ssd and hf-assisted, comma-separated to "
-                         f"sweep (default: {RUN['k']})")
+    ap.add_argument("--k", type=csv(int), default=[SPEC.K], metavar="K[,K...]",
+                    help="the most draft tokens per round for sd, ssd and hf-assisted, "
+                         f"comma-separated to sweep (default: {SPEC.K})")
+    ap.add_argument("--sweep", type=sweep_arg, action="append", default=[],
+                    metavar="FIELD=V[,V...]",
+                    help="sd and ssd: sweep any field of draft.DraftSettings by name, e.g. "
+                         "confidence=0,0.3,0.6 (repeatable; the flags above sweep the others)")
 
 
 def add_ssd_args(ap):
     """The axes only ssd sweeps."""
-    ap.add_argument("--fan-out", type=csv(str), default=[RUN["fan_out"]],
+    ap.add_argument("--fan-out", type=csv(str), default=[SPEC.fan_out],
                     metavar="KIND[,KIND...]",
                     help="ssd: how the budget of guesses is spread over depths, comma-separated "
                          f"rules of {', '.join(FAN_OUTS)} (geometric: the paper's Theorem 12; "
                          "run.py also takes explicit F_0..F_K) "
-                         f"(default: {RUN['fan_out']})")
-    ap.add_argument("--saguaro-c", type=csv(float), default=[RUN["saguaro_c"]],
+                         f"(default: {SPEC.fan_out})")
+    ap.add_argument("--saguaro-c", type=csv(float), default=[SPEC.saguaro_c],
                     metavar="C[,C...]",
                     help="ssd: Saguaro sampling constant C in [0, 1], comma-separated; 1 is plain "
                          "sampling, a lower C trades acceptance for cache hits; no effect at "
-                         f"temperature 0 (default: {RUN['saguaro_c']:g})")
-    ap.add_argument("--fallback", type=csv(str), default=[RUN["fallback"]],
+                         f"temperature 0 (default: {SPEC.saguaro_c:g})")
+    ap.add_argument("--fallback", type=csv(str), default=[SPEC.fallback],
                     metavar="KIND[,KIND...]",
                     help="ssd: proposals after a cache miss: auto (neural below the critical "
                          "batch size b*, n-gram from b* on), neural, ngram or random; "
-                         f"comma-separated (default: {RUN['fallback']})")
-    ap.add_argument("--pre-spec", type=csv(str), default=[RUN["pre_spec"]],
+                         f"comma-separated (default: {SPEC.fallback})")
+    ap.add_argument("--pre-spec", type=csv(str), default=[SPEC.pre_spec],
                     metavar="KIND[,KIND...]",
                     help="ssd: always, auto (pre-speculate while it measures faster) and/or "
                          "never (SD's schedule across the two processes, the control), "
-                         f"comma-separated (default: {RUN['pre_spec']})")
-    ap.add_argument("--budget", type=csv(int), default=[RUN["budget"]], metavar="B[,B...]",
+                         f"comma-separated (default: {SPEC.pre_spec})")
+    ap.add_argument("--budget", type=csv(int), default=[SPEC.budget], metavar="B[,B...]",
                     help="ssd: fan-out budget B, in branches pre-speculated per sequence per "
-                         f"round, comma-separated (default: {RUN['budget']})")
+                         f"round, comma-separated (default: {SPEC.budget})")
     ap.add_argument("--fixed-budget", action="store_true",
                     help="ssd: keep B at --budget every round instead of adapting it to the "
                          "measured time, so that fan-out rules compare at equal B (default: off)")
@@ -614,6 +626,19 @@ def check_args(a):
                          "and --cores must be >= 1")
 
 
+def sweep_arg(text: str) -> tuple[str, list]:
+    """--sweep's "FIELD=V,V" -> (FIELD, values typed as the field's default)."""
+    name, _, values = text.partition("=")
+    fields = {f.name: f for f in dataclasses.fields(DraftSettings)}
+    if name not in fields or not values or name in ("K", *SSD_AXES):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: use FIELD=V[,V...] with a field of DraftSettings other than those with "
+            f"flags of their own: {', '.join(f for f in fields if f not in ('K', *SSD_AXES))}")
+    kind = type(getattr(SPEC, name))
+    parse = (lambda v: v.lower() in ("1", "true", "yes")) if kind is bool else kind
+    return name, [parse(v) for v in values.split(",")]
+
+
 def parse_args(argv):
     """The command line -> its settings (comma-separated values as lists), checked."""
     ap = argparse.ArgumentParser(
@@ -624,6 +649,7 @@ def parse_args(argv):
                 add_action_args):
         add(ap)
     a = ap.parse_args(argv)
+    a.sweep = dict(a.sweep)  # field -> values
     check_args(a)
     return a
 

@@ -17,7 +17,6 @@ import torch
 
 from fallback import critical_batch_size, predicted_sd_speedup, predicted_speedup
 from engine import default_devices
-from spec_cache import acceptance_trials
 
 
 # --------------------------------------------------------------------------------------------------
@@ -27,14 +26,13 @@ def counters(cfg, s: dict) -> dict:
     """One generate()'s stats (cfg: a bench.Config) -> the counters a run sums over its batches
     (add_counters)."""
     hist = s["accept_len_histogram"]
-    K = len(hist) - 1
     c = dict(new=s["new_tokens"],
              first=s["batch"],  # the first token of each row comes from the prefill
              decode_s=s["decode_seconds"], prefill_s=s["prefill_seconds"],
              verify_s=s["verify_seconds"], rounds=s["rounds"], row_rounds=sum(hist),
-             accepted=sum(j * h for j, h in enumerate(hist)), proposed=sum(hist) * K,
+             accepted=sum(j * h for j, h in enumerate(hist)), proposed=s["proposed_tokens"],
              # for the paper's per-token a (capped-geometric MLE): accepted / trials
-             trials=sum(h * acceptance_trials(j, K) for j, h in enumerate(hist)), hist=list(hist),
+             trials=s["acceptance_trials"], hist=list(hist),
              hits=0, misses=0, tok_hit=0.0, tok_miss=0.0, wait_s=0.0, busy_s=0.0,
              fallback_rounds={}, b_star=None, hits_per_depth=[], lookups_per_depth=[], stopped=0,
              skipped=0, budget_rounds=0.0, guesses_per_depth=[], rows_guessed=0)
@@ -78,7 +76,10 @@ def summarize(cfg, runs):
     speeds = [(r["new"] - r["first"]) / r["decode_s"] for r in runs]
     m = runs[speeds.index(statistics.median_low(speeds))]
     tok_s = (m["new"] - m["first"]) / m["decode_s"]
-    row = {**asdict(cfg), "runs_tok_s": speeds, "decode_tok_s": tok_s,
+    settings = asdict(cfg)
+    spec = settings.pop("spec")  # its fields as the row's own: k (0 without a draft), fan_out, ...
+    K = spec.pop("K") if cfg.engine in ("sd", "ssd", "hf-assisted") else 0
+    row = {**settings, "k": K, **spec, "runs_tok_s": speeds, "decode_tok_s": tok_s,
            "decode_tok_s_per_seq": tok_s / cfg.batch, "decode_seconds": m["decode_s"],
            "prefill_seconds": m["prefill_s"], "new_tokens": m["new"]}
     if "rounds" in m:  # this engine's counters
@@ -103,17 +104,18 @@ def summarize(cfg, runs):
                    mean_budget=m["budget_rounds"] / m["rounds"] if m["rounds"] else 0.0,
                    hits_per_depth=m["hits_per_depth"], lookups_per_depth=m["lookups_per_depth"],
                    # the fan-out actually used: mean F_j per row-round guessed (round 0 included)
-                   fan_out_used=[g / max(m["rows_guessed"], 1) for g in m["guesses_per_depth"]])
+                   row_fan_out_mean=[g / max(m["rows_guessed"], 1) for g in m["guesses_per_depth"]])
     return row
 
 
 def find(rows, engine, like, threads=None, k=None):
     """The row of `engine` at the same temperature, batch and weights (quant) as `like` (and
-    threads / K if given); a peer's row (no quant) finds this engine's first."""
+    threads / K if given; with K, the same confidence stop); a peer's row (no quant) finds this
+    engine's first."""
     for r in rows:
         if (r["engine"] == engine and r["temperature"] == like["temperature"]
                 and r["batch"] == like["batch"] and (threads is None or r["threads"] == threads)
-                and (k is None or r["k"] == k)
+                and (k is None or (r["k"], r["confidence"]) == (k, like["confidence"]))
                 and (not like.get("quant") or r.get("quant") == like["quant"])):
             return r
     return None
@@ -320,7 +322,7 @@ def print_depths(rows, w):
         return
     print("per depth j = 0..K: mean F_j used; hits / lookups at n = j")
     for r in rows:
-        F = " ".join(f"{f:.1f}" for f in r["fan_out_used"])
+        F = " ".join(f"{f:.1f}" for f in r["row_fan_out_mean"])
         hits = " ".join(f"{h}/{n}" for h, n in zip(r["hits_per_depth"], r["lookups_per_depth"]))
         fixed = " (fixed B)" if r.get("fixed_budget") else ""
         print(f"{r['label']:<{w}}  F {F}{fixed}  hits {hits}")

@@ -41,15 +41,20 @@ class Channel:
         # set with each outcome (and stop), cleared when the speculator reads it: pre-speculation
         # polls it between steps (a shared flag costs nothing to read)
         self.posted = host(1, dtype=torch.bool)
-        self.tokens = host(b, K)                          # proposals x_1..x_K
+        # proposals x_1..x_W (W <= K) and their laws, flat: a message's [b, W] and [b, W, V] are
+        # contiguous at the start of them (as copies to a GPU need)
+        self.tokens = host(b * K)
+        self.width = host(1)                              # W, the longest row's length
+        self.lengths = host(b)                            # each row's proposal length
         # their laws (temperature 0: not needed)
-        self.q = host(b, K, V, dtype=torch.float32) if send_q else None
+        self.q = host(b * K * V, dtype=torch.float32) if send_q else None
         self.deterministic = host(b, dtype=torch.bool)
         self.hit = host(b, dtype=torch.bool)
         # the speculator's CUDA graph captures so far, sent with each answer (decode.Captures)
         self.capture_seconds = host(1, dtype=torch.float64)
         # control messages sent so far (rows joining or leaving, by `inbox`): they share the
         # outcome's signal, and the speculator takes one whenever it has handled fewer
+        self.V = V
         self.controls = host(1)
         self.draft_blocks = host(1)  # KV blocks the draft uses, after each answer and control
         self.draft_prefix = host(2)  # prompt tokens its prefix cache looked up, found: per control
@@ -110,11 +115,15 @@ class Channel:
 
     # -- speculator -> verifier
     def send_proposals(self, p: Proposals, capture_seconds: float = 0.0):
-        pairs = [(self.tokens, p.tokens), (self.deterministic, p.deterministic), (self.hit, p.hit)]
+        b, W = p.tokens.shape
+        self.width[0] = W
+        pairs = [(self.tokens[:b * W].view(b, W), p.tokens), (self.deterministic, p.deterministic),
+                 (self.hit, p.hit)]
+        self.lengths[:b] = torch.tensor(p.lengths, dtype=torch.long, device="cpu")
         # a round of greedy rows has no q: the verifier tests them one-hot, never reading the
         # buffer's stale laws
         if self.q is not None and p.q is not None:
-            pairs.append((self.q, p.q))
+            pairs.append((self.q[:p.q.numel()].view(p.q.shape), p.q))
         for buf, x in pairs:
             put(buf, x)
         self.capture_seconds[0] = capture_seconds
@@ -127,14 +136,15 @@ class Channel:
         rewrites only after the next outcome, sent once this round's verification has been read
         on the host (so after these copies). On the CPU tokens and flags are copied out (a
         caller may keep them past the next message); q is read during verify only."""
-        tokens, deterministic = self.tokens[:b], self.deterministic[:b]
-        q = None if self.q is None else self.q[:b]
+        W = int(self.width[0])
+        tokens, deterministic = self.tokens[:b * W].view(b, W), self.deterministic[:b]
+        q = None if self.q is None else self.q[:b * W * self.V].view(b, W, self.V)
         if device.type == "cpu":
             tokens, deterministic = tokens.clone(), deterministic.clone()
         else:
             tokens, deterministic = to_device(tokens, device), to_device(deterministic, device)
             q = None if q is None else to_device(q, device)
-        return Proposals(tokens, q, deterministic, self.hit[:b].clone())
+        return Proposals(tokens, q, deterministic, self.hit[:b].clone(), self.lengths[:b].tolist())
 
 
 def put(buf, x):
@@ -222,7 +232,8 @@ class SpeculatorProcess:
                  spin: float = 0.0, per_row: bool = False):
         # q crosses when a row may sample: at a temperature > 0, or whenever rows bring their
         # own (per_row: a server's requests)
-        self.ch = Channel(b, cfg.K, V, send_q=cfg.temperature > 0 or per_row, pin=pin, spin=spin)
+        self.ch = Channel(b, cfg.spec.K, V, send_q=cfg.temperature > 0 or per_row, pin=pin,
+                          spin=spin)
         ctx = mp.get_context("spawn")
         self.inbox, self.errors = ctx.Queue(), ctx.Queue()
         self.ch.pin_here()
@@ -312,10 +323,9 @@ def speculator_main(cfg: DraftConfig, threads, ch: Channel, inbox, errors):
             # which set_device needs: check_device names the GPU it means
             torch.cuda.set_device(check_device(cfg.device))
         ch.pin_here()
-        spec = load_draft(cfg)
         # pre-speculation stops when the outcome arrives: the verifier must not wait for branches
-        # it will not use (draft.Speculator.respond finishes the one that hit)
-        spec.arrived = lambda step: bool(ch.posted[0])
+        # it will not use (draft.Speculator.respond completes the one that hit)
+        spec = load_draft(cfg, arrived=lambda step: bool(ch.posted[0]))
         ch.loaded.release()
         parent = mp.parent_process()
         rows, handled = [], 0  # the running rows; controls handled so far

@@ -22,137 +22,15 @@ Reading order (the same in the README and docs/design.md; tests/test_docs.py kee
     serving     serve.py, protocol.py, metrics.py
     measuring   bench.py, bench_report.py, bench_serve.py
 """
+from __future__ import annotations  # the rounds come first; what they record, Output, after
+
 import time
 
 import torch
 
 from draft import Proposals
 from devices import device_index, sync, to_device, to_host
-
-
-class Output:
-    """Every mode's output: tokens per row, cut at EOS (kept) or the row's max_new_tokens inside a
-    round. Rows are added as they join (`add`); a row's number is its place in every side's lists.
-    A row's EOS ends it only once the row is longer than its eos_after (a server's min_tokens, or
-    max_new_tokens for ignore_eos): before, the EOS is kept and the row goes on. Which tokens are
-    drawn never changes: only where the row stops, so SD and SSD stay exact as they are.
-    stream(row, tokens_so_far) is called as tokens are accepted; it may return True to end the row
-    there (a stop string)."""
-
-    def __init__(self, eos_ids, K, stream=None):
-        self.tokens, self.done, self.max_new, self.eos_after = [], [], [], []
-        self.eos, self.stream = set(eos_ids), stream
-        self.rounds, self.row_rounds, self.accepted, self.proposed = 0, 0, 0, 0
-        self.new_tokens = 0  # every row's, including rows whose tokens were dropped (`forget`)
-        self.hist = [0] * (K + 1)  # rounds that accepted n = 0..K tokens
-        self.tok_hit = self.rounds_hit = self.tok_miss = self.rounds_miss = 0
-        self.verify_s = 0.0  # the target's verifications (the theory's c against SD's and AR's)
-        self.capture_s = 0.0  # CUDA graph captures, left out of the decode time (Captures)
-
-    def add(self, max_new_tokens: list[int], eos_after: list[int] | None = None) -> list[int]:
-        """New rows, one per max_new_tokens (eos_after: each row's, default 0); -> their
-        numbers."""
-        first = len(self.tokens)
-        self.tokens += [[] for _ in max_new_tokens]
-        self.done += [False] * len(max_new_tokens)
-        self.max_new += list(max_new_tokens)
-        self.eos_after += list(eos_after or [0] * len(max_new_tokens))
-        return list(range(first, len(self.tokens)))
-
-    def forget(self, row):
-        """Drop a row's tokens once its reader has them (a server runs for ever)."""
-        self.tokens[row] = None
-
-    def ended_at_eos(self, row, tokens) -> bool:
-        """Whether an EOS ends the row whose tokens (so far) these are."""
-        return bool(tokens) and tokens[-1] in self.eos and len(tokens) > self.eos_after[row]
-
-    def emit(self, row, new) -> bool:
-        """Append tokens to a row; returns True when the row is done."""
-        out = self.tokens[row]
-        for x in new:
-            out.append(x)
-            self.new_tokens += 1
-            if self.ended_at_eos(row, out) or len(out) >= self.max_new[row]:
-                self.done[row] = True
-                break
-        if self.stream and self.stream(row, out):
-            self.done[row] = True
-        return self.done[row]
-
-    def first(self, rows, t0) -> list[int]:
-        """Emit the new rows' first tokens (from the verifier's prefill); returns the rows done."""
-        return [r for r, t in zip(rows, to_host(t0)) if self.emit(r, [t])]
-
-    def round(self, rows, tokens, n, t, hit=None) -> list[int]:
-        """Record one verified round (x_1..x_n and t per row); returns the rows that finished."""
-        self.rounds += 1
-        K = tokens.shape[1]
-        # one read of the round's outcome and proposals: [b, 2 + K] = n, t, x_1..x_K per row
-        host = to_host(torch.cat([n[:, None], t[:, None], to_device(tokens, n.device)], 1))
-        hit = None if hit is None else hit.tolist()  # a host tensor
-        finished = []
-        for i, r in enumerate(rows):
-            n_i, t_i, x = host[i][0], host[i][1], host[i][2:]
-            self.row_rounds += 1
-            self.accepted += n_i
-            self.proposed += K
-            self.hist[n_i] += 1
-            if hit is not None and hit[i]:
-                self.tok_hit, self.rounds_hit = self.tok_hit + n_i + 1, self.rounds_hit + 1
-            elif hit is not None:
-                self.tok_miss, self.rounds_miss = self.tok_miss + n_i + 1, self.rounds_miss + 1
-            if self.emit(r, x[:n_i] + [t_i]):
-                finished.append(r)
-        return finished
-
-    def stats(self, mode, prefill_s, decode_s):
-        b, new = len(self.tokens), self.new_tokens
-        s = {"mode": mode, "batch": b, "new_tokens": new, "prefill_seconds": prefill_s,
-             "decode_seconds": decode_s,
-             # the first token of each row comes from the prefill; decode speed counts the rest
-             "decode_tok_s": (new - b) / decode_s if decode_s > 0 else 0.0,
-             "rounds": self.rounds, "verify_seconds": self.verify_s,
-             "capture_seconds": self.capture_s,
-             "mean_tokens_per_round": (new - b) / self.row_rounds if self.row_rounds else 0.0,
-             "acceptance_rate": self.accepted / self.proposed if self.proposed else 0.0,
-             "accept_len_histogram": self.hist}
-        if mode == "ssd":
-            s["tokens_per_round_hit"] = self.tok_hit / self.rounds_hit if self.rounds_hit else 0.0
-            s["tokens_per_round_miss"] = (self.tok_miss / self.rounds_miss if self.rounds_miss
-                                          else 0.0)
-        return s
-
-
-# --------------------------------------------------------------------------------------------------
-# The clocks: what counts as prefill and as decoding on a GPU
-
-def wait_for_devices(*results):
-    """Wait until the devices of the prefills' results (None: a side with nothing here) have run
-    them: GPU kernels run after the host queued them, and the prefill clock must not stop first."""
-    for x in results:
-        if x is not None:
-            sync(x.device)
-
-
-class Captures:
-    """The seconds some sides (verifier, drafter, speculator; each has capture_seconds()) spent
-    capturing CUDA graphs, read as increments. Each new shape's first step captures one (an eager
-    run, the capture, syncs, the allocator's cache emptied): set-up, slower than many steps, which
-    the decode clock leaves out and Output reports apart."""
-
-    def __init__(self, *sides):
-        self.sides = sides
-        self.seen = self.total()
-
-    def total(self) -> float:
-        return sum(side.capture_seconds() for side in self.sides)
-
-    def take(self) -> float:
-        """The seconds captured since the last take (or since this was made)."""
-        total = self.total()
-        new, self.seen = total - self.seen, total
-        return new
+from spec_cache import acceptance_trials
 
 
 # --------------------------------------------------------------------------------------------------
@@ -161,10 +39,11 @@ class Captures:
 def sd_round(verifier, drafter, rows):
     """One SD round for `rows`; returns the proposals, the outcome (n, t) and the seconds the
     verification took."""
-    p = drafter.draft(rows)  # 1. the draft proposes x_1..x_K, one step at a time (the target waits)
-    # 2. one target forward over [r, x_1..x_K] gives p_0..p_K; accept x_1..x_n, draw the bonus t
+    p = drafter.draft(rows)  # 1. the draft proposes up to K tokens, one step at a time (the
+    #    target waits)
+    # 2. one target forward over [r, x_1..x_L] gives p_0..p_L; accept x_1..x_n, draw the bonus t
     captures, start = Captures(verifier), time.perf_counter()
-    n, t = verifier.verify(rows, p.tokens, p.q, p.deterministic)
+    n, t = verifier.verify(rows, p.tokens, p.q, p.deterministic, p.lengths)
     # verify reads n on the host: the device is done; a graph it captured is not verification
     verify_s = time.perf_counter() - start - captures.take()
     drafter.commit(rows, n, t)  # 3. the draft follows: its cache keeps the accepted prefix
@@ -181,7 +60,7 @@ class NoDraft:
         b = len(rows)
         return Proposals(torch.zeros(b, 0, dtype=torch.long, device="cpu"), None,
                          torch.ones(b, dtype=torch.bool, device="cpu"),
-                         torch.zeros(b, dtype=torch.bool, device="cpu"))
+                         torch.zeros(b, dtype=torch.bool, device="cpu"), [0] * b)
 
     def commit(self, rows, n, t):
         pass
@@ -247,7 +126,7 @@ class SDRounds:
     def round(self):
         p, n, t, verify_s = sd_round(self.verifier, self.drafter, self.rows)
         self.out.verify_s += verify_s
-        self.out.round(self.rows, p.tokens, n, t)
+        self.out.round(self.rows, p, n, t)
         self.out.capture_s += self.captures.take()
 
 
@@ -258,7 +137,14 @@ def ssd_round(verifier, speculator, rows, n, t, round_s):
     """One SSD round for `rows`, given the previous round's outcome (n, t) and the seconds the
     verifier spent on that round (verification and bookkeeping: the time pre-speculation had).
     Returns the proposals, the new outcome (n, t), the seconds the verifier waited for the
-    speculator, and the time this verification started."""
+    speculator, and the time this verification started.
+
+    In two processes (channel.SpeculatorProcess) the same three steps overlap:
+        verifier:     post (n, t) | wait | verify round k+1 ..................| post (n, t) ...
+        speculator:   ........... | answer (hit or fallback) | pre-speculate round k+2 | answer
+    `respond` posts the outcome and waits for the answer; the speculator's process sends the
+    proposals, then pre-speculates (its `pre_speculate` here is a no-op) while this process
+    verifies, and stops early if the next outcome arrives first."""
     start = time.perf_counter()
     # 1. the outcome arrives: a hit answers from the branch pre-drafted for it, a miss asks the
     #    fallback
@@ -267,7 +153,7 @@ def ssd_round(verifier, speculator, rows, n, t, round_s):
     #    runs in the speculator's process, during step 3)
     speculator.pre_speculate(rows)
     wait_s, start = time.perf_counter() - start, time.perf_counter()
-    n, t = verifier.verify(rows, p.tokens, p.q, p.deterministic)  # 3. as in sd_round
+    n, t = verifier.verify(rows, p.tokens, p.q, p.deterministic, p.lengths)  # 3. as in SD
     return p, n, t, wait_s, start
 
 
@@ -340,4 +226,134 @@ class SSDRounds:
         self.wait, self.out.capture_s = (self.wait + wait_s - stalled,
                                          self.out.capture_s + stalled + own)
         self.out.verify_s += time.perf_counter() - self.verify_start - own
-        self.out.round(self.rows, p.tokens, self.n, self.t, p.hit)
+        self.out.round(self.rows, p, self.n, self.t)
+
+
+# --------------------------------------------------------------------------------------------------
+# What the rounds record: tokens, counters, and the clocks
+
+class Output:
+    """Every mode's output: tokens per row, cut at EOS (kept) or the row's max_new_tokens inside a
+    round. Rows are added as they join (`add`); a row's number is its place in every side's lists.
+    A row's EOS ends it only once the row is longer than its eos_after (a server's min_tokens, or
+    max_new_tokens for ignore_eos): before, the EOS is kept and the row goes on. Which tokens are
+    drawn never changes: only where the row stops, so SD and SSD stay exact as they are.
+    stream(row, tokens_so_far) is called as tokens are accepted; it may return True to end the row
+    there (a stop string)."""
+
+    def __init__(self, eos_ids, K, stream=None):
+        self.tokens, self.done, self.max_new, self.eos_after = [], [], [], []
+        self.eos, self.stream = set(eos_ids), stream
+        self.rounds, self.row_rounds, self.accepted, self.proposed = 0, 0, 0, 0
+        self.trials = 0  # spec_cache.acceptance_trials summed: accepted / trials is a's estimate
+        self.new_tokens = 0  # every row's, including rows whose tokens were dropped (`forget`)
+        self.hist = [0] * (K + 1)  # rounds that accepted n = 0..K tokens (K: the most proposed)
+        self.tok_hit = self.rounds_hit = self.tok_miss = self.rounds_miss = 0
+        self.verify_s = 0.0  # the target's verifications (the theory's c against SD's and AR's)
+        self.capture_s = 0.0  # CUDA graph captures, left out of the decode time (Captures)
+
+    def add(self, max_new_tokens: list[int], eos_after: list[int] | None = None) -> list[int]:
+        """New rows, one per max_new_tokens (eos_after: each row's, default 0); -> their
+        numbers."""
+        first = len(self.tokens)
+        self.tokens += [[] for _ in max_new_tokens]
+        self.done += [False] * len(max_new_tokens)
+        self.max_new += list(max_new_tokens)
+        self.eos_after += list(eos_after or [0] * len(max_new_tokens))
+        return list(range(first, len(self.tokens)))
+
+    def forget(self, row):
+        """Drop a row's tokens once its reader has them (a server runs for ever)."""
+        self.tokens[row] = None
+
+    def ended_at_eos(self, row, tokens) -> bool:
+        """Whether an EOS ends the row whose tokens (so far) these are."""
+        return bool(tokens) and tokens[-1] in self.eos and len(tokens) > self.eos_after[row]
+
+    def emit(self, row, new) -> bool:
+        """Append tokens to a row; returns True when the row is done."""
+        out = self.tokens[row]
+        for x in new:
+            out.append(x)
+            self.new_tokens += 1
+            if self.ended_at_eos(row, out) or len(out) >= self.max_new[row]:
+                self.done[row] = True
+                break
+        if self.stream and self.stream(row, out):
+            self.done[row] = True
+        return self.done[row]
+
+    def first(self, rows, t0) -> list[int]:
+        """Emit the new rows' first tokens (from the verifier's prefill); returns the rows done."""
+        return [r for r, t in zip(rows, to_host(t0)) if self.emit(r, [t])]
+
+    def round(self, rows, p: Proposals, n, t) -> list[int]:
+        """Record one verified round (x_1..x_n and t per row; p: its proposals); returns the rows
+        that finished."""
+        self.rounds += 1
+        # one read of the round's outcome and proposals: [b, 2 + W] = n, t, x_1..x_W per row
+        host = to_host(torch.cat([n[:, None], t[:, None], to_device(p.tokens, n.device)], 1))
+        hit = p.hit.tolist()  # a host tensor (SSD's; all False in SD)
+        finished = []
+        for i, (r, L) in enumerate(zip(rows, p.lengths)):
+            n_i, t_i, x = host[i][0], host[i][1], host[i][2:]
+            self.row_rounds += 1
+            self.accepted += n_i
+            self.proposed += L
+            self.trials += acceptance_trials(n_i, L)
+            self.hist[n_i] += 1
+            if hit[i]:
+                self.tok_hit, self.rounds_hit = self.tok_hit + n_i + 1, self.rounds_hit + 1
+            else:
+                self.tok_miss, self.rounds_miss = self.tok_miss + n_i + 1, self.rounds_miss + 1
+            if self.emit(r, x[:n_i] + [t_i]):
+                finished.append(r)
+        return finished
+
+    def stats(self, mode, prefill_s, decode_s):
+        b, new = len(self.tokens), self.new_tokens
+        s = {"mode": mode, "batch": b, "new_tokens": new, "prefill_seconds": prefill_s,
+             "decode_seconds": decode_s,
+             # the first token of each row comes from the prefill; decode speed counts the rest
+             "decode_tok_s": (new - b) / decode_s if decode_s > 0 else 0.0,
+             "rounds": self.rounds, "verify_seconds": self.verify_s,
+             "capture_seconds": self.capture_s,
+             "mean_tokens_per_round": (new - b) / self.row_rounds if self.row_rounds else 0.0,
+             "acceptance_rate": self.accepted / self.proposed if self.proposed else 0.0,
+             "proposed_tokens": self.proposed, "acceptance_trials": self.trials,
+             "accept_len_histogram": self.hist}
+        if mode == "ssd":
+            s["tokens_per_round_hit"] = self.tok_hit / self.rounds_hit if self.rounds_hit else 0.0
+            s["tokens_per_round_miss"] = (self.tok_miss / self.rounds_miss if self.rounds_miss
+                                          else 0.0)
+        return s
+
+
+# The clocks: what counts as prefill and as decoding on a GPU
+
+def wait_for_devices(*results):
+    """Wait until the devices of the prefills' results (None: a side with nothing here) have run
+    them: GPU kernels run after the host queued them, and the prefill clock must not stop first."""
+    for x in results:
+        if x is not None:
+            sync(x.device)
+
+
+class Captures:
+    """The seconds some sides (verifier, drafter, speculator; each has capture_seconds()) spent
+    capturing CUDA graphs, read as increments. Each new shape's first step captures one (an eager
+    run, the capture, syncs, the allocator's cache emptied): set-up, slower than many steps, which
+    the decode clock leaves out and Output reports apart."""
+
+    def __init__(self, *sides):
+        self.sides = sides
+        self.seen = self.total()
+
+    def total(self) -> float:
+        return sum(side.capture_seconds() for side in self.sides)
+
+    def take(self) -> float:
+        """The seconds captured since the last take (or since this was made)."""
+        total = self.total()
+        new, self.seen = total - self.seen, total
+        return new

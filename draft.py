@@ -8,11 +8,10 @@ real outcome arrives, answer from the speculation cache (a hit) or from a fallba
 decides from that (clocks, the gate, the budget B, b*, each row's fan-out) is
 spec_policy.SpecPolicy's.
 
-Invariant: a row's KV cache holds every committed token except its `pending` ones, then the
-proposals under verification that the draft has fed. In SD that is the committed tokens but the last
-bonus t (and x_K after an all-accepted round), then x_1..x_{K-1}; in SSD, pending also holds
-proposals not fed yet: x_K, all of a fast backup's (`Row` says what each field holds, phase by
-phase).
+Invariant: a row's KV cache holds a prefix of its committed tokens + its proposals under
+verification; the rest is unfed (`Drafter.unfed`), and the next forward feeds it first. In SD that
+is the last bonus t (and the last proposal after an all-accepted round); in SSD also proposals not
+fed yet: the last one, all of a fast backup's. `Row` says what each field holds.
 """
 import numbers
 import time
@@ -36,16 +35,61 @@ from spec_policy import SpecPolicy
 
 @dataclass
 class Proposals:
-    """One round's proposals for b rows: what the verifier needs to test them exactly."""
-    tokens: torch.Tensor         # [b, K] x_1..x_K
-    q: torch.Tensor | None       # [b, K, V] the law each x_i was drawn from (q or Saguaro's q');
+    """One round's proposals for b rows: what the verifier needs to test them exactly. Row i
+    proposes lengths[i] <= K tokens (K when every row drafts to the end; fewer where the draft
+    stopped early, DraftSettings.confidence); its tokens past that are padding, never tested."""
+    tokens: torch.Tensor         # [b, W] x_1..x_W, W = the longest row's length (<= K)
+    q: torch.Tensor | None       # [b, W, V] the law each x_i was drawn from (q or Saguaro's q');
                                  #   None when every row is greedy: the test reads the tokens
     deterministic: torch.Tensor  # [b] bool: not drawn from q (greedy, n-gram, random): one-hot test
     hit: torch.Tensor            # [b] bool: answered from the speculation cache
+    lengths: list[int]           # each row's proposal length (host data: it crosses as a list)
 
 
 # row_seed's streams of a row's draft-side draws (verify.py's is 0)
 NOISE_STREAM, RANDOM_STREAM = 1, 2
+PRE_SPEC = ("always", "auto", "never")  # never: the control that prices the process split alone
+
+
+@dataclass(frozen=True)
+class DraftSettings:
+    """How the draft side proposes: generate()'s draft parameters in one object, handed unchanged
+    to the Drafter or Speculator, the speculator's process and bench.py (which sweeps any field by
+    name). Checked once, here. The fields from fan_out on are SSD's."""
+    K: int = 4                  # the most draft tokens a round proposes (a row may stop sooner)
+    # stop a row's proposal after the first token the draft gives a probability below this (its
+    # own law at T > 0, the temperature-1 softmax at T = 0), as transformers' assisted generation's
+    # assistant_confidence_threshold does; 0: always K. Exact either way: where a row stops is the
+    # draft's business, and the verifier tests what it proposed
+    confidence: float = 0.0
+    fan_out: str | list = "geometric"  # the rule (spec_cache.FAN_OUTS), or F_0..F_K given
+    budget: int = 8             # the ceiling of B = sum_j F_j, branches per row per round: B
+                                # adapts below it to the time a round has (SpecPolicy)
+    saguaro_c: float = 1.0      # C: Saguaro's down-weighting of the likely bonus tokens
+    fallback: str = "auto"      # on a miss: "neural", "ngram", "random" or "auto" (by b*)
+    fast_fallback: str = "ngram"  # the backup "auto" switches to at batch sizes >= b*
+    pre_spec: str = "always"    # "auto": only while it measures faster (PreSpecGate);
+                                # "never": SD's schedule across the two processes
+    fixed_budget: bool = False  # B stays `budget` (experiments); else it adapts to time
+
+    def __post_init__(self):
+        if not isinstance(self.K, numbers.Integral) or not 1 <= self.K <= 64:
+            raise ValueError(f"k={self.K} is impossible: use 1 <= k <= 64 draft tokens per round")
+        if not 0 <= self.confidence < 1:
+            raise ValueError(f"confidence={self.confidence}: use a probability in [0, 1) "
+                             f"(0: the draft always proposes K tokens)")
+        if self.budget < 1:
+            raise ValueError(f"budget={self.budget}: the fan-out budget B must be >= 1")
+        if not 0 <= self.saguaro_c <= 1:
+            raise ValueError(f"saguaro_c={self.saguaro_c}: C must be in [0, 1]")
+        if self.fallback not in POLICIES:
+            raise ValueError(f"fallback={self.fallback!r}: use {', '.join(POLICIES)}")
+        if self.pre_spec not in PRE_SPEC:
+            raise ValueError(f"pre_spec={self.pre_spec!r}: use {', '.join(PRE_SPEC)}")
+        fan_out = check_fan_out(self.fan_out, self.K)
+        object.__setattr__(self, "fan_out", fan_out)  # normalised once (frozen: never after)
+        if isinstance(fan_out, list):
+            object.__setattr__(self, "budget", sum(fan_out))  # an explicit one is its own budget
 
 
 def greedy(temperature) -> bool:
@@ -81,49 +125,79 @@ def draw(logits, temperature, noise, f=None, c=1.0):
 
 @dataclass
 class Drafted:
-    """Draft steps taken so far for a batch of sequences. Step i < K feeds one token per sequence
-    (its `first` tokens at i = 0, then x_i) and draws x_{i+1}; x_K is not fed here (the caller's
-    next forward feeds it). SSD's pre-speculation may stop after any step and finish a branch
-    later."""
-    tokens: list = field(default_factory=list)  # per step i < K: x_{i+1} [b]
-    q: list = field(default_factory=list)       # per step i < K: the law x_{i+1} came from [b, V]
-    guess_probs: list = field(default_factory=list)  # per step i < K: `draw`'s guess_probs [b, V]
+    """Draft steps taken so far for a batch of sequences. Step i feeds one token per sequence still
+    drafting (its `first` tokens at i = 0, then x_i) and draws x_{i+1}; a proposal's last token is
+    not fed here (the caller's next forward feeds it). A sequence stops after K tokens, or sooner
+    (`ended`); SSD's pre-speculation may stop every sequence after any step and go on later."""
+    tokens: list = field(default_factory=list)  # per step i: x_{i+1} [b] (0 where ended)
+    q: list = field(default_factory=list)       # per step i: the law x_{i+1} came from [b, V]
+    guess_probs: list = field(default_factory=list)  # per step i: `draw`'s guess_probs [b, V]
+    ended: list = field(default_factory=list)   # per sequence: its proposal length once it stopped
+                                                #   early, else None
 
     @property
     def steps(self) -> int:
         return len(self.tokens)
 
-    def rows(self, idx) -> "Drafted":
+    def drafting(self) -> list[int]:
+        """The sequences still drafting."""
+        return [s for s, e in enumerate(self.ended) if e is None]
+
+    def lengths(self) -> list[int]:
+        """Each sequence's proposal length so far."""
+        return [self.steps if e is None else e for e in self.ended]
+
+    def rows(self, idx, which: list[int]) -> "Drafted":
+        """These sequences' steps (idx: their positions as a device index, which: on the host)."""
         return Drafted([x[idx] for x in self.tokens], [x[idx] for x in self.q],
-                       [x[idx] for x in self.guess_probs])
+                       [x[idx] for x in self.guess_probs], [self.ended[s] for s in which])
 
     def stack(self):
-        """-> tokens [b, K], q [b, K, V], guess_probs [b, steps, V]."""
+        """-> tokens [b, W], q [b, W, V], guess_probs [b, W, V], lengths (b ints), W the longest
+        length (the steps taken)."""
         return (torch.stack(self.tokens, 1), torch.stack(self.q, 1),
-                torch.stack(self.guess_probs, 1))
+                torch.stack(self.guess_probs, 1), self.lengths())
 
 
-def draft_k(model: Transformer, cache: PagedKVCache, seqs, first, K, temperature, noise,
-            F=None, c=1.0, stop=None, done: Drafted | None = None, of=None) -> Drafted:
-    """Feed each sequence its `first` tokens (a list per row, e.g. [t] or [x_K, t]), then draft K
-    tokens one step at a time, all rows together. temperature: one float, or a tensor [b]; noise
-    [n, K, V]: what step i draws with (noise[:, i]; None when greedy), row of[s] of it for
-    sequence s (a LongTensor [b]: SSD's branches share their row's; None: row s). With F (K ints)
-    and C < 1, step i samples from Saguaro's q' (its set: the top F[i] + 1 tokens); stop(step) ->
-    True ends the drafting before that step (SSD: the verifier's outcome arrived); done continues
-    an earlier call's steps."""
-    d = done if done is not None else Drafted()
-    while d.steps < K and not (stop is not None and stop(d.steps)):
-        i = d.steps
+def draft_k(model: Transformer, cache: PagedKVCache, seqs, first, K, temperature, noise, *,
+            F=None, c=1.0, confidence=0.0, stop=None, done: Drafted | None = None,
+            of=None) -> Drafted:
+    """Feed each sequence its `first` tokens (a list per row, e.g. [t] or [x_K, t]), then draft up
+    to K tokens one step at a time, the sequences still drafting together. temperature: one float,
+    or a tensor [b]; noise [n, K, V]: what step i draws with (noise[:, i]; None when greedy), row
+    of[s] of it for sequence s (a LongTensor [b]: SSD's branches share their row's; None: row s).
+    With F (K ints) and C < 1, step i samples from Saguaro's q' (its set: the top F[i] + 1
+    tokens). confidence > 0: a sequence stops after a token its guess_probs give less (one read
+    of them on the host per step). stop(step) -> True ends the drafting before that step (SSD:
+    the verifier's outcome arrived); done continues an earlier call's steps."""
+    d = done if done is not None else Drafted(ended=[None] * len(seqs))
+    while d.steps < K and d.drafting() and not (stop is not None and stop(d.steps)):
+        i, live = d.steps, d.drafting()
+        every = len(live) == len(seqs)
+        at = None if every else device_index(live, model.device)  # the live rows' positions
         if i == 0:
             step_in, counts = [x for f in first for x in f], [len(f) for f in first]
         else:
-            step_in, counts = d.tokens[i - 1], [1] * len(seqs)
-        logits = model.forward_cached(cache, seqs, step_in, counts, last_only=True)  # [b, V]
-        e = None if noise is None else noise[:, i]                                 # [n, V]
-        e = e.index_select(0, of) if e is not None and of is not None else e        # [b, V]
-        x, q, probs = draw(logits, temperature, e, None if F is None else F[i], c)
+            step_in, counts = d.tokens[i - 1], [1] * len(live)
+            step_in = step_in if every else step_in.index_select(0, at)
+        logits = model.forward_cached(cache, [seqs[s] for s in live], step_in, counts,
+                                      last_only=True)                          # [live, V]
+        e = None if noise is None else noise[:, i]                             # [n, V]
+        e = e.index_select(0, of) if e is not None and of is not None else e    # [b, V]
+        T = temperature
+        if not every:
+            e = None if e is None else e.index_select(0, at)                   # [live, V]
+            T = T.index_select(0, at) if isinstance(T, torch.Tensor) else T
+        x, q, probs = draw(logits, T, e, None if F is None else F[i], c)
+        if not every:  # back to one slot per sequence; the ended ones' are never read
+            x = x.new_zeros(len(seqs)).index_copy_(0, at, x)
+            q = q.new_zeros(len(seqs), q.shape[-1]).index_copy_(0, at, q)
+            probs = probs.new_zeros(len(seqs), probs.shape[-1]).index_copy_(0, at, probs)
         d.tokens.append(x), d.q.append(q), d.guess_probs.append(probs)
+        if confidence > 0 and i + 1 < K:
+            sure = to_host(probs.gather(1, x[:, None]).squeeze(1) >= confidence)
+            for s in live:
+                d.ended[s] = None if sure[s] else i + 1
     return d
 
 
@@ -132,17 +206,16 @@ class Row:
     """One sequence on the draft side: everything the draft keeps about it (so a row can join or
     leave the batch alone). docs/design.md section 3 traces one row through the phases.
 
-    The cache holds history minus pending, then the proposals already fed; q_j below is
-    guess_probs_from_logits after history + x_1..x_j: what the bonus guesses at depth j rank by."""
-    seq: int | None        # its sequence in the draft's KV cache (None once finished)
+    Its KV cache always holds a prefix of history + proposed; the rest is what the next forward
+    feeds first (Drafter.unfed). In SD that is the committed tokens but the last bonus t (and the
+    last proposal after an all-accepted round); in SSD also proposals not fed yet (the last one;
+    all of a fast backup's)."""
+    seq: int | None        # its sequence in the draft's KV cache (None once released)
     history: list[int]     # committed tokens: prompt + output
-    # what the next forward feeds first: committed tokens the cache lacks (t; x_K after an
-    # all-accepted SD round); in SSD also proposals not fed yet (x_K; all of a fast backup's)
-    pending: list[int] = field(default_factory=list)
-    proposed: list[int] = field(default_factory=list)  # x_1..x_K being verified; [] at first
-    # SSD only: q_0..q_{d-1} [d, V], one per prefix the cache has fed: d = 1 after the prefill
-    # (no proposals), K after drafting (x_K not fed), None after a fast backup (t not fed
-    # either), K + 1 once pre-speculation feeds the pending tokens: what its guesses rank by
+    proposed: list[int] = field(default_factory=list)  # x_1..x_L being verified ([] in between)
+    # SSD only: q_0..q_m, the draft's guess_probs after history + x_1..x_j for every j whose
+    # prefix the cache has fed (m = cached tokens - len(history)): what its guesses at depth j
+    # rank by. None while the cache lacks a committed token (after a fast backup proposed)
     guess_probs: torch.Tensor | None = None
     fast_backup: bool = False  # a fast backup (n-gram, random) proposed: it sets a for the fan-out
     temperature: float = 0.0   # the row's own
@@ -150,14 +223,25 @@ class Row:
     drafts: int = 0            # proposal sets made for it so far: the next one's index d
     gen: torch.Generator | None = None  # reseeded for each of its draws (Drafter.noise)
 
+    def take(self, proposed: list[int], guess_probs=None, fast_backup=False):
+        """New proposals for the round about to be verified (the draft's, a branch's or a fast
+        backup's), with the guess_probs the cache now has for them."""
+        self.proposed, self.guess_probs, self.fast_backup = proposed, guess_probs, fast_backup
+        self.drafts += 1
+
+    def commit(self, n: int, t: int):
+        """The outcome (n accepted, bonus t): history grows by x_1..x_n, t; nothing is proposed."""
+        self.history += self.proposed[:n] + [t]
+        self.proposed = []
+
 
 class Drafter:
-    """Plain speculative decoding's draft: prefill, draft K tokens, follow the verifier's
+    """Plain speculative decoding's draft: prefill, draft up to K tokens, follow the verifier's
     outcome."""
 
-    def __init__(self, model: Transformer, K: int, temperature: float, seed: int, kv_tokens: int,
-                 block_size=16, prefix_caching=False):
-        self.model, self.K, self.temperature = model, K, temperature
+    def __init__(self, model: Transformer, spec: DraftSettings, temperature: float, seed: int,
+                 kv_tokens: int, *, block_size=16, prefix_caching=False):
+        self.model, self.spec, self.K, self.temperature = model, spec, spec.K, temperature
         # its own prefix cache (kv_cache.py): a prompt's blocks the draft has, whatever the target's
         self.cache = model.new_cache(kv_tokens, block_size, prefix_caching=prefix_caching)
         self.seeds = torch.Generator().manual_seed(seed)  # of rows that give no seed
@@ -181,6 +265,10 @@ class Drafter:
         self.rows += new
         return guess_probs_from_logits(logits, row_temperatures(temps, logits.device))
 
+    def unfed(self, row: Row) -> list[int]:
+        """The tokens of history + proposed that the row's cache does not hold yet."""
+        return (row.history + row.proposed)[self.cache.length(row.seq):]
+
     def temperature_of(self, rows):
         """The temperature argument for these rows (saguaro_sample.row_temperatures)."""
         return row_temperatures([self.rows[r].temperature for r in rows], self.model.device)
@@ -197,36 +285,37 @@ class Drafter:
                                                       self.rows[r].drafts)) for r in rows]
         return exp_noise((len(rows), self.K, self.V), gens)
 
+    def draft_rows(self, rows, *, F=None) -> Drafted:
+        """Up to K tokens for each of the rows, from their committed tokens (what they have not fed
+        goes in first), with their noise; F: Saguaro's sets (SSD)."""
+        return draft_k(self.model, self.cache, [self.rows[r].seq for r in rows],
+                       [self.unfed(self.rows[r]) for r in rows], self.K, self.temperature_of(rows),
+                       self.noise(rows), F=F, c=self.spec.saguaro_c,
+                       confidence=self.spec.confidence)
+
     def draft(self, rows: list[int]) -> Proposals:
-        """Draft K tokens for the given rows (in SD the verifier waits for this)."""
-        T = self.temperature_of(rows)
-        tok, q, _ = draft_k(self.model, self.cache, [self.rows[r].seq for r in rows],
-                            [self.rows[r].pending for r in rows], self.K, T,
-                            self.noise(rows)).stack()
-        for r, proposed in zip(rows, to_host(tok)):
-            row = self.rows[r]
-            row.proposed, row.pending, row.drafts = proposed, [], row.drafts + 1  # fed by draft_k
-        b = len(rows)
-        return Proposals(tok, None if greedy(T) else q,
-                         torch.tensor([self.rows[r].temperature == 0 for r in rows], device="cpu"),
-                         torch.zeros(b, dtype=torch.bool, device="cpu"))
+        """Draft up to K tokens for the given rows (in SD the verifier waits for this)."""
+        tok, q, _, lengths = self.draft_rows(rows).stack()
+        for r, proposed, L in zip(rows, to_host(tok), lengths):
+            self.rows[r].take(proposed[:L])
+        greedy_rows = [self.rows[r].temperature == 0 for r in rows]
+        return Proposals(tok, None if all(greedy_rows) else q,
+                         torch.tensor(greedy_rows, device="cpu"),
+                         torch.zeros(len(rows), dtype=torch.bool, device="cpu"), lengths)
 
     def commit(self, rows, n, t):
         """Follow the outcome (n accepted, bonus t): the committed sequence grows by x_1..x_n, t.
-        The cache keeps the committed prefix it holds; the committed tokens it lacks (t, and x_K
-        when all K were accepted, since drafting never fed it) become pending."""
+        The cache keeps the committed prefix it holds; the committed tokens it lacks (t, and the
+        last proposal when all were accepted, since drafting never fed it) are unfed."""
         for r, (n_r, t_r) in zip(rows, to_host(torch.stack([n, t], 1))):
             row = self.rows[r]
-            keep = min(len(row.history) + n_r, self.cache.length(row.seq))
-            row.history += row.proposed[:n_r] + [t_r]
-            row.proposed = []
-            self.cache.truncate(row.seq, keep)
-            row.pending = row.history[keep:]
+            self.cache.truncate(row.seq, min(len(row.history) + n_r, self.cache.length(row.seq)))
+            row.commit(n_r, t_r)
 
-    def finish(self, rows):
+    def release(self, rows):
         """Free the KV of rows that ended (EOS or max_new_tokens), after registering the full
         blocks of their committed tokens (prefix caching: a chat's next turn starts with them).
-        The cache holds (history + proposed)[:length] in every phase (`Row`), so its first
+        The cache holds a prefix of history + proposed (`Row`), so its first
         min(len(history), length) tokens are committed."""
         for r in rows:
             row = self.rows[r]
@@ -242,7 +331,8 @@ class Drafter:
 
     def leave(self, rows):
         """Rows that left (done or cancelled): their KV freed now, their history dropped."""
-        self.finish([r for r in rows if self.rows[r] is not None and self.rows[r].seq is not None])
+        self.release([r for r in rows
+                      if self.rows[r] is not None and self.rows[r].seq is not None])
         for r in rows:
             self.rows[r] = None
 
@@ -258,36 +348,6 @@ class Drafter:
 # --------------------------------------------------------------------------------------------------
 # SSD: the speculator
 
-PRE_SPEC = ("always", "auto", "never")  # never: the control that prices the process split alone
-
-
-@dataclass
-class SSDConfig:
-    """SSD's knobs, checked once here (the names are generate()'s parameters)."""
-    K: int = 4                          # draft tokens per round
-    fan_out: str | list = "geometric"   # a rule of spec_cache.FAN_OUTS, or F_0..F_K
-    budget: int = 8                     # B = sum_j F_j: branches per sequence per round
-    saguaro_c: float = 1.0              # C: Saguaro's down-weighting of the likely bonus tokens
-    fallback: str = "auto"              # on a miss: "neural", "ngram", "random" or "auto" (by b*)
-    fast_fallback: str = "ngram"        # the backup "auto" switches to at batch sizes >= b*
-    pre_spec: str = "always"            # "auto": only while it measures faster (PreSpecGate);
-                                        # "never": SD's schedule across the two processes
-    fixed_budget: bool = False          # B stays `budget` (experiments); else it adapts to time
-
-    def __post_init__(self):
-        if self.budget < 1:
-            raise ValueError(f"budget={self.budget}: the fan-out budget B must be >= 1")
-        if not 0 <= self.saguaro_c <= 1:
-            raise ValueError(f"saguaro_c={self.saguaro_c}: C must be in [0, 1]")
-        if self.fallback not in POLICIES:
-            raise ValueError(f"fallback={self.fallback!r}: use {', '.join(POLICIES)}")
-        if self.pre_spec not in PRE_SPEC:
-            raise ValueError(f"pre_spec={self.pre_spec!r}: use {', '.join(PRE_SPEC)}")
-        self.fan_out = check_fan_out(self.fan_out, self.K)
-        if isinstance(self.fan_out, list):
-            self.budget = sum(self.fan_out)  # an explicit fan-out is its own budget
-
-
 @dataclass
 class Branches:
     """One round's pre-speculated branches, batched: branch m drafts the next round for one
@@ -295,8 +355,8 @@ class Branches:
     seqs: list[int]       # [M] forked KV sequences
     guess: list[int]      # [M] the bonus token each one guessed (its first input)
     drafted: Drafted      # their draft steps: K, or fewer if the outcome arrived first
-    prior: list[int]      # the F whose Saguaro sets they were drafted with (SpecPolicy.prior)
-    fan_outs: dict        # row -> the F_0..F_K its guesses used (the power-law fit reads F_n)
+    prior: list[int]      # the prior fan-out their Saguaro sets were drawn with (SpecPolicy.prior)
+    row_F: dict           # row -> the F_0..F_K its guesses used (the power-law fit reads F_n)
     owner: list[int]      # [M] the row each one drafts for
     noise: torch.Tensor | None  # [rows, K, V] the rows' noise (Drafter.noise), or None (greedy)
     of: list[int]         # [M] each one's row of `noise`: a row's branches share its noise
@@ -307,26 +367,24 @@ class Speculator(Drafter):
     speculation cache, adopt the branches that hit, roll back the rows that missed and let a
     fallback propose for them; then `pre_speculate` the next round's outcomes while the verifier
     works. What is measured and what it decides (timers, the gate, the budget B, b*, each row's
-    fan-out) is the SpecPolicy's (spec_policy.py)."""
+    fan-out) is the SpecPolicy's (spec_policy.py). arrived(step) -> bool: has the verifier's
+    outcome arrived (checked before each pre-speculation step; the speculator's process reads
+    the channel, channel.speculator_main)? By default never: in one process the verifier runs only
+    after pre_speculate returns."""
 
-    def __init__(self, model, ssd: SSDConfig, temperature, seed, kv_tokens, block_size=16,
-                 prefix_caching=False):
-        super().__init__(model, ssd.K, temperature, seed, kv_tokens, block_size, prefix_caching)
-        self.ssd = ssd
-        self.policy = SpecPolicy(ssd, ssd.K)
-        self.spec_cache = SpecCache(ssd.K)        # (row, n, t) -> branch index m
+    def __init__(self, model, spec: DraftSettings, temperature, seed, kv_tokens, *,
+                 block_size=16, prefix_caching=False, arrived=None):
+        super().__init__(model, spec, temperature, seed, kv_tokens, block_size=block_size,
+                         prefix_caching=prefix_caching)
+        self.policy = SpecPolicy(spec)
+        self.spec_cache = SpecCache(spec.K)       # (row, n, t) -> branch index m
         self.branches: Branches | None = None     # set by pre_speculate, used up by respond
-        self.finished = 0                         # branches finished alone after a stop
-
-    def arrived(self, step: int) -> bool:
-        """Has the verifier's outcome arrived? Checked before each pre-speculation step. In one
-        process the verifier runs only after pre_speculate returns: never. The speculator's process
-        looks at the channel instead (channel.speculator_main); tests force an arrival at a step."""
-        return False
+        self.completed = 0                        # branches completed alone after a stop
+        self.arrived = arrived or (lambda step: False)
 
     def add(self, prompts, first=None, temps=None, seeds=None):
         """As Drafter's, and each new row starts as after a prefill: round 0 proposes nothing, its
-        outcome will be (0, t0), and q0 [1, V] is what its guesses of t0 rank by. It has a branch
+        outcome will be (0, t0), and q_0 [1, V] is what its guesses of t0 rank by. It has a branch
         only if the caller pre-speculates for it (a batch starting from empty), so a row joining a
         running batch misses once: the fallback proposes its first round."""
         # [b, V]: the draft's guess of the verifier's first token
@@ -339,17 +397,18 @@ class Speculator(Drafter):
 
     def pre_speculate(self, rows):
         """Guess each row's outcome (j, t) of the round being verified, fork a branch per guess at
-        the committed prefix + j drafted tokens, feed t and draft K tokens for all branches of all
-        rows as one batch per step (K steps; x_K is not fed: the branch that hits feeds it in the
-        next round's feed_pending, with the other rows' pending tokens, rather than every branch
-        paying one more step). Stops early when the outcome arrives: `respond` then finishes only
-        the branch that hit. If the policy says no (the gate, or pre_spec "never"), nothing is
-        pre-speculated this round: the verifier works alone and every row misses."""
+        the committed prefix + j drafted tokens, feed t and draft up to K tokens for all branches
+        of all rows as one batch per step (a proposal's last token is not fed: the branch that
+        hits feeds it in the next round's feed_unfed, with the other rows' unfed tokens, rather
+        than every branch paying one more step). Stops early when the outcome arrives: `respond`
+        then completes only the branch that hit. If the policy says no (the gate, or pre_spec
+        "never"), nothing is pre-speculated this round: the verifier works alone and every row
+        misses."""
         if not self.policy.pre_speculate_now(len(rows)):
             return
         start = time.perf_counter()
-        self.feed_pending(rows)
-        owner, depth, guess, fan_outs = self.choose_guesses(rows)
+        self.feed_unfed(rows)
+        owner, depth, guess, row_F = self.choose_guesses(rows)
         seqs = [self.cache.fork(self.rows[r].seq, len(self.rows[r].history) + j)
                 for r, j in zip(owner, depth)]
         prior = self.policy.prior()  # a hit answers with the draft's proposals
@@ -361,49 +420,47 @@ class Speculator(Drafter):
         if seqs:
             drafted = draft_k(self.model, self.cache, seqs, [[g] for g in guess], self.K,
                               self.temperature_of(owner), noise, F=prior[:self.K],
-                              c=self.ssd.saguaro_c, stop=self.arrived,
-                              of=device_index(of, self.model.device))
-        self.branches = Branches(seqs, guess, drafted, prior, fan_outs, owner, noise, of)
+                              c=self.spec.saguaro_c, confidence=self.spec.confidence,
+                              stop=self.arrived, of=device_index(of, self.model.device))
+        self.branches = Branches(seqs, guess, drafted, prior, row_F, owner, noise, of)
         for m, (r, j, g) in enumerate(zip(owner, depth, guess)):
             self.spec_cache.put(r, j, g, m)
         self.policy.pre_speculated(time.perf_counter() - start,
-                                   stopped=bool(seqs) and drafted.steps < self.K)
+                                   stopped=bool(seqs) and bool(drafted.drafting())
+                                   and drafted.steps < self.K)
 
-    def feed_pending(self, rows):
-        """Feed, in one forward, the tokens of the proposals under verification that the draft has
-        not fed: a fast backup's [t, x_1..x_K], or x_K after neural drafting (which stops at x_K
-        so that the verifier gets it sooner). This caches their KV and completes q_0..q_K, what
-        the guesses rank by."""
-        todo = [r for r in rows if self.rows[r].pending]
+    def feed_unfed(self, rows):
+        """Feed, in one forward, the tokens the rows' caches lack: the last proposal after neural
+        drafting (which stops before feeding it, so that the verifier gets it sooner), all of a
+        fast backup's and the committed tokens before them. This caches their KV and completes
+        guess_probs: q_0..q_L, what the guesses at depths 0..L rank by."""
+        unfed = {r: self.unfed(self.rows[r]) for r in rows}
+        todo = [r for r in rows if unfed[r]]
         if not todo:
             return
-        counts = [len(self.rows[r].pending) for r in todo]
+        counts = [len(unfed[r]) for r in todo]
         logits = self.model.forward_cached(self.cache, [self.rows[r].seq for r in todo],
-                                           [x for r in todo for x in self.rows[r].pending], counts)
+                                           [x for r in todo for x in unfed[r]], counts)
         T = self.temperature_of([r for r, c in zip(todo, counts) for _ in range(c)])  # per token
         for r, new in zip(todo, guess_probs_from_logits(logits, T).split(counts)):
             row = self.rows[r]
             probs = new if row.guess_probs is None else torch.cat([row.guess_probs, new])
-            # after t, x_1..x_K: a fast backup's pending also holds earlier committed tokens when
-            # the last round pre-speculated nothing
-            row.guess_probs = probs[-(self.K + 1):]  # [K+1, V]
-            row.pending = []
+            row.guess_probs = probs[-(len(row.proposed) + 1):]  # [L+1, V]: after history + x_1..x_j
 
     def choose_guesses(self, rows):
         """Each row's guesses (j, t): its fan-out F_0..F_K, decided now by the policy with the
         row's proposals and probabilities in hand, then the top F_j tokens at each depth j
-        (spec_cache.select_guesses_batch). A row without proposals (round 0) has q_0 only: its
-        other depths are padded, and get no guesses. Returns per branch its row, depth j and
-        guess t, and each row's F."""
+        (spec_cache.select_guesses_batch). A row proposing L < K tokens (round 0: none) has q_0..q_L
+        only: its other depths are padded, and get no guesses. Returns per branch its row, depth
+        j and guess t, and each row's F."""
         K = self.K
         probs, drafted, F = [], [], []
         for r in rows:
             row = self.rows[r]
-            p = row.guess_probs                                      # [K+1, V], or [1, V]
-            probs.append(p if len(p) == K + 1 else
-                         torch.cat([p, p.new_zeros(K + 1 - len(p), p.shape[-1])]))
-            drafted.append(row.proposed or [-1] * K)                 # -1: nothing to exclude
-            F.append(self.policy.fan_out(p, row.proposed, row.fast_backup))
+            p = row.guess_probs                                      # [L+1, V]
+            probs.append(torch.cat([p, p.new_zeros(K + 1 - len(p), p.shape[-1])]))
+            drafted.append(row.proposed + [-1] * (K - len(row.proposed)))  # -1: nothing excluded
+            F.append(self.policy.row_fan_out(p, row.proposed, row.fast_backup))
         probs = torch.stack(probs)                                   # [b, K+1, V]
         x = to_device(torch.tensor(drafted, dtype=torch.long, device="cpu").view(len(rows), K),
                       probs.device)                                  # [b, K]
@@ -423,7 +480,7 @@ class Speculator(Drafter):
         outcome = to_host(torch.stack([n, t], 1))
         hits, misses = self.look_up(rows, outcome)
         self.roll_back([rows[i] for i in misses])
-        parts = []  # (row positions, tokens [m, K], q [m, K, V] or None): hits, then misses
+        parts = []  # (row positions, tokens [m, W], q [m, W, V] or None, lengths): hits, misses
         if hits:
             parts.append(([i for i, _ in hits], *self.adopt([(rows[i], m) for i, m in hits])))
         skipped = self.branches is None
@@ -431,16 +488,16 @@ class Speculator(Drafter):
         backup = None
         if misses:
             backup = self.propose_on_miss([rows[i] for i in misses], len(rows), skipped)
-            parts.append((misses, backup.tokens, backup.q))
+            parts.append((misses, backup.tokens, backup.q, backup.lengths))
         greedy_rows = [self.rows[r].temperature == 0 for r in rows]
-        tokens, q = in_row_order(parts, len(rows), None if all(greedy_rows) else self.V)
+        tokens, q, lengths = in_row_order(parts, len(rows), None if all(greedy_rows) else self.V)
         # deterministic: greedy, or a fast backup's rows (not sampled: tested one-hot)
         one_hot = set(misses) if backup is not None and backup.q is None else set()
         missed = set(misses)
         flags = [[greedy_rows[i] or i in one_hot, i not in missed] for i in range(len(rows))]
         deterministic, hit = torch.tensor(flags, device="cpu").unbind(1)  # on the host
         self.policy.answered(sum(n_r + 1 for n_r, _ in outcome))
-        return Proposals(tokens, q, deterministic, hit)
+        return Proposals(tokens, q, deterministic, hit, lengths)
 
     def look_up(self, rows, outcome):
         """Each row's outcome (n, t) in the cache (a round that pre-speculated nothing looks
@@ -451,10 +508,10 @@ class Speculator(Drafter):
             row = self.rows[r]
             m = self.spec_cache.get(r, n_r, t_r) if br is not None else None
             # a row that joined after this round's pre-speculation has no fan-out in it
-            F = None if br is None or r not in br.fan_outs else br.fan_outs[r]
+            F = None if br is None or r not in br.row_F else br.row_F[r]
             self.policy.observe(n_r, len(row.proposed), row.fast_backup,
                                 None if F is None else F[n_r], m is not None)
-            row.history += row.proposed[:n_r] + [t_r]
+            row.commit(n_r, t_r)
             if m is not None:
                 hits.append((i, m))
             else:
@@ -462,40 +519,41 @@ class Speculator(Drafter):
         return hits, misses
 
     def roll_back(self, miss_rows):
-        """A miss keeps the accepted prefix that the cache holds; the rest becomes pending: [t], or
-        more if the last round pre-speculated nothing (x_K, a fast backup's tokens not fed)."""
+        """A miss keeps the accepted prefix that the cache holds; the rest (t, or more if the last
+        round pre-speculated nothing) is unfed."""
         for r in miss_rows:
             row = self.rows[r]
-            keep = min(len(row.history) - 1, self.cache.length(row.seq))
-            self.cache.truncate(row.seq, keep)
-            row.pending = row.history[keep:]
+            self.cache.truncate(row.seq, min(len(row.history) - 1, self.cache.length(row.seq)))
+            row.guess_probs = None
 
     def adopt(self, hits):
         """A hit's branch becomes its row's sequence: it holds the committed tokens, then
-        x'_1..x'_{K-1} fed; x'_K is pending (the next pre_speculate feeds it). hits: (row, branch
-        m) pairs. Returns the proposals: tokens [h, K], q [h, K, V]."""
-        tokens, q, probs = self.finish_branches([m for _, m in hits])
-        for (r, m), proposed, p in zip(hits, to_host(tokens), probs):
+        x'_1..x'_{L-1} fed; x'_L is unfed (the next pre_speculate feeds it). hits: (row, branch
+        m) pairs. Returns the proposals: tokens [h, W], q [h, W, V], lengths (h ints)."""
+        tokens, q, probs, lengths = self.complete_branches([m for _, m in hits])
+        for (r, m), proposed, p, L in zip(hits, to_host(tokens), probs, lengths):
             row = self.rows[r]
             self.cache.free(row.seq)
-            row.seq, row.proposed, row.guess_probs = self.branches.seqs[m], proposed, p
-            row.pending, row.fast_backup, row.drafts = proposed[-1:], False, row.drafts + 1
-        return tokens, q
+            row.seq = self.branches.seqs[m]
+            row.take(proposed[:L], p[:L])  # q_0..q_{L-1}: after t, x'_1..x'_{L-1}
+        return tokens, q, lengths
 
-    def finish_branches(self, ms):
-        """The proposals of the branches that hit: tokens [h, K], q [h, K, V], guess_probs
-        [h, K, V]. If pre-speculation stopped before x_K was drawn, these branches (and no others)
-        draft their remaining steps now, with their rows' noise: the same tokens as without the
-        stop. Feeding x_K waits for the next pre-speculation."""
+    def complete_branches(self, ms):
+        """The proposals of the branches that hit: tokens [h, W], q [h, W, V], guess_probs
+        [h, W, V], lengths (h ints). If pre-speculation stopped before they were drafted to the end,
+        these branches (and no others) draft their remaining steps now, with their rows' noise:
+        the same tokens as without the stop. Feeding the last one waits for the next
+        pre-speculation."""
         br, dev = self.branches, self.model.device
-        d = br.drafted.rows(device_index(ms, dev))
-        if d.steps < self.K:
+        d = br.drafted.rows(device_index(ms, dev), ms)
+        if d.steps < self.K and d.drafting():
             d = draft_k(self.model, self.cache, [br.seqs[m] for m in ms],
                         [[br.guess[m]] for m in ms], self.K,
                         self.temperature_of([br.owner[m] for m in ms]), br.noise,
-                        F=br.prior[:self.K], c=self.ssd.saguaro_c, done=d,
+                        F=br.prior[:self.K], c=self.spec.saguaro_c,
+                        confidence=self.spec.confidence, done=d,
                         of=device_index([br.of[m] for m in ms], dev))
-            self.finished += len(ms)
+            self.completed += len(ms)
         return d.stack()
 
     def free_branches(self):
@@ -512,10 +570,7 @@ class Speculator(Drafter):
         prior = self.policy.prior()
 
         def neural():  # the draft, just in time: good tokens, costs SD's drafting (K steps)
-            return draft_k(self.model, self.cache, [self.rows[r].seq for r in miss_rows],
-                           [self.rows[r].pending for r in miss_rows], self.K,
-                           self.temperature_of(miss_rows), self.noise(miss_rows),
-                           F=prior[:self.K], c=self.ssd.saguaro_c).stack()
+            return self.draft_rows(miss_rows, F=prior[:self.K]).stack()
 
         gens = [self.rows[r].gen for r in miss_rows]
         if kind == "random":  # a row's random tokens are keyed to it, as its noise is
@@ -524,13 +579,11 @@ class Speculator(Drafter):
         backup = fallback.propose(kind, [self.rows[r].history for r in miss_rows], self.K, self.V,
                                   gens, neural)
         fast = backup.guess_probs is None
-        for k, (r, proposed) in enumerate(zip(miss_rows, to_host(backup.tokens))):
-            row = self.rows[r]
-            row.proposed, row.fast_backup, row.drafts = proposed, fast, row.drafts + 1
-            # tokens the draft has not fed yet go in at the start of pre_speculate (feed_pending):
-            # all of a fast backup's, x_K of the neural one's
-            row.guess_probs, row.pending = ((None, row.pending + proposed) if fast
-                                            else (backup.guess_probs[k], proposed[-1:]))
+        for k, (r, proposed, L) in enumerate(zip(miss_rows, to_host(backup.tokens),
+                                                 backup.lengths)):
+            # the unfed tokens go in at the start of pre_speculate (feed_unfed): all of a fast
+            # backup's, the neural one's last; its guess_probs q_0..q_{L-1} are here already
+            self.rows[r].take(proposed[:L], None if fast else backup.guess_probs[k][:L], fast)
         self.policy.backup_took(fast, time.perf_counter() - start, skipped)
         return backup
 
@@ -540,7 +593,7 @@ class Speculator(Drafter):
                 "hits_per_depth": list(st.hits_per_depth),
                 "lookups_per_depth": list(st.lookups_per_depth),
                 "draft_capture_seconds": self.capture_seconds(),
-                "branches_finished": self.finished, **self.policy.stats()}
+                "branches_completed": self.completed, **self.policy.stats()}
 
     # -- continuous batching (scheduler.py)
 
@@ -556,24 +609,29 @@ class Speculator(Drafter):
 
 
 def in_row_order(parts, b: int, V: int | None):
-    """One round's proposals in row order: tokens [b, K] and q [b, K, V] (None when V is: at
-    temperature 0) from parts (row positions, tokens [m, K], q [m, K, V] or None: deterministic
-    rows, whose q the verifier never reads) covering rows 0..b-1. When the parts interleave, one
-    index built on the host crosses to the device (indexing device tensors with a list would copy
-    synchronously)."""
-    order = [i for pos, _, _ in parts for i in pos]
-    tokens = torch.cat([x for _, x, _ in parts])
+    """One round's proposals in row order: tokens [b, W], q [b, W, V] (None when V is: at
+    temperature 0) and lengths (b ints) from parts (row positions, tokens [m, w], q [m, w, V] or
+    None: deterministic rows, whose q the verifier never reads, m lengths) covering rows 0..b-1; W is
+    the widest part's w, the others padded. When the parts interleave, one index built on the host
+    crosses to the device (indexing device tensors with a list would copy synchronously)."""
+    order = [i for pos, _, _, _ in parts for i in pos]
+    W = max(x.shape[1] for _, x, _, _ in parts)
+    pad = torch.nn.functional.pad
+    tokens = torch.cat([pad(x, (0, W - x.shape[1])) for _, x, _, _ in parts])
+    lengths = [L for _, _, _, Ls in parts for L in Ls]
     q = None
     if V is not None:
-        q = torch.cat([x if x is not None else torch.zeros(*x_tok.shape, V, device=x_tok.device)
-                       for _, x_tok, x in parts])
+        q = torch.cat([pad(x, (0, 0, 0, W - x.shape[1])) if x is not None
+                       else torch.zeros(*x_tok.shape[:1], W, V, device=x_tok.device)
+                       for _, x_tok, x, _ in parts])
     if order == list(range(b)):
-        return tokens, q
+        return tokens, q, lengths
     where = [0] * b  # where[i]: row i's place in the concatenation
     for k, i in enumerate(order):
         where[i] = k
     idx = device_index(where, tokens.device)
-    return tokens.index_select(0, idx), None if q is None else q.index_select(0, idx)
+    return (tokens.index_select(0, idx), None if q is None else q.index_select(0, idx),
+            [lengths[k] for k in where])
 
 
 # --------------------------------------------------------------------------------------------------
@@ -585,12 +643,12 @@ class DraftConfig:
     name: str                   # checkpoint directory, alias or GGUF file
     device: str
     dtype: torch.dtype
-    K: int
+    spec: DraftSettings
+    ssd: bool                   # a Speculator (SSD); else a Drafter (SD)
     temperature: float
     seed: int
     kv_tokens: int
     block_size: int = 16
-    ssd: SSDConfig | None = None  # None: plain SD
     graphs: bool | None = None    # static shapes / CUDA graphs (Transformer.use_graphs)
     vocab_size: int | None = None  # the target's: a draft padded to another size is read over it
     compile: bool | None = None   # torch.compile the graphs' layers (Transformer.use_graphs)
@@ -598,17 +656,16 @@ class DraftConfig:
     prefix_caching: bool = False  # its cache's (kv_cache.py)
 
 
-def load_draft(c: DraftConfig) -> Drafter:
-    """Load the draft model: a Drafter for SD, a Speculator for SSD."""
+def load_draft(c: DraftConfig, *, arrived=None) -> Drafter:
+    """Load the draft model: a Drafter for SD, a Speculator for SSD (arrived: Speculator's)."""
     model, _ = load_model(c.name, device=c.device, dtype=c.dtype, tokenizer=False,
                           vocab_size=c.vocab_size, quant=c.quant)
     use_forms(model, ROWS)  # the CPU's product forms for any rows a round drafts (cpu_linear.py)
     # quantized layers' compiled products for a decode step and a round's catch-up (K + 1 rows);
     # other row counts compile when they first come up
-    warm_up(model, [1, c.K + 1])
+    warm_up(model, [1, c.spec.K + 1])
     model.use_graphs(c.graphs, c.compile)
-    if c.ssd is None:
-        return Drafter(model, c.K, c.temperature, c.seed, c.kv_tokens, c.block_size,
-                       c.prefix_caching)
-    return Speculator(model, c.ssd, c.temperature, c.seed, c.kv_tokens, c.block_size,
-                      c.prefix_caching)
+    kw = dict(block_size=c.block_size, prefix_caching=c.prefix_caching)
+    if not c.ssd:
+        return Drafter(model, c.spec, c.temperature, c.seed, c.kv_tokens, **kw)
+    return Speculator(model, c.spec, c.temperature, c.seed, c.kv_tokens, arrived=arrived, **kw)

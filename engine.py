@@ -12,7 +12,7 @@ import functools
 import os
 import threading
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -22,7 +22,7 @@ from cpu_linear import ROWS, use_forms
 from quantize import check_quant, warm_up
 from decode import NoDraft, Output, SDRounds, SSDRounds
 from devices import check_device, resolve_dtype
-from draft import DraftConfig, SSDConfig, load_draft
+from draft import DraftConfig, DraftSettings, load_draft
 from model import Transformer
 from scheduler import KVBudget, Scheduler, cache_tokens
 from tp import TorchrunEnv, TorchrunWorld, TPVerifier, TPWorkers, torchrun_device, torchrun_env
@@ -46,13 +46,9 @@ class EngineConfig:
     draft: str
     mode: str               # "ar", "sd" or "ssd"
     temperature: float
-    k: int
+    spec: DraftSettings     # how the draft proposes (K, the confidence stop, SSD's knobs)
     seed: int
     ignore_eos: bool
-    fan_out: str | list
-    budget: int
-    saguaro_c: float
-    fallback: str
     parallel: bool
     target_device: str | None
     draft_device: str | None
@@ -63,8 +59,6 @@ class EngineConfig:
     tp_timeout: float
     dtype: str
     graphs: bool | None
-    pre_spec: str
-    fixed_budget: bool
     block_size: int = 16
     torchrun: bool = False
     compile: bool | None = None  # torch.compile the graphs' layers (Transformer.use_graphs)
@@ -74,27 +68,26 @@ class EngineConfig:
     # CPU cores left to other work on this machine: serve.py leaves one to its HTTP side (the
     # event loop, and clients here): a target computing on every core stalls whenever they run
     reserve_cores: int = 0
-    ssd: SSDConfig | None = field(init=False, default=None)  # ssd's knobs, checked
 
     def __post_init__(self):
         if self.mode not in ("ar", "sd", "ssd"):
             raise ValueError(f"unknown mode {self.mode!r}: use 'ar', 'sd' or 'ssd'")
-        if self.mode != "ar" and not 1 <= self.k <= 64:
-            raise ValueError(f"k={self.k} is impossible: use 1 <= k <= 64 draft tokens per round")
         if self.temperature < 0:
             raise ValueError(f"temperature={self.temperature} must be >= 0")
         check_quant(self.quant)
         check_quant(self.draft_quant, "draft_quant")
         if self.reserve_cores < 0:
             raise ValueError(f"reserve_cores={self.reserve_cores} must be >= 0")
-        if self.mode == "ssd":
-            self.ssd = SSDConfig(self.K, self.fan_out, self.budget, self.saguaro_c, self.fallback,
-                                 pre_spec=self.pre_spec, fixed_budget=self.fixed_budget)
 
     @property
     def K(self) -> int:
-        """Draft tokens per round: 0 for ar."""
-        return self.k if self.mode != "ar" else 0
+        """The most draft tokens per round: 0 for ar."""
+        return self.spec.K if self.mode != "ar" else 0
+
+    @property
+    def branch_budget(self) -> int:
+        """The most SSD branches per row and round (the budget B's ceiling): 0 without SSD."""
+        return self.spec.budget if self.mode == "ssd" else 0
 
     @property
     def two_processes(self) -> bool:
@@ -191,9 +184,9 @@ class Engine:
         s = self.scheduler.out.stats(c.mode, prefill_s, decode_s)
         if c.mode == "ssd":
             s.update({**spec.stats(), "verifier_wait_seconds": self.scheduler.rounds.wait,
-                      "fallback": c.fallback, "parallel": c.two_processes,
+                      "fallback": c.spec.fallback, "parallel": c.two_processes,
                       "spin_seconds": spec.ch.spin if c.two_processes else 0.0})
-        s.update({"k": c.K, "temperature": c.temperature,
+        s.update({"k": c.K, "confidence": c.spec.confidence, "temperature": c.temperature,
                   "target_threads": self.where.target_threads,
                   "draft_threads": self.where.draft_threads})
         return s
@@ -325,13 +318,13 @@ def build_engine(cfg: EngineConfig, loaded: Loaded, kv_tokens: int, draft_kv: in
     settings = (cfg.temperature, cfg.seed, kv_tokens, cfg.block_size, cfg.prefix_caching)
     verifier = (TPVerifier(model, settings, started.workers) if started.workers
                 else Verifier(model, *settings, reuse_cache=model is cfg.target))
-    dcfg = DraftConfig(cfg.draft, where.draft_device, where.draft_dtype, cfg.K, cfg.temperature,
-                       cfg.seed + 1, draft_kv, cfg.block_size, cfg.ssd, cfg.graphs,
-                       model.config.vocab_size,  # a draft padded to another size reads ours
-                       cfg.compile, cfg.draft_quant, cfg.prefix_caching)
+    dcfg = DraftConfig(cfg.draft, where.draft_device, where.draft_dtype, cfg.spec,
+                       cfg.mode == "ssd", cfg.temperature, cfg.seed + 1, draft_kv, cfg.block_size,
+                       cfg.graphs, model.config.vocab_size,  # a draft padded to another size
+                       cfg.compile, cfg.draft_quant, cfg.prefix_caching)  # reads ours
     out = Output([] if cfg.ignore_eos else eos_ids(model.config, tok), cfg.K)
     rounds = make_rounds(cfg, verifier, dcfg, out, where, started, max_batch, per_row=forget)
-    sched = Scheduler(rounds, kv_budget(kv_tokens, dcfg, cfg.mode), max_batch, forget=forget)
+    sched = Scheduler(rounds, kv_budget(kv_tokens, dcfg, cfg), max_batch, forget=forget)
     return Engine(sched, tok, model.config, cfg, where, started)
 
 
@@ -343,7 +336,7 @@ def load_engine(cfg: EngineConfig, max_batch: int) -> Engine:
     try:
         loaded = load_target(cfg, started)
         kv_tokens = cfg.kv_tokens or SERVE_KV_TOKENS
-        draft_kv = kv_tokens + max_batch * branch_tokens(cfg.ssd, cfg.K, cfg.block_size)
+        draft_kv = kv_tokens + max_batch * branch_tokens(cfg.branch_budget, cfg.K, cfg.block_size)
         return build_engine(cfg, loaded, kv_tokens, draft_kv, max_batch, forget=True)
     except BaseException:
         started.stop()
@@ -403,7 +396,7 @@ def make_rounds(cfg: EngineConfig, verifier, dcfg: DraftConfig, out: Output, whe
 # --------------------------------------------------------------------------------------------------
 # KV cache sizes
 
-def kv_sizes(ids, max_new_tokens, K, block_size, kv_tokens=None, ssd: SSDConfig | None = None):
+def kv_sizes(ids, max_new_tokens, K, block_size, kv_tokens=None, branch_budget=0):
     """KV cache sizes in tokens for a static batch of prompts: (target's, draft's). A row holds its
     prompt, its output and, during a round, K + 1 more tokens, in whole blocks, and the cache keeps
     one block for the padding rows of static-shape steps (PagedKVCache.pad_block); the user's
@@ -419,23 +412,23 @@ def kv_sizes(ids, max_new_tokens, K, block_size, kv_tokens=None, ssd: SSDConfig 
     b, longest = len(ids), max(len(p) for p in ids)
     per_row = longest + max_new_tokens + 2 * K + 4 + 2 * block_size
     kv_tokens = kv_tokens or b * per_row + block_size
-    return kv_tokens, kv_tokens + b * branch_tokens(ssd, K, block_size)
+    return kv_tokens, kv_tokens + b * branch_tokens(branch_budget, K, block_size)
 
 
-def branch_tokens(ssd: SSDConfig | None, K, block_size) -> int:
-    """The draft's room for one row's SSD branches: B of them, each up to K + 1 private tokens (t,
-    x'_1..x'_K once a hit feeds x'_K) and two to spare, plus a copied partial block at the fork and
-    one of rounding. 0 without SSD."""
-    return 0 if ssd is None else ssd.budget * (K + 3 + 2 * block_size)
+def branch_tokens(branch_budget: int, K, block_size) -> int:
+    """The draft's room for one row's SSD branches: up to B of them (branch_budget, 0 without
+    SSD), each up to K + 1 private tokens (t, x'_1..x'_K once a hit feeds x'_K) and two to spare,
+    plus a copied partial block at the fork and one of rounding."""
+    return branch_budget * (K + 3 + 2 * block_size)
 
 
-def kv_budget(kv_tokens: int, dcfg: DraftConfig, mode) -> KVBudget:
+def kv_budget(kv_tokens: int, dcfg: DraftConfig, cfg: EngineConfig) -> KVBudget:
     """What the scheduler may reserve on the target's cache (kv_tokens) and the draft's (a row's
     share of SSD's branches included)."""
     bs = dcfg.block_size
-    draft = None if mode == "ar" else cache_tokens(dcfg.kv_tokens, bs)
-    return KVBudget(cache_tokens(kv_tokens, bs), draft, bs, dcfg.K,
-                    branch_tokens(dcfg.ssd, dcfg.K, bs), dcfg.prefix_caching)
+    draft = None if cfg.mode == "ar" else cache_tokens(dcfg.kv_tokens, bs)
+    return KVBudget(cache_tokens(kv_tokens, bs), draft, bs, cfg.K,
+                    branch_tokens(cfg.branch_budget, cfg.K, bs), dcfg.prefix_caching)
 
 
 # --------------------------------------------------------------------------------------------------

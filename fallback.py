@@ -181,16 +181,17 @@ def choose_fallback(policy: str, b: int, b_star, fast: str = "ngram") -> str:
 class Backup:
     """A backup's proposals for the m rows that missed."""
     kind: str                    # "neural", "ngram" or "random"
-    tokens: torch.Tensor         # [m, K] x_1..x_K
-    q: torch.Tensor | None       # [m, K, V] the law each x_i was drawn from; None: deterministic
-    # [m, K, V] what the guesses rank by at depths 0..K-1 (draft.draw's guess_probs; neural only)
+    tokens: torch.Tensor         # [m, W] x_1..x_W (W = K, or the longest a neural row drafted)
+    q: torch.Tensor | None       # [m, W, V] the law each x_i was drawn from; None: deterministic
+    # [m, W, V] what the guesses rank by at depths 0..W-1 (draft.draw's guess_probs; neural only)
     guess_probs: torch.Tensor | None
+    lengths: list[int]           # each row's proposal length (<= W)
 
 
 def propose(kind, histories, K, V, generator, neural) -> Backup:
     """Proposals from backup `kind` for the rows that missed, one committed token list per row in
     `histories`. `neural()` runs the draft model just in time and returns (tokens, q,
-    guess_probs); generator: the random backup's (one, or one per row; its device is the
+    guess_probs, lengths); generator: the random backup's (one, or one per row; its device is the
     proposals'). The fast backups are deterministic (tested with a one-hot q)."""
     device = (generator if isinstance(generator, torch.Generator) else generator[0]).device
     if kind == "neural":
@@ -202,4 +203,4 @@ def propose(kind, histories, K, V, generator, neural) -> Backup:
         tokens = random_propose(len(histories), K, V, generator)
     else:
         raise ValueError(f"unknown backup {kind!r}; choose one of {', '.join(BACKUPS)}")
-    return Backup(kind, to_device(tokens, device), None, None)
+    return Backup(kind, to_device(tokens, device), None, None, [K] * len(histories))

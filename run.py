@@ -23,7 +23,7 @@ import torch
 from checkpoint import load_model, load_tokenizer
 from devices import DTYPES, check_device, resolve_dtype
 from quantize import QUANTS
-from draft import PRE_SPEC
+from draft import PRE_SPEC, DraftSettings
 from engine import (LOADING, Engine, EngineConfig, Started, build_engine, default_devices,
                     kv_sizes, load_target, refuse_target_devices, threads_of)
 from fallback import POLICIES
@@ -50,22 +50,26 @@ class GenerateResult:
 
 
 def generate(prompts, target="tiny", draft="tiny-draft", mode="sd", max_new_tokens=128,
-             temperature=0.0, k=4, seed=0, ignore_eos=False, fan_out="geometric", budget=8,
-             saguaro_c=1.0, fallback="auto", parallel=True, target_device=None, draft_device=None,
+             temperature=0.0, k=None, seed=0, ignore_eos=False, fan_out=None, budget=None,
+             saguaro_c=None, fallback=None, parallel=True, target_device=None, draft_device=None,
              target_threads=None, draft_threads=None, kv_tokens=None, block_size=16, chat=False,
              stream=None, target_devices: list[str] | None = None, tp_timeout: float = TP_TIMEOUT_S,
-             dtype="auto", graphs: bool | None = None, pre_spec="always",
-             tokenizer=None, torchrun: bool = False, fixed_budget=False,
+             dtype="auto", graphs: bool | None = None, pre_spec=None,
+             tokenizer=None, torchrun: bool = False, fixed_budget=None,
              compile: bool | None = None, quant="auto", draft_quant="auto",
-             prefix_caching=True) -> GenerateResult:
+             prefix_caching=True, confidence=None,
+             draft_settings: DraftSettings | None = None) -> GenerateResult:
     """Generate up to max_new_tokens for each prompt (strings, or lists of token ids).
 
-    mode: "ar" (target only), "sd" (speculative decoding, k draft tokens per round), "ssd"
-    (speculative speculative decoding with Saguaro: fan_out, budget B, fixed_budget (B kept, not
-    adapted to the time), saguaro_c C, fallback policy; pre_spec "always" every round, "auto" only
-    while that measures faster, "never" not at all (SD's schedule across two processes: what the
-    split alone costs); parallel=False: the speculator in this process, same tokens for a seed) or
-    "auto" (the fastest of the three, measured on these prompts first: generate_auto).
+    mode: "ar" (target only), "sd" (speculative decoding, up to k draft tokens per round), "ssd"
+    (speculative speculative decoding with Saguaro) or "auto" (the fastest of the three, measured
+    on these prompts first: generate_auto); parallel=False: ssd's speculator in this process (same
+    tokens for a seed). How the draft proposes is draft.DraftSettings, given whole as
+    draft_settings or by its fields (None: its default): k (K), confidence (stop a row's proposal
+    after a token the draft is less sure of), and ssd's fan_out, budget B, fixed_budget (B kept,
+    not adapted to the time), saguaro_c C, fallback policy, pre_spec ("always" every round, "auto"
+    only while that measures faster, "never" not at all: SD's schedule across two processes, what
+    the split alone costs).
     target_devices: two or more devices (["cuda:0", ..., "cuda:3"]) run the target tensor parallel,
     one rank per device (it replaces target_device); torchrun=True: this process is rank 0 of a
     torchrun world and the target runs over all its ranks, on every node (the others run
@@ -91,13 +95,15 @@ def generate(prompts, target="tiny", draft="tiny-draft", mode="sd", max_new_toke
     if mode == "auto":
         return generate_auto(**locals())  # every parameter, as given
     prompts = check_request(prompts, max_new_tokens)
-    cfg = EngineConfig(target=target, draft=draft, mode=mode, temperature=temperature, k=k,
-                       seed=seed, ignore_eos=ignore_eos, fan_out=fan_out, budget=budget,
-                       saguaro_c=saguaro_c, fallback=fallback, parallel=parallel,
+    spec = settings_of(draft_settings, K=k, confidence=confidence, fan_out=fan_out, budget=budget,
+                       saguaro_c=saguaro_c, fallback=fallback, pre_spec=pre_spec,
+                       fixed_budget=fixed_budget)
+    cfg = EngineConfig(target=target, draft=draft, mode=mode, temperature=temperature, spec=spec,
+                       seed=seed, ignore_eos=ignore_eos, parallel=parallel,
                        target_device=target_device, draft_device=draft_device,
                        target_threads=target_threads, draft_threads=draft_threads,
                        kv_tokens=kv_tokens, target_devices=target_devices, tp_timeout=tp_timeout,
-                       dtype=dtype, graphs=graphs, pre_spec=pre_spec, fixed_budget=fixed_budget,
+                       dtype=dtype, graphs=graphs,
                        block_size=block_size, torchrun=torchrun, compile=compile, quant=quant,
                        draft_quant=draft_quant, prefix_caching=prefix_caching)
     old_threads = torch.get_num_threads()
@@ -106,7 +112,7 @@ def generate(prompts, target="tiny", draft="tiny-draft", mode="sd", max_new_toke
         loaded = load_target(cfg, started, tokenizer)
         ids = [encode(loaded.tokenizer, p, chat) for p in prompts]
         check_prompts(ids, loaded.model.config, max_new_tokens, cfg.K)
-        sizes = kv_sizes(ids, max_new_tokens, cfg.K, block_size, kv_tokens, cfg.ssd)
+        sizes = kv_sizes(ids, max_new_tokens, cfg.K, block_size, kv_tokens, cfg.branch_budget)
         engine = build_engine(cfg, loaded, *sizes, max_batch=len(ids))
         requests = [Request(p, max_new_tokens, on_tokens=row_stream(stream, r))
                     for r, p in enumerate(ids)]
@@ -160,6 +166,16 @@ def measure(prompts, mode, target, tokenizer, chat, kw) -> float:
                                                                "kv_tokens": None})
     (t0, n0), (t1, n1) = next(m for m in marks if m[1] >= AUTO_WARM * len(prompts)), marks[-1]
     return (n1 - n0) / (t1 - t0) if t1 > t0 else res.stats["decode_tok_s"]  # one round timed
+
+
+def settings_of(given: DraftSettings | None, **fields) -> DraftSettings:
+    """generate()'s draft settings: the object given, or one from the fields given (None: the
+    default); both at once is refused, as one would silently win."""
+    fields = {name: v for name, v in fields.items() if v is not None}
+    if given is not None and fields:
+        raise ValueError(f"draft_settings and {', '.join(fields)} given together: put "
+                         f"{'them' if len(fields) > 1 else 'it'} in draft_settings")
+    return given if given is not None else DraftSettings(**fields)
 
 
 def check_request(prompts, max_new_tokens) -> list:
@@ -280,7 +296,12 @@ def add_algorithm_options(g, auto=False):
                                       "stderr what each gave, and go on in the fastest" if auto
                                       else "") + " (default: %(default)s)")
     g.add_argument("--k", type=int, default=4, metavar="K",
-                   help="K: draft tokens proposed per round (sd, ssd) (default: %(default)s)")
+                   help="K: the most draft tokens proposed per round (sd, ssd) "
+                        "(default: %(default)s)")
+    g.add_argument("--confidence", type=float, default=0.0, metavar="P",
+                   help="sd, ssd: a row's proposal stops after the first token the draft gives a "
+                        "probability below P (exact either way; 0: always K) "
+                        "(default: %(default)s)")
     g.add_argument("--fan-out", default="geometric", metavar="F",
                    help="ssd: how the B guesses per sequence spread over the K+1 depths: "
                         f"{FAN_OUT_HELP} (default: %(default)s)")
@@ -364,11 +385,12 @@ def add_output_options(g):
 
 def generate_kwargs(a: argparse.Namespace) -> dict:
     """generate()'s arguments from the command line's (the prompt, stream and tokenizer aside)."""
-    fan = parse_fan_out(a.fan_out)
+    spec = DraftSettings(K=a.k, confidence=a.confidence, fan_out=parse_fan_out(a.fan_out),
+                         budget=a.budget, saguaro_c=a.saguaro_c, fallback=a.fallback,
+                         pre_spec=a.pre_spec, fixed_budget=a.fixed_budget)
     return dict(target=a.target, draft=a.draft, mode=a.mode, max_new_tokens=a.max_new_tokens,
-                temperature=a.temperature, k=a.k, seed=a.seed, ignore_eos=a.ignore_eos,
-                fan_out=fan, budget=a.budget, saguaro_c=a.saguaro_c, fallback=a.fallback,
-                parallel=not a.no_parallel, pre_spec=a.pre_spec, fixed_budget=a.fixed_budget,
+                temperature=a.temperature, draft_settings=spec, seed=a.seed,
+                ignore_eos=a.ignore_eos, parallel=not a.no_parallel,
                 target_device=a.target_device or a.device,
                 draft_device=a.draft_device or a.device, target_threads=a.target_threads,
                 draft_threads=a.draft_threads, kv_tokens=a.kv_tokens,

@@ -618,7 +618,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
         raise ValueError(f"--http-cores={a.http_cores} must be >= 0")
     if not a.max_body_mb > 0:
         raise ValueError(f"--max-body-mb={a.max_body_mb} must be > 0")
-    return EngineConfig(**kw, reserve_cores=a.http_cores)
+    return EngineConfig(spec=kw.pop("draft_settings"), **kw, reserve_cores=a.http_cores)
 
 
 def main(argv=None):

@@ -93,6 +93,14 @@ def geometric_fan_out(a: float, r: float, K: int, B: int) -> list[int]:
     F_0 setting the sum to B. It maximises the hit rate when n is capped-geometric in a and a
     depth with F guesses misses with chance F^(-r) (docs/design.md section 4). a is clamped into
     [0.01, 0.99]; r > 0, K >= 0, B >= 1.
+
+    Worked example, a = 0.8, r = 0.8, K = 3, B = 8 (the defaults before anything is measured):
+    the ratios F_j / F_0 are 0.8^(j/1.8) = 1, 0.883, 0.780 for j < 3, and for "all 3 accepted"
+    0.8^(3/1.8) 0.2^(-1/1.8) = 1.686; they sum to 4.349, so F_0 = 8 / 4.349 = 1.84 and the real
+    optimum is [1.84, 1.62, 1.44, 3.10]. Rounding floors it to [1, 1, 1, 3] and gives the two
+    units left to the largest fractions (depths 0 and 1): F = [2, 2, 1, 3]. The last depth gets
+    the most because it is the likeliest outcome: P(n = 3) = a^3 = 0.512, against
+    P(n = j) = a^j (1 - a) = 0.2, 0.16, 0.128 for j = 0, 1, 2.
     """
     return round_to_budget(geometric_fan_out_real(a, r, K, B), B)
 
@@ -129,7 +137,7 @@ def check_fan_out(spec, K: int):
     return [int(f) for f in spec]
 
 
-def fan_out(spec, a: float, r: float, K: int, B: int) -> list[int]:
+def rule_fan_out(spec, a: float, r: float, K: int, B: int) -> list[int]:
     """F_0..F_K from a rule: "uniform", "geometric" (at acceptance a and exponent r), or an explicit
     list of K+1 non-negative ints (or a comma-separated string such as "3,3,3"), returned as is:
     its sum is the budget, not B."""

@@ -7,8 +7,8 @@ Read top to bottom:
 2. `PreSpecGate`: pre-speculate this round at all (`--pre-spec auto`);
 3. `SpecPolicy`, one per speculator: its clocks (the verifier's rounds, pre-speculation, the
    backups, the answers), the acceptance trackers, B, the gate, b* and the backup it picks, and the
-   fan-out: F_0..F_K decided per row when its guesses are chosen, and the prior F that drafting
-   uses (Saguaro's sets) before any proposals exist.
+   fan-out in its two uses: `row_fan_out`, a row's F_0..F_K for its guesses, decided when they are
+   chosen, and `prior`, the F that drafting uses for Saguaro's sets before any proposals exist.
 
 The formulas these read stay beside the algorithm: the fan-out (Theorem 12) and the acceptance
 estimates in spec_cache.py, b* (Theorem 17) in fallback.py.
@@ -18,7 +18,7 @@ import time
 
 import fallback
 from fallback import BACKUPS
-from spec_cache import DEFAULT_A, DEFAULT_R, AcceptanceTracker, expected_tokens, fan_out
+from spec_cache import DEFAULT_A, DEFAULT_R, AcceptanceTracker, expected_tokens, rule_fan_out
 
 # a fast backup's acceptance before it is measured: its proposals are rarely accepted, so its rows'
 # fan-out puts most of B at depth 0
@@ -129,18 +129,19 @@ class PreSpecGate:
 
 class SpecPolicy:
     """What draft.Speculator measures and decides besides the algorithm (the module docstring).
-    ssd: the speculator's draft.SSDConfig; K: draft tokens per round."""
+    spec: the speculator's draft.DraftSettings (K: the most draft tokens per round)."""
 
-    def __init__(self, ssd, K: int):
-        self.ssd, self.K = ssd, K
+    def __init__(self, spec):
+        self.spec, K = spec, spec.K
+        self.K = K
         self.accept = AcceptanceTracker()       # a and r of the neural draft's proposals
         self.accept_fast = AcceptanceTracker()  # a of the fast backup's proposals
         # B of the next pre-speculation: the user's budget is its ceiling, the measured time its
         # limit (next_budget); fixed with --fixed-budget, and for an explicit fan-out (its sum)
-        self.B = ssd.budget
-        self.adaptive = not ssd.fixed_budget and isinstance(ssd.fan_out, str)
+        self.B = spec.budget
+        self.adaptive = not spec.fixed_budget and isinstance(spec.fan_out, str)
         # B = 0 too: skip pre-speculation in rounds where measuring says it does not pay
-        self.gate = PreSpecGate() if ssd.pre_spec == "auto" else None
+        self.gate = PreSpecGate() if spec.pre_spec == "auto" else None
         self.round_seconds = []   # the verifier's rounds that had a pre-speculation beside them
         self.pre_seconds = []     # pre-speculations
         self.neural_seconds, self.fast_seconds = [], []  # backups, in rounds that missed a cache
@@ -152,28 +153,36 @@ class SpecPolicy:
 
     # -- the fan-out
 
-    def spread(self, fast_backup: bool) -> list[int]:
-        """The rule's F_0..F_K at the acceptance of the neural draft's proposals or a fast
-        backup's (lower: more of B goes to shallow depths); the defaults until a warm-up's worth
-        of rounds is measured."""
+    def spread(self, fast_backup: bool, L: int) -> list[int]:
+        """The rule's F_0..F_L for proposals of length L, at the acceptance of the neural draft's
+        proposals or a fast backup's (lower: more of B goes to shallow depths); the defaults until
+        a warm-up's worth of rounds is measured. An explicit F_0..F_K cut to L gives its deeper
+        entries to depth L (all L accepted)."""
         tracker = self.accept_fast if fast_backup else self.accept
         a, r = ((tracker.a(), self.accept.r()) if tracker.ready
                 else (DEFAULT_A_FAST if fast_backup else DEFAULT_A, DEFAULT_R))
-        return fan_out(self.ssd.fan_out, a, r, self.K, self.B)
+        rule = self.spec.fan_out
+        if isinstance(rule, list):
+            return rule[:L] + [sum(rule[L:])]
+        return rule_fan_out(rule, a, r, L, self.B)
 
     def prior(self) -> list[int]:
-        """F_0..F_K before any proposals exist, for drafting: Saguaro's set at depth j is the top
-        F_j + 1 tokens of q_j. Drafted proposals are the neural draft's, so this is the fan-out
-        their guesses get, unless a, r or B move before the guesses are chosen."""
-        return self.spread(fast_backup=False)
+        """The prior fan-out: F_0..F_K before any proposals exist, for drafting, where Saguaro's
+        set at depth j is the top F_j + 1 tokens of q_j (saguaro_sample.saguaro). A branch is
+        drafted with the prior of its round, and its proposals' guesses get their row_fan_out a
+        round later: the same F unless a, r or B moved in between, or the draft stopped short of
+        K. Either way the law stays exact: Saguaro's sets only shape q', which the verifier tests
+        with, and guesses only decide what is cached."""
+        return self.spread(fast_backup=False, L=self.K)
 
-    def fan_out(self, probs, proposed: list[int], fast_backup: bool) -> list[int]:
-        """F_0..F_K for one row's guesses, decided as they are chosen, with the row's proposals
-        (x_1..x_K; none before its first round) and the draft's probabilities after each (probs
-        [K+1, V]) in hand. geometric, uniform and an explicit list read only the acceptance of
-        whoever proposed; a rule that reads the probabilities belongs here. A row without
-        proposals has one depth: all of B goes to depth 0."""
-        F = [self.B] + [0] * self.K if not proposed else self.spread(fast_backup)
+    def row_fan_out(self, probs, proposed: list[int], fast_backup: bool) -> list[int]:
+        """A row's fan-out F_0..F_K for its guesses, decided as they are chosen, with the row's
+        proposals (x_1..x_L; none before its first round) and the draft's probabilities after each
+        (probs [L+1, V]) in hand. geometric, uniform and an explicit list read only the acceptance
+        of whoever proposed; a rule that reads the probabilities belongs here. Depths past L get
+        nothing: a row without proposals puts all of B at depth 0."""
+        L = len(proposed)
+        F = ([self.B] if not proposed else self.spread(fast_backup, L)) + [0] * (self.K - L)
         self.guesses_per_depth = [s + f for s, f in zip(self.guesses_per_depth, F)]
         self.rows_guessed += 1
         return F
@@ -183,7 +192,7 @@ class SpecPolicy:
     def pre_speculate_now(self, b: int) -> bool:
         """Pre-speculate the round about to be verified (b rows)? always, never, or the gate's
         choice (E_off: the tokens that round would yield from the neural draft)."""
-        on = self.ssd.pre_spec != "never" and (
+        on = self.spec.pre_spec != "never" and (
             self.gate is None or self.gate.choose(b * self.accept.expected_tokens(self.K)))
         self.skipped += not on
         return on
@@ -196,7 +205,7 @@ class SpecPolicy:
         self.stopped += stopped
         self.budget_sum, self.pre_rounds = self.budget_sum + self.B, self.pre_rounds + 1
         if self.adaptive and self.round_seconds:
-            self.B = next_budget(self.B, self.ssd.budget,
+            self.B = next_budget(self.B, self.spec.budget,
                                  seconds / recent_median(self.round_seconds), stopped)
 
     # -- the answer to an outcome
@@ -228,8 +237,8 @@ class SpecPolicy:
         """The backup for a miss round at batch size b (`backup_for`), b* refreshed first; under
         "auto", the neural one after a round that pre-speculated nothing (the gate's "off" is SD's
         schedule). p_hit: the cache hit rate so far."""
-        self.b_star = self.critical_batch_size(p_hit)
-        kind = "neural" if skipped and self.ssd.fallback == "auto" else self.backup_for(b)
+        self.b_star = self.measured_b_star(p_hit)
+        kind = "neural" if skipped and self.spec.fallback == "auto" else self.backup_for(b)
         self.fallback_used[kind] += 1
         return kind
 
@@ -243,9 +252,9 @@ class SpecPolicy:
         b < b*, the fast backup from b* on. b* reads this run's measurements, each term replacing
         its cautious default once measured: a backup that turns out worse than assumed loses the
         comparison, and the other one gets used and measured."""
-        return fallback.choose_fallback(self.ssd.fallback, b, self.b_star, self.ssd.fast_fallback)
+        return fallback.choose_fallback(self.spec.fallback, b, self.b_star, self.spec.fast_fallback)
 
-    def critical_batch_size(self, p_hit: float):
+    def measured_b_star(self, p_hit: float):
         """b* from what was measured so far (fallback.critical_batch_size has the formula). Until
         the draft's acceptance and the round times are measured: None, the neural backup, whose miss
         round costs what an SD round costs. (Starting from the paper's default b* instead sent every
@@ -271,9 +280,9 @@ class SpecPolicy:
                 "gate_tok_s": (None if self.gate is None else
                                {"on": self.gate.rate_on(), "off": self.gate.rate_off()}),
                 "mean_budget": self.budget_sum / self.pre_rounds if self.pre_rounds else 0.0,
-                "fixed_budget": not self.adaptive, "fan_out": self.prior(),
+                "fixed_budget": not self.adaptive, "fan_out_prior": self.prior(),
                 # F_j per row-round guessed, round 0's rows (all of B at depth 0) included
-                "fan_out_used": [s / rows for s in self.guesses_per_depth],
+                "row_fan_out_mean": [s / rows for s in self.guesses_per_depth],
                 "guesses_per_depth": list(self.guesses_per_depth),
                 "rows_guessed": self.rows_guessed,
                 "acceptance_estimate": self.accept.a()}

@@ -279,7 +279,7 @@ def broadcast_header(header=None, group=None):
 
 
 class TPVerifier:
-    """One rank of a tensor-parallel verifier, with Verifier's methods (prefill, verify, finish).
+    """One rank of a tensor-parallel verifier, with Verifier's methods (prefill, verify, release).
 
     On rank 0 (the one given `workers`: TPWorkers or TorchrunWorld) each method is
     `call(name, *args)`: the call travels to ranks 1.., which receive it in serve(), and every rank
@@ -305,11 +305,12 @@ class TPVerifier:
     def add(self, prompts: list[list[int]], temps=None, seeds=None) -> torch.Tensor:
         return self.call("add", prompts, temps, seeds)  # rows joining (scheduler.py)
 
-    def verify(self, rows: list[int], tokens, q, deterministic):
-        return self.call("verify", rows, tokens, q, deterministic)  # q=None (T = 0) does not travel
+    def verify(self, rows: list[int], tokens, q, deterministic, lengths: list[int]):
+        # q=None (T = 0) does not travel; lengths, a list, goes in the header
+        return self.call("verify", rows, tokens, q, deterministic, lengths)
 
-    def finish(self, rows):
-        return self.call("finish", rows) if len(rows) else None  # nothing to free, nothing to say
+    def release(self, rows):
+        return self.call("release", rows) if len(rows) else None  # nothing to free, nothing to say
 
     def leave(self, rows, tokens=None):
         return self.call("leave", rows, tokens) if len(rows) else None

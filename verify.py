@@ -1,4 +1,4 @@
-"""Verification: the target tests the draft's K proposed tokens and emits n accepted ones + a bonus.
+"""Verification: the target tests the draft's proposed tokens and emits n accepted ones + a bonus.
 
 Read top to bottom:
 1. `accept_reject`: the standard speculative-decoding test (Leviathan et al. 2023; Chen et al. 2023)
@@ -8,8 +8,12 @@ Read top to bottom:
    (docs/design.md section 9). Its steps follow it: `check_round` (the arguments),
    `greedy_accept` (temperature 0), `stochastic_accept` (the test u q < p) and `bonus` (the draw
    from the residual, or from p_K after K accepts).
-2. `Verifier`: the target with its paged KV cache. A round is one forward over [r, x_1..x_K] for
+2. `Verifier`: the target with its paged KV cache. A round is one forward over [r, x_1..x_W] for
    every row at once, `accept_reject`, then a rollback (`truncate`) of the rejected tokens' K/V.
+
+A row proposes L <= K tokens (K when the draft never stops early); a round's tensors are as wide
+as its longest row, W, and a row's tokens past its L are padding that no test reads: it is tested
+as a round of L proposals, so n <= L and, after L accepts, the bonus comes from p_L.
 """
 import numbers
 
@@ -23,7 +27,7 @@ VERIFY_STREAM = 0  # row_seed's stream of a row's verifier draws (draft.py's are
 
 
 def accept_reject(target_logits: torch.Tensor, draft_tokens: torch.Tensor, draft_probs,
-                  deterministic, temperature, generator):
+                  deterministic, temperature, generator, *, lengths=None):
     """One round's verification outcome (n, t) for b rows.
 
     target_logits [b, K+1, V]: the target's logits p_0..p_K (p_i: its next-token law after x_i).
@@ -38,15 +42,22 @@ def accept_reject(target_logits: torch.Tensor, draft_tokens: torch.Tensor, draft
         greedy_accept's outcome, through the sampled path.
     generator: torch.Generator on the tensors' device (unused at temperature 0), or one per row
         (a list of b): each row's uniforms and bonus then come from its own.
-    Returns n [b] long (accepted, 0..K) and t [b] long (the bonus); the round emits x_1..x_n, t.
+    lengths: b ints, each row's proposal length L <= K; its x_{L+1}.. are padding (None: every
+        row proposed K).
+    Returns n [b] long (accepted, 0..L) and t [b] long (the bonus); the round emits x_1..x_n, t.
     """
     draft_probs = check_round(target_logits, draft_tokens, draft_probs, deterministic, temperature)
     x = draft_tokens.long()
+    b, K = x.shape
+    lengths = [K] * b if lengths is None else list(lengths)
+    L = to_device(torch.tensor(lengths, device="cpu"), x.device)               # [b]
+    proposed = torch.arange(K, device=x.device) < L[:, None]                   # [b, K]: i < L
     if isinstance(temperature, numbers.Real) and temperature == 0:
-        return greedy_accept(target_logits, x)
+        return greedy_accept(target_logits, x, proposed)
     p = probs_from_logits(target_logits, temperature)                          # [b, K+1, V] float32
-    n = stochastic_accept(p, x, draft_probs, deterministic, generator)         # [b]
-    return n, bonus(p, x, n, draft_probs, deterministic, generator)
+    u = round_uniforms(b, K, lengths, generator).to(p.device)                  # [b, K]
+    n = stochastic_accept(p, x, draft_probs, deterministic, u, proposed)       # [b]
+    return n, bonus(p, x, n, L, draft_probs, deterministic, generator)
 
 
 def check_round(target_logits, draft_tokens, draft_probs, deterministic, temperature):
@@ -84,42 +95,53 @@ def leading_accepts(accepted: torch.Tensor) -> torch.Tensor:
     return accepted.long().cumprod(-1).sum(-1)
 
 
-def greedy_accept(target_logits, x):
-    """Temperature 0: accept while x_{i+1} == argmax p_i; the bonus is argmax p_n (a one-hot q
-    passes exactly these). -> (n, t); no randomness."""
+def greedy_accept(target_logits, x, proposed):
+    """Temperature 0: accept while x_{i+1} == argmax p_i (and was proposed: proposed [b, K]); the
+    bonus is argmax p_n (a one-hot q passes exactly these). -> (n, t); no randomness."""
     K = x.shape[1]
     best = target_logits.argmax(-1)                                            # [b, K+1]
-    n = leading_accepts(x == best[:, :K])
+    n = leading_accepts((x == best[:, :K]) & proposed)
     return n, best.gather(1, n[:, None]).squeeze(1)
 
 
-def stochastic_accept(p, x, draft_probs, deterministic, generator):
+def round_uniforms(b, K, lengths, generator):
+    """The round's uniforms [b, K]: with one generator all at once; with one per row, row i's first
+    lengths[i] from its own generator and 0 for its padding, so that a row draws as many as it
+    proposed whatever the width of the batch (its tokens do not depend on its neighbours)."""
+    if isinstance(generator, torch.Generator) or all(L == K for L in lengths):
+        return uniform((b, K), generator)
+    pad = torch.nn.functional.pad
+    return torch.stack([pad(uniform((1, L), [g])[0], (0, K - L)) if L else
+                        torch.zeros(K, device=g.device) for L, g in zip(lengths, generator)])
+
+
+def stochastic_accept(p, x, draft_probs, deterministic, u, proposed):
     """The sampled test, p [b, K+1, V] the target's laws -> n [b]: accept x_{i+1} with probability
-    min(1, p_i(x_{i+1}) / q_i(x_{i+1})); a deterministic proposal has q_i(x_{i+1}) = 1. Draws the
-    round's K uniforms per row."""
+    min(1, p_i(x_{i+1}) / q_i(x_{i+1})), drawing u ~ U[0, 1) [b, K] (round_uniforms); a
+    deterministic proposal has q_i(x_{i+1}) = 1; padding (proposed [b, K] false) is never
+    accepted."""
     b, K = x.shape
     px = p[:, :K].gather(-1, x[..., None]).squeeze(-1)                         # [b, K]
     qx = draft_probs.float().gather(-1, x[..., None]).squeeze(-1)              # [b, K]
     qx = torch.where(deterministic[:, None], 1.0, qx)
-    # u < p/q with u ~ U[0, 1), written u q < p so that q = 0 needs no division. All K uniforms at
-    # once; n counts the accepts before the first rejection.
-    u = uniform((b, K), generator).to(p.device)
-    return leading_accepts(u * qx < px)
+    # u < p/q, written u q < p so that q = 0 needs no division; n counts the accepts before the
+    # first rejection
+    return leading_accepts((u * qx < px) & proposed)
 
 
-def bonus(p, x, n, draft_probs, deterministic, generator):
-    """The bonus token t [b]: from the residual norm(max(p_n - q_n, 0)) after a rejection (n < K),
-    from p_K if all were accepted. Draws one sample per row."""
+def bonus(p, x, n, L, draft_probs, deterministic, generator):
+    """The bonus token t [b]: from the residual norm(max(p_n - q_n, 0)) after a rejection (n < L),
+    from p_L if all L were accepted. Draws one sample per row."""
     b, K = x.shape
     V = p.shape[-1]
     rows = torch.arange(b, device=p.device)
     p_n = p[rows, n]                                                           # [b, V]
     if K > 0:
-        at = n.clamp(max=K - 1)  # row's q_n; rows with n = K are masked to q = 0 below
+        at = n.clamp(max=K - 1)  # row's q_n; rows with n = L are masked to q = 0 below
         q_n = torch.where(deterministic[:, None],
                           torch.nn.functional.one_hot(x[rows, at], V).float(),
                           draft_probs[rows, at].float())                      # [b, V]
-        q_n = torch.where((n < K)[:, None], q_n, 0.0)
+        q_n = torch.where((n < L)[:, None], q_n, 0.0)
         residual = (p_n - q_n).clamp(min=0)
     else:
         residual = p_n
@@ -135,7 +157,7 @@ def bonus(p, x, n, draft_probs, deterministic, generator):
 
 class Verifier:
     """The target side. Its KV cache holds every committed token except the last bonus token r,
-    which each round feeds first: one forward over [r, x_1..x_K] gives p_0..p_K for the whole
+    which each round feeds first: one forward over [r, x_1..x_W] gives p_0..p_W for the whole
     round."""
 
     def __init__(self, model, temperature: float, seed: int, kv_tokens: int, block_size: int = 16,
@@ -178,10 +200,11 @@ class Verifier:
         self.last = t0.clone() if self.last is None else torch.cat([self.last, t0])
         return t0
 
-    def verify(self, rows: list[int], tokens, q, deterministic):
-        """One round for `rows`: tokens [b, K] are the proposals and q [b, K, V] (or None) the laws
-        they were drawn from, on any device. Returns (n [b], t [b]); the cache keeps r, x_1..x_n."""
-        b, K = tokens.shape
+    def verify(self, rows: list[int], tokens, q, deterministic, lengths: list[int]):
+        """One round for `rows`: tokens [b, W] are the proposals (row i's first lengths[i] of them)
+        and q [b, W, V] (or None) the laws they were drawn from, on any device (decode.py passes a
+        draft.Proposals' fields). Returns (n [b], t [b]); the cache keeps r, x_1..x_n."""
+        b, W = tokens.shape
         seqs = [self.seqs[r] for r in rows]
         start = [self.cache.length(s) for s in seqs]
         # the inputs cross before the forward, without blocking (after it, a blocking copy would
@@ -190,12 +213,12 @@ class Verifier:
         idx, tokens, deterministic = (device_index(rows, dev), to_device(tokens, dev),
                                       to_device(deterministic, dev))
         q = None if q is None else to_device(q, dev)
-        inp = torch.cat([self.last.index_select(0, idx)[:, None], tokens], 1)        # [b, K+1]
-        logits = self.model.forward_cached(self.cache, seqs, inp.flatten(), [K + 1] * b)
-        logits = logits.view(b, K + 1, -1)                                          # [b, K+1, V]
+        inp = torch.cat([self.last.index_select(0, idx)[:, None], tokens], 1)        # [b, W+1]
+        logits = self.model.forward_cached(self.cache, seqs, inp.flatten(), [W + 1] * b)
+        logits = logits.view(b, W + 1, -1)                                          # [b, W+1, V]
         n, t = accept_reject(logits, inp[:, 1:], q, deterministic,
                              row_temperatures([self.temps[r] for r in rows], dev),
-                             [self.gens[r] for r in rows])
+                             [self.gens[r] for r in rows], lengths=lengths)
         for s, L, n_r in zip(seqs, start, to_host(n)):
             self.cache.truncate(s, L + 1 + n_r)  # the rejected tokens never happened
         self.last.index_copy_(0, idx, t)
@@ -205,7 +228,7 @@ class Verifier:
         """Seconds the target has spent capturing CUDA graphs (decode.Captures)."""
         return self.model.capture_seconds()
 
-    def finish(self, rows):
+    def release(self, rows):
         """Free the KV of rows that ended (EOS or max_new_tokens)."""
         for r in rows:
             self.cache.free(self.seqs[r])
@@ -219,7 +242,7 @@ class Verifier:
         for r, toks in zip(rows, tokens or []):
             s = self.seqs[r]
             self.cache.register(s, toks[:self.cache.length(s)])
-        self.finish(rows)
+        self.release(rows)
 
     def used_blocks(self) -> int:
         """KV blocks in use (the server's /metrics)."""

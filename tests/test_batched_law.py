@@ -34,7 +34,7 @@ import torch
 import kv_cache
 from checkpoint import load_model
 from decode import Output, SDRounds, SSDRounds
-from draft import DraftConfig, SSDConfig, in_row_order, load_draft
+from draft import DraftConfig, DraftSettings, in_row_order, load_draft
 from scheduler import KVBudget, Request, Scheduler, cache_tokens
 from test_generate import empirical_law, exact_law, make_small_vocab_pair, tv, tv_bound
 from verify import Verifier
@@ -65,14 +65,14 @@ def engine(mode, tgt: Path, dft: Path, T, seed, fallback="neural", saguaro_c=0.3
     """A scheduler over the mode's rounds (one process), its caches sized for max_batch rows, so
     that admission is bounded by max_batch alone. -> (the scheduler, the draft side)."""
     tmodel, _ = load_model(str(tgt), tokenizer=False)
-    ssd = (SSDConfig(K, budget=BUDGET, saguaro_c=saguaro_c, fallback=fallback) if mode == "ssd"
-           else None)
+    ssd = mode == "ssd"
+    spec = DraftSettings(K, budget=BUDGET, saguaro_c=saguaro_c, fallback=fallback)
     need = -(-(max(map(len, prompts)) + max(MAX_TOKENS) + K + 1) // bs) * bs  # a row's, target
-    branches = 0 if ssd is None else BUDGET * (K + 3 + 2 * bs)  # its SSD branches, draft
+    branches = BUDGET * (K + 3 + 2 * bs) if ssd else 0  # its SSD branches, draft
     kv, draft_kv = MAX_BATCH * need + 2 * bs, MAX_BATCH * (need + branches) + 2 * bs
     verifier = Verifier(tmodel, T, seed, kv, bs, prefix_caching)
-    drafter = load_draft(DraftConfig(str(dft), "cpu", torch.float32, K, T, seed + 1, draft_kv, bs,
-                                     ssd, None, tmodel.config.vocab_size,
+    drafter = load_draft(DraftConfig(str(dft), "cpu", torch.float32, spec, ssd, T, seed + 1,
+                                     draft_kv, bs, None, tmodel.config.vocab_size,
                                      prefix_caching=prefix_caching))
     rounds = (SSDRounds if mode == "ssd" else SDRounds)(verifier, drafter, Output([], K))
     budget = KVBudget(cache_tokens(kv, bs), cache_tokens(draft_kv, bs), bs, K, branches,
@@ -161,7 +161,7 @@ def test_batched_law_negative_control_wrong_q_for_joining_rows(small_vocab, monk
     run = Run(sched.out.tokens, [], set(), 0)
     verify = sched.rounds.verifier.verify
 
-    def verify_with_wrong_q(rows, tokens, q, deterministic):
+    def verify_with_wrong_q(rows, tokens, q, deterministic, *args):
         # a row's first round: its history is its prompt and t0 (SD commits after the
         # verification, SSD's respond has committed t0 before it)
         first = [i for i, r in enumerate(rows) if r in run.late
@@ -169,7 +169,7 @@ def test_batched_law_negative_control_wrong_q_for_joining_rows(small_vocab, monk
         if first:
             q, deterministic = q.clone(), deterministic.clone()
             q[first], deterministic[first] = 1.0 / q.shape[-1], False
-        return verify(rows, tokens, q, deterministic)
+        return verify(rows, tokens, q, deterministic, *args)
 
     monkeypatch.setattr(sched.rounds.verifier, "verify", verify_with_wrong_q)
     run_waves(sched, run)
@@ -186,14 +186,22 @@ def test_proposals_follow_their_rows_when_hits_and_misses_interleave():
     hits, misses = [0, 2, 3], [1, 4]
     tokens = torch.arange(b)[:, None].expand(b, K)  # [b, K]: row i proposes i, i
     q = torch.rand(b, K, V)
-    got_tokens, got_q = in_row_order([(hits, tokens[hits], q[hits]),
-                                      (misses, tokens[misses], q[misses])], b, V)
-    assert torch.equal(got_tokens, tokens) and torch.equal(got_q, q)
+    lengths = [K, K - 1, K, 1, K]
+    got_tokens, got_q, got_L = in_row_order(
+        [(hits, tokens[hits], q[hits], [lengths[i] for i in hits]),
+         (misses, tokens[misses], q[misses], [lengths[i] for i in misses])], b, V)
+    assert torch.equal(got_tokens, tokens) and torch.equal(got_q, q) and got_L == lengths
     # a fast backup's misses are deterministic (no q): zeros in their places, the hits' q in theirs
-    got_tokens, got_q = in_row_order([(hits, tokens[hits], q[hits]),
-                                      (misses, tokens[misses], None)], b, V)
+    got_tokens, got_q, _ = in_row_order([(hits, tokens[hits], q[hits], [K] * 3),
+                                         (misses, tokens[misses], None, [K] * 2)], b, V)
     assert torch.equal(got_tokens, tokens) and torch.equal(got_q[hits], q[hits])
     assert not got_q[misses].any()
+    # parts of other widths (rows that stopped early): the narrower one padded, nothing moved
+    got_tokens, got_q, _ = in_row_order([(hits, tokens[hits], q[hits], [K] * 3),
+                                         (misses, tokens[misses, :1], q[misses, :1], [1, 1])], b, V)
+    assert torch.equal(got_tokens[hits], tokens[hits]) and torch.equal(got_q[hits], q[hits])
+    assert torch.equal(got_tokens[misses, :1], tokens[misses, :1])
+    assert not got_tokens[misses, 1:].any() and not got_q[misses, 1:].any()
 
 
 # --------------------------------------------------------------------------------------------------

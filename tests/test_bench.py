@@ -9,6 +9,7 @@ import pytest
 import bench
 from bench_report import Measured, theory
 from conftest import make_checkpoint
+from draft import DraftSettings
 from run import generate
 
 
@@ -50,18 +51,24 @@ def test_theory_known_values():
 
 
 def test_defaults_are_run_generates():
+    """bench runs what run.generate and draft.DraftSettings default to, and sweeps any field of
+    DraftSettings by name."""
     run = {n: p.default for n, p in inspect.signature(generate).parameters.items()}
-    assert bench.DEFAULTS == {n: run[n] for n in ("k", "budget", "fallback")}
+    spec = DraftSettings()
+    assert bench.DEFAULTS == {"k": spec.K, "budget": spec.budget, "fallback": spec.fallback}
     a = bench.parse_args([])
     assert (a.target, a.draft, a.dtype) == (run["target"], run["draft"], run["dtype"])
-    assert (a.k, a.budget, a.fallback) == ([run["k"]], [run["budget"]], [run["fallback"]])
-    assert (a.fan_out, a.saguaro_c) == ([run["fan_out"]], [run["saguaro_c"]])
-    cfg = bench.Config("ssd", 0.0, 1)
-    assert (cfg.fan_out, cfg.budget, cfg.saguaro_c, cfg.fallback) == \
-        (run["fan_out"], run["budget"], run["saguaro_c"], run["fallback"])
+    assert (a.k, a.budget, a.fallback) == ([spec.K], [spec.budget], [spec.fallback])
+    assert (a.fan_out, a.saguaro_c, a.sweep) == ([spec.fan_out], [spec.saguaro_c], {})
+    assert bench.Config("ssd", 0.0, 1).spec == spec
     # the tuner's grid holds the defaults it compares against
-    assert run["k"] in bench.TUNE_K and run["budget"] in bench.TUNE_BUDGET
-    assert run["fallback"] in bench.TUNE_FALLBACK
+    assert spec.K in bench.TUNE_K and spec.budget in bench.TUNE_BUDGET
+    assert spec.fallback in bench.TUNE_FALLBACK
+    a = bench.parse_args(["--modes", "sd,ssd", "--sweep", "confidence=0,0.5", "--budget", "4,8"])
+    got = {(c.engine, c.spec.confidence, c.spec.budget) for c in bench.make_configs(a, 2)}
+    assert {("sd", 0.0, 8), ("sd", 0.5, 8)} < got and ("ssd", 0.5, 4) in got and len(got) == 6
+    with pytest.raises(SystemExit):  # not a field, or one with a flag of its own
+        bench.parse_args(["--sweep", "nonsense=1"])
 
 
 def test_prompts_deterministic_and_batches():
@@ -160,7 +167,7 @@ def test_smoke_json_line(tmp_path, capsys):
     # the fan-out used and the hits per depth: B = 3 in every row-round (fixed), over depths 0..K
     ssd = rows["ssd"]
     assert ssd["fixed_budget"] and ssd["mean_budget"] == 3
-    assert len(ssd["fan_out_used"]) == 3 and sum(ssd["fan_out_used"]) == pytest.approx(3)
+    assert len(ssd["row_fan_out_mean"]) == 3 and sum(ssd["row_fan_out_mean"]) == pytest.approx(3)
     assert sum(ssd["hits_per_depth"]) == ssd["hits"] and sum(ssd["lookups_per_depth"]) == ssd["hits"] + ssd["misses"]
     assert any(line.startswith("ssd@1+1t") and " F " in line and " hits " in line for line in out)
     # one repeat: the one pass's ratio is the ratio of the medians

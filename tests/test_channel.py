@@ -1,5 +1,6 @@
 """The two-process channel (channel.py), without spawning: compact messages, no q at temperature 0,
 and the page-locking calls a CUDA machine makes (checked against a fake cudart on the CPU)."""
+import math
 import pytest
 import torch
 
@@ -26,13 +27,18 @@ def test_proposals_travel_and_are_not_aliased():
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(V, (2, K), generator=g)
     q = torch.rand(2, K, V, generator=g)
-    p = Proposals(tokens, q, torch.tensor([False, True]), torch.tensor([True, False]))
+    p = Proposals(tokens, q, torch.tensor([False, True]), torch.tensor([True, False]), [K, 1])
     ch.send_proposals(p)
     got = ch.proposals(2, torch.device("cpu"))
     assert torch.equal(got.tokens, tokens) and torch.equal(got.q, q)
     assert got.deterministic.tolist() == [False, True] and got.hit.tolist() == [True, False]
+    assert got.lengths == [K, 1]
     ch.tokens.zero_()  # the next message must not change what the verifier already emitted
     assert torch.equal(got.tokens, tokens)
+    # a narrower round (every row stopped early): [b, W] arrives as it left
+    ch.send_proposals(Proposals(tokens[:, :2], q[:, :2], p.deterministic, p.hit, [2, 1]))
+    got = ch.proposals(2, torch.device("cpu"))
+    assert torch.equal(got.tokens, tokens[:, :2]) and torch.equal(got.q, q[:, :2])
 
 
 def test_no_q_at_temperature_zero():
@@ -40,7 +46,7 @@ def test_no_q_at_temperature_zero():
     ch = Channel(B, K, V, send_q=False, pin=False)
     assert ch.q is None and all(x.numel() < B * K * V for x in ch.tensors())
     ch.send_proposals(Proposals(torch.ones(1, K, dtype=torch.long), None, torch.tensor([True]),
-                                torch.tensor([False])))
+                                torch.tensor([False]), [K]))
     assert ch.proposals(1, torch.device("cpu")).q is None
 
 
@@ -100,8 +106,12 @@ class Recorder:
     """Stands in for a message's tensors on a GPU (`put` is stubbed: only .device and len are read), for the
     CUDA streams (synchronize is logged) and for the signal (release is logged)."""
 
-    def __init__(self, log, name, device=None, n=2):
+    def __init__(self, log, name, device=None, n=2, shape=None):
         self.log, self.name, self.device, self.n = log, name, device, n
+        self.shape = shape or (n,)
+
+    def numel(self):
+        return math.prod(self.shape)
 
     def __len__(self):
         return self.n
@@ -139,8 +149,9 @@ def test_proposals_are_signalled_after_every_device_is_flushed(monkeypatch):
     ch = Channel(B, K, V, send_q=True, pin=False)
     ch.proposals_ready = Recorder(log, "proposals")
     host, gpu = torch.device("cpu"), torch.device("cuda:1")
-    ch.send_proposals(Proposals(Recorder(log, "tokens", gpu), Recorder(log, "q", gpu), Recorder(log, "det", host),
-                                Recorder(log, "hit", host)), capture_seconds=1.5)
+    ch.send_proposals(Proposals(Recorder(log, "tokens", gpu, shape=(2, K)), Recorder(log, "q", gpu, shape=(2, K, V)),
+                                Recorder(log, "det", host), Recorder(log, "hit", host), [K, K]),
+                      capture_seconds=1.5)
     assert log[-2:] == [("synchronize", "cuda:1"), ("signal", "proposals")], log
     assert float(ch.capture_seconds[0]) == 1.5  # the speculator's graph captures travel with its answer
 
@@ -150,7 +161,7 @@ def test_proposals_arrive_on_the_verifiers_device():
     the hit flags, which only the host reads, stay there."""
     ch = Channel(B, K, V, send_q=True, pin=False)
     ch.send_proposals(Proposals(torch.ones(2, K, dtype=torch.long), torch.rand(2, K, V), torch.tensor([True, False]),
-                                torch.tensor([False, True])))
+                                torch.tensor([False, True]), [K, K]))
     got = ch.proposals(2, torch.device("meta"))
     assert got.tokens.device.type == got.q.device.type == got.deterministic.device.type == "meta"
     assert got.hit.device.type == "cpu" and got.hit.tolist() == [False, True]

@@ -22,7 +22,7 @@ import run
 import tp
 import verify
 from conftest import make_checkpoint, one_line
-from draft import DraftConfig
+from draft import DraftConfig, DraftSettings
 from devices import check_device, resolve_dtype
 from graphs import StaticSteps
 from model import Transformer
@@ -164,7 +164,7 @@ def test_cuda_without_an_index_is_the_current_gpu(two_gpus):
 def test_speculator_and_tp_ranks_set_an_indexed_device(two_gpus):
     """torch.cuda.set_device needs an index: given "cuda", the speculator's process and a tensor-parallel
     rank set the GPU it means (here the current one, cuda:1), not a device without an index."""
-    cfg = DraftConfig("unused", "cuda", torch.bfloat16, 3, 0.0, 0, 64)
+    cfg = DraftConfig("unused", "cuda", torch.bfloat16, DraftSettings(K=3), True, 0.0, 0, 64)
 
     class Errors(list):
         put = list.append

@@ -357,7 +357,7 @@ def test_speculator_process_drafts_in_bf16(monkeypatch):
     stopped by the outcome), and a batch of another size rounds differently in bf16."""
     first_q = []
 
-    def verify(self, rows, tokens, q, deterministic):
+    def verify(self, rows, tokens, q, *args):
         first_q.append(q.clone())
         raise Spawned  # one round is enough
 

@@ -310,11 +310,10 @@ def test_sd_law_negative_control_wrong_q(small_vocab, monkeypatch):
     tgt, dft, prompt, law = small_vocab
     orig = verify.accept_reject
 
-    def wrong_q(target_logits, draft_tokens, draft_probs, deterministic, temperature, generator):
-        if draft_probs is None:  # the prefill's first token: nothing proposed
-            return orig(target_logits, draft_tokens, None, deterministic, temperature, generator)
-        uniform = torch.full_like(draft_probs, 1.0 / draft_probs.shape[-1])
-        return orig(target_logits, draft_tokens, uniform, deterministic, temperature, generator)
+    def wrong_q(target_logits, draft_tokens, draft_probs, *args, **kw):
+        if draft_probs is not None:  # None: the prefill's first token, nothing proposed
+            draft_probs = torch.full_like(draft_probs, 1.0 / draft_probs.shape[-1])
+        return orig(target_logits, draft_tokens, draft_probs, *args, **kw)
 
     monkeypatch.setattr(verify, "accept_reject", wrong_q)
     res = gen([prompt] * N_LAW, tgt, dft, mode="sd", k=2, temperature=1.0, max_new_tokens=3, seed=123)

@@ -247,6 +247,7 @@ def test_ignore_eos_and_min_tokens_stop_rows_exactly(mode, reference):
     runs to max_tokens; min_tokens = the first occurrence's length goes on past it and stops at
     the second. Each row's tokens are the reference's up to there, in every mode (the rule
     changes where a row stops, never which tokens are drawn)."""
+    from draft import DraftSettings
     from engine import EngineConfig, load_engine
     from scheduler import Request
     R = reference
@@ -254,11 +255,11 @@ def test_ignore_eos_and_min_tokens_stop_rows_exactly(mode, reference):
     first = R.index(eos)
     second = R.index(eos, first + 1)
     engine = load_engine(EngineConfig(
-        target="tiny", draft="tiny-draft", mode=mode, temperature=0.0, k=3, seed=0,
-        ignore_eos=False, fan_out="geometric", budget=8, saguaro_c=1.0, fallback="neural",
+        target="tiny", draft="tiny-draft", mode=mode, temperature=0.0,
+        spec=DraftSettings(K=3, fallback="neural"), seed=0, ignore_eos=False,
         parallel=False, target_device=None, draft_device=None, target_threads=1,
         draft_threads=None, kv_tokens=2048, target_devices=None, tp_timeout=60.0,
-        dtype="float32", graphs=None, pre_spec="always", fixed_budget=False), max_batch=4)
+        dtype="float32", graphs=None), max_batch=4)
     try:
         engine.scheduler.out.eos = {eos}
         plain = Request([1, 5, 9, 23], 40)

@@ -21,6 +21,7 @@ import torch
 from checkpoint import load_model
 from conftest import make_checkpoint
 from decode import Output
+from draft import DraftSettings
 from engine import EngineConfig, load_engine
 from kv_cache import PagedKVCache, block_hashes, shareable_hashes
 from scheduler import KVBudget, Request, Scheduler
@@ -223,12 +224,11 @@ NEW = 12
 
 def engine(model, mode, parallel=False, prefix_caching=True):
     return load_engine(EngineConfig(
-        target=model, draft="tiny-draft", mode=mode, temperature=0.0, k=3, seed=0,
-        ignore_eos=True, fan_out="geometric", budget=4, saguaro_c=1.0, fallback="neural",
+        target=model, draft="tiny-draft", mode=mode, temperature=0.0,
+        spec=DraftSettings(K=3, budget=4, fallback="neural"), seed=0, ignore_eos=True,
         parallel=parallel, target_device=None, draft_device=None, target_threads=1,
         draft_threads=1 if parallel else None, kv_tokens=2048, target_devices=None,
-        tp_timeout=60.0, dtype="float32", graphs=None, pre_spec="always", fixed_budget=False,
-        prefix_caching=prefix_caching), max_batch=8)
+        tp_timeout=60.0, dtype="float32", graphs=None, prefix_caching=prefix_caching), max_batch=8)
 
 
 # request i is submitted before round WHEN[i]: beside the first (its shared blocks held) and,

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from conftest import make_checkpoint
+from draft import DraftSettings
 from engine import EngineConfig, load_engine
 from scheduler import Request
 from test_generate import TARGET_KW, perturbed_copy
@@ -34,12 +35,11 @@ def pair(tmp_path_factory):
 def load(pair, mode, **kw):
     """A server's engine (one process), its default temperature 0.7: requests bring their own."""
     tgt, dft = pair
-    settings = dict(target=str(tgt), draft=str(dft), mode=mode, temperature=0.7, k=K, seed=0,
-                    ignore_eos=True, fan_out="geometric", budget=8, saguaro_c=1.0,
-                    fallback="neural", parallel=False, target_device=None, draft_device=None,
+    settings = dict(target=str(tgt), draft=str(dft), mode=mode, temperature=0.7,
+                    spec=DraftSettings(K=K, fallback="neural"), seed=0, ignore_eos=True,
+                    parallel=False, target_device=None, draft_device=None,
                     target_threads=1, draft_threads=None, kv_tokens=4096, target_devices=None,
-                    tp_timeout=60.0, dtype="float32", graphs=None, pre_spec="always",
-                    fixed_budget=False)
+                    tp_timeout=60.0, dtype="float32", graphs=None)
     return load_engine(EngineConfig(**{**settings, **kw}), max_batch=8)
 
 
@@ -91,7 +91,7 @@ def test_ssd_seeded_text_is_sds(pair):
 def test_ssd_with_a_fast_backup_same_batch_same_text(pair):
     """The n-gram backup and C = 0.5 (an explicit fan-out, so nothing adapts to the clocks): the
     same batch with the same seeds gives the same text, run after run."""
-    kw = dict(fallback="ngram", saguaro_c=0.5, fan_out=[2, 1, 1, 1])
+    kw = dict(spec=DraftSettings(K=K, fallback="ngram", saguaro_c=0.5, fan_out=[2, 1, 1, 1]))
     runs = []
     for _ in range(2):
         engine = load(pair, "ssd", **kw)

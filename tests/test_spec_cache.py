@@ -10,7 +10,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from spec_cache import (FAN_OUTS, AcceptanceTracker, CacheStats, SpecCache,  # noqa: E402
-                        acceptance_trials, check_fan_out, expected_tokens, fan_out, fit_power_law,
+                        acceptance_trials, check_fan_out, expected_tokens, rule_fan_out, fit_power_law,
                         geometric_fan_out, geometric_fan_out_real, guess_triples, parse_fan_out,
                         select_guesses_batch, uniform_fan_out)
 
@@ -122,18 +122,18 @@ def test_uniform_fan_out():
 
 
 def test_fan_out_spec():
-    assert fan_out("uniform", 0.8, 0.8, 3, 10) == uniform_fan_out(3, 10)
-    assert fan_out("geometric", 0.8, 0.8, 3, 10) == geometric_fan_out(0.8, 0.8, 3, 10)
-    assert fan_out([1, 0, 2], 0.8, 0.8, 2, 999) == [1, 0, 2]  # an explicit list is its own budget
-    assert fan_out("3,3,3", 0.8, 0.8, 2, 9) == [3, 3, 3]
+    assert rule_fan_out("uniform", 0.8, 0.8, 3, 10) == uniform_fan_out(3, 10)
+    assert rule_fan_out("geometric", 0.8, 0.8, 3, 10) == geometric_fan_out(0.8, 0.8, 3, 10)
+    assert rule_fan_out([1, 0, 2], 0.8, 0.8, 2, 999) == [1, 0, 2]  # an explicit list is its own budget
+    assert rule_fan_out("3,3,3", 0.8, 0.8, 2, 9) == [3, 3, 3]
     with pytest.raises(ValueError, match=r"K\+1 = 4"):
-        fan_out([1, 2, 3], 0.8, 0.8, 3, 6)
+        rule_fan_out([1, 2, 3], 0.8, 0.8, 3, 6)
     with pytest.raises(ValueError, match="non-negative"):
-        fan_out([1, -1, 3], 0.8, 0.8, 2, 3)
+        rule_fan_out([1, -1, 3], 0.8, 0.8, 2, 3)
     with pytest.raises(ValueError, match="non-negative"):
-        fan_out([1, 1.5, 3], 0.8, 0.8, 2, 3)
+        rule_fan_out([1, 1.5, 3], 0.8, 0.8, 2, 3)
     with pytest.raises(ValueError, match="uniform"):
-        fan_out("exponential", 0.8, 0.8, 2, 3)
+        rule_fan_out("exponential", 0.8, 0.8, 2, 3)
 
 
 def test_expected_hit_rate():

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from draft import SSDConfig  # noqa: E402
+from draft import DraftSettings  # noqa: E402
 from spec_cache import geometric_fan_out, uniform_fan_out  # noqa: E402
 from spec_policy import PreSpecGate, SpecPolicy, next_budget  # noqa: E402
 
@@ -112,26 +112,26 @@ def test_fan_out_is_decided_per_row():
     """A row without proposals puts all of B at depth 0; a row the draft proposed for and one a fast
     backup proposed for get the rule's vector at their own acceptance (the defaults until measured, then
     the measured a); the used fan-out is their mean per depth."""
-    p = SpecPolicy(SSDConfig(K=3, budget=8), 3)
-    assert p.fan_out(None, [], False) == [8, 0, 0, 0]
-    neural, fast = p.fan_out(None, [1, 2, 3], False), p.fan_out(None, [1, 2, 3], True)
+    p = SpecPolicy(DraftSettings(K=3, budget=8))
+    assert p.row_fan_out(None, [], False) == [8, 0, 0, 0]
+    neural, fast = p.row_fan_out(None, [1, 2, 3], False), p.row_fan_out(None, [1, 2, 3], True)
     assert neural == p.prior() == geometric_fan_out(0.8, 0.8, 3, 8)
     assert fast == geometric_fan_out(0.1, 0.8, 3, 8) and fast[0] > neural[0]
     p.accept_fast.update([3] * 40, 3)  # the fast backup measured as good as can be
-    measured = p.fan_out(None, [1, 2, 3], True)
+    measured = p.row_fan_out(None, [1, 2, 3], True)
     assert measured == geometric_fan_out(0.99, 0.8, 3, 8)
     rows = [[8, 0, 0, 0], neural, fast, measured]
-    assert p.stats()["fan_out_used"] == pytest.approx([sum(F[j] for F in rows) / 4 for j in range(4)])
-    u = SpecPolicy(SSDConfig(K=3, fan_out="uniform", budget=6), 3)
-    assert u.fan_out(None, [4, 5, 6], True) == uniform_fan_out(3, 6)
-    e = SpecPolicy(SSDConfig(K=2, fan_out=[2, 1, 0]), 2)
-    assert e.fan_out(None, [4, 5], False) == [2, 1, 0] and e.fan_out(None, [], False) == [3, 0, 0]
+    assert p.stats()["row_fan_out_mean"] == pytest.approx([sum(F[j] for F in rows) / 4 for j in range(4)])
+    u = SpecPolicy(DraftSettings(K=3, fan_out="uniform", budget=6))
+    assert u.row_fan_out(None, [4, 5, 6], True) == uniform_fan_out(3, 6)
+    e = SpecPolicy(DraftSettings(K=2, fan_out=[2, 1, 0]))
+    assert e.row_fan_out(None, [4, 5], False) == [2, 1, 0] and e.row_fan_out(None, [], False) == [3, 0, 0]
 
 
 @pytest.mark.parametrize("fixed", [False, True])
 def test_fixed_budget_never_moves(fixed):
     """Pre-speculation that overruns the verification shrinks an adaptive B; --fixed-budget keeps it."""
-    p = SpecPolicy(SSDConfig(K=3, budget=8, fixed_budget=fixed), 3)
+    p = SpecPolicy(DraftSettings(K=3, budget=8, fixed_budget=fixed))
     p.outcome_arrived(0.010, pre_speculated=True)
     for _ in range(5):
         p.pre_speculated(0.030, stopped=True)
@@ -140,8 +140,8 @@ def test_fixed_budget_never_moves(fixed):
 
 
 def test_pre_speculate_now():
-    assert SpecPolicy(SSDConfig(K=2), 2).pre_speculate_now(4)
-    never = SpecPolicy(SSDConfig(K=2, pre_spec="never"), 2)
+    assert SpecPolicy(DraftSettings(K=2)).pre_speculate_now(4)
+    never = SpecPolicy(DraftSettings(K=2, pre_spec="never"))
     assert not never.pre_speculate_now(4) and never.skipped == 1 and never.gate is None
-    auto = SpecPolicy(SSDConfig(K=2, pre_spec="auto"), 2)
+    auto = SpecPolicy(DraftSettings(K=2, pre_spec="auto"))
     assert [auto.pre_speculate_now(1) for _ in range(8)] == [True] * 6 + [False] * 2  # warm-up, probe

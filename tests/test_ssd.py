@@ -145,7 +145,7 @@ def test_fixed_budget_repeats_tokens_in_one_process_and_two(ckpts):
     assert runs[0].tokens == runs[1].tokens == runs[2].tokens
     for r in runs:
         assert r.stats["mean_budget"] == 5 and r.stats["fixed_budget"] and r.stats["hits"] > 0
-        assert sum(r.stats["fan_out_used"]) == pytest.approx(5)
+        assert sum(r.stats["row_fan_out_mean"]) == pytest.approx(5)
     assert runs[0].stats["hits"] == runs[2].stats["hits"]
 
 
@@ -155,7 +155,11 @@ def test_fixed_budget_repeats_tokens_in_one_process_and_two(ckpts):
 def arrive_at(monkeypatch, j):
     """Force the verifier's outcome to arrive before pre-speculation step j, every round (the hook the
     two-process speculator reads the channel through)."""
-    monkeypatch.setattr(draft_module.Speculator, "arrived", lambda self, step: step >= j)
+    init = draft_module.Speculator.__init__
+
+    def arriving(self, *args, **kw):
+        init(self, *args, **{**kw, "arrived": lambda step: step >= j})
+    monkeypatch.setattr(draft_module.Speculator, "__init__", arriving)
 
 
 @pytest.mark.parametrize("j", range(4))  # K = 3: steps 0..2; j = 3 never stops (the reference)
@@ -173,7 +177,7 @@ def test_stopped_pre_speculation_same_tokens(ckpts, monkeypatch, j):
     for s in (res.stats, res_t1.stats):
         assert s["hits"] > 0 and s["misses"] > 0, s
         assert (s["pre_speculation_stopped"] > 0) == (j <= 2), s
-        assert (s["branches_finished"] > 0) == (j <= 2), s  # a stop leaves the hit's draws to do
+        assert (s["branches_completed"] > 0) == (j <= 2), s  # a stop leaves the hit's draws to do
     assert res_t1.stats["hits"] == ref.stats["hits"]
     if j <= 2:  # the stops shrank the adaptive budget (greedy run); the explicit fan-out stays
         assert res.stats["mean_budget"] < 8 and res_t1.stats["mean_budget"] == 8
@@ -253,13 +257,13 @@ def test_pre_spec_always_never_skips(ckpts, monkeypatch):
 
 def test_auto_fallback_reads_its_measurements(ckpts):
     """`auto` picks the backup by b*, computed from what this run measured, each term replacing its default."""
-    cfg = draft_module.DraftConfig(str(ckpts["different"]), "cpu", torch.float32, 3, 0.0, 0, 256,
-                                   ssd=draft_module.SSDConfig(K=3))
+    cfg = draft_module.DraftConfig(str(ckpts["different"]), "cpu", torch.float32,
+                                   draft_module.DraftSettings(K=3), True, 0.0, 0, 256)
     spec = draft_module.load_draft(cfg)
     policy = spec.policy
     assert default_critical_batch_size(3, 0.0) is not None  # the paper's default would flip at some b ...
     # ... but until measured, misses go to the neural backup
-    assert policy.critical_batch_size(spec.spec_cache.stats.hit_rate) is None
+    assert policy.measured_b_star(spec.spec_cache.stats.hit_rate) is None
     # rounds of 10 ms, pre-speculation 8 ms, the neural backup 5 ms, the n-gram one 0.1 ms; hit rate 1/2;
     # the draft accepts 2 of 3 on every round, the n-gram backup none
     policy.round_seconds, policy.pre_seconds = [0.010] * 9, [0.008] * 9
@@ -276,13 +280,13 @@ def test_auto_fallback_reads_its_measurements(ckpts):
     assert [policy.backup_for(b) for b in (1, 2, 3, 8)] == ["neural", "neural", "ngram", "ngram"]
     assert policy.choose_backup(8, True, p_hit) == "neural"  # after a skipped round: SD's schedule
     policy.neural_seconds = []  # unmeasured, the neural backup is charged T_p (cautious): b* is lower
-    assert policy.critical_batch_size(p_hit) == critical_batch_size(0.5, E_hit, 0.8, 1.0, 0.01) == 2
+    assert policy.measured_b_star(p_hit) == critical_batch_size(0.5, E_hit, 0.8, 1.0, 0.01) == 2
     policy.neural_seconds = [0.005] * 5
     policy.accept_fast.update([3] * 400, 3)  # the n-gram backup turns out as good as the draft: from b = 1
-    policy.b_star = policy.critical_batch_size(p_hit)
+    policy.b_star = policy.measured_b_star(p_hit)
     assert policy.b_star == 1 and policy.backup_for(1) == "ngram"
     policy.b_star = b_star
-    fixed = draft_module.Speculator(spec.model, draft_module.SSDConfig(K=3, fallback="random"), 0.0, 0, 64)
+    fixed = draft_module.Speculator(spec.model, draft_module.DraftSettings(K=3, fallback="random"), 0.0, 0, 64)
     assert fixed.policy.backup_for(1) == "random"  # a fixed policy is never overridden
 
 
@@ -368,7 +372,7 @@ def test_ssd_law_with_stopped_pre_speculation(small_vocab, monkeypatch, j, fallb
     res, d, bound = ssd_law_run(small_vocab, 1.0, 0.3, fallback)
     s = res.stats
     assert s["hits"] > 0 and s["pre_speculation_stopped"] > 0, s
-    assert s["branches_finished"] > 0, s
+    assert s["branches_completed"] > 0, s
     assert d < bound, (d, bound)
 
 

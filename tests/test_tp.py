@@ -189,7 +189,7 @@ def test_dead_rank_fails_cleanly(ckpts):
         workers.procs[0].join(timeout=10)
         with pytest.raises(RuntimeError, match=r"tensor-parallel rank 1 died \(exit code -9\)"):
             try:
-                verifier.verify([0], torch.tensor([[4, 5]]), torch.zeros(1, 2, V), torch.ones(1, dtype=torch.bool))
+                verifier.verify([0], torch.tensor([[4, 5]]), torch.zeros(1, 2, V), torch.ones(1, dtype=torch.bool), [2])
             finally:
                 workers.close()
     finally:
@@ -238,9 +238,9 @@ def test_call_forwards_any_verifier_method(ckpts, monkeypatch):
         # the tensors travel by themselves, not pickled in the header
         assert headers[-1] == ("echo", [TensorArg((3, 1, V), torch.bfloat16), "word", None, [7, 8],
                                         TensorArg((2, 0), torch.float32)])
-        verifier.finish([])
+        verifier.release([])
         assert len(headers) == 2  # nothing to free: no message
-        verifier.finish([0])
+        verifier.release([0])
         assert headers[-1] == ("finish", [[0]])
     finally:
         workers.close()  # raises a worker's error
