@@ -1,7 +1,7 @@
 """What each architecture is, and a model's config: the one table (ARCHS) that the config, both
-checkpoint loaders (safetensors and GGUF, checkpoint.py), the layers (model.py) and the tests read,
-and `ModelConfig`, built from an HF config.json by `from_hf`, which refuses in one line anything the
-engine does not implement.
+checkpoint loaders (safetensors: checkpoint.py, GGUF: gguf_format.py), the layers (model.py) and
+the tests read, and `ModelConfig`, built from an HF config.json by `from_hf`, which refuses in one
+line anything the engine does not implement.
 
 A new architecture is a row of ARCHS (and, if its layers differ in a way no field here says, the
 layers in model.py); nothing else keys on model_type.
@@ -16,11 +16,11 @@ class Arch:
     qkv_bias: bool        # q_proj, k_proj and v_proj add a bias (o_proj and the MLP never do)
     qk_norm: bool         # each head of q and k is RMS-normalised before RoPE
     gguf_name: str        # its GGUF files' general.architecture
-    gguf_qk_permuted: bool  # llama.cpp's converter interleaved q/k rows (checkpoint.unpermute_qk)
+    gguf_qk_permuted: bool  # llama.cpp's converter interleaved q/k rows (gguf_format.unpermute_qk)
 
 
 # model_type -> what it is: the one table a new architecture goes into (ModelConfig.from_hf,
-# checkpoint.py's loaders and the tests read it)
+# the loaders and the tests read it)
 ARCHS = {
     "llama": Arch("LlamaForCausalLM", qkv_bias=False, qk_norm=False, gguf_name="llama",
                   gguf_qk_permuted=True),   # Llama 2/3, SmolLM2, ...

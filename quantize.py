@@ -7,7 +7,7 @@ float32, in int4 about 6x fewer (with its scales); the activations stay in float
 
 Two layouts, one per bit width. The common GGUF block types (Q8_0, Q6_K, Q5_K, Q5_0/1,
 Q4_K, Q4_0/1) are integers with a scale (and a min) per group of 16 or 32 inputs, so they go into
-these layouts exactly, without a float copy (checkpoint.gguf_integers, QuantRows.copy_integers):
+these layouts exactly, without a float copy (gguf_format.gguf_integers, QuantRows.copy_integers):
   int8: qweight int8 [out, in] and scales float32 [out, in / G]: w = q * scale, one scale per G
         consecutive inputs of a row (G = in, one per output channel, for safetensors quantized
         here; G = 32 for GGUF's Q8_0, 16 for Q6_K). A layer that holds a GGUF type with a min

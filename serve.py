@@ -60,25 +60,13 @@ try:
     from pydantic import ValidationError
     from starlette.exceptions import HTTPException
 
-    from protocol import (ChatCompletion, ChatRequest, Completion, CompletionRequest,
-                          ErrorResponse, Health, Model, ModelList)
+    from protocol import (BadRequest, ChatCompletion, ChatRequest, Completion, CompletionRequest,
+                          ErrorResponse, Health, Model, ModelList, check_fields, invalid,
+                          message_text)
 except ImportError:
     sys.exit("serve.py needs FastAPI and uvicorn: pip install fastapi uvicorn")
 
-# OpenAI's fields the engine honours only at the value that changes nothing (null, or one of
-# these); any other value is a 400 naming it, never silently ignored
-NEUTRAL = {"n": (1,), "top_p": (1,), "presence_penalty": (0,), "frequency_penalty": (0,),
-           "logprobs": (False,), "echo": (False,), "best_of": (1,), "logit_bias": ({},),
-           "top_logprobs": (), "suffix": ()}
 MiB = 2**20
-
-
-class BadRequest(Exception):
-    """A request refused: a 400 naming the field (404: an unknown model; 413: too large)."""
-
-    def __init__(self, message, param=None, code=None, status=400):
-        super().__init__(message)
-        self.param, self.code, self.status = param, code, status
 
 
 def error(status: int, message: str, param=None, code=None, kind="invalid_request_error"):
@@ -86,42 +74,23 @@ def error(status: int, message: str, param=None, code=None, kind="invalid_reques
                                    "code": code}}, status_code=status)
 
 
-# --------------------------------------------------------------------------------------------------
-# A request's fields, checked before the engine sees it (protocol.py has checked their types)
+def refuse(e: BadRequest) -> JSONResponse:
+    return error(e.status, str(e), e.param, e.code)
 
-def check_fields(body, engine: Engine, model_id: str, defaults) -> dict:
-    """The request's settings from its validated body, or a BadRequest naming the field."""
+
+# --------------------------------------------------------------------------------------------------
+# A request's prompts as token ids (protocol.py has checked its fields)
+
+def settings(body, engine: Engine, model_id: str, defaults) -> dict:
+    """The request's settings (protocol.check_fields) and its prompts as token ids, each within
+    the context, or a BadRequest naming the field."""
+    f = check_fields(body, model_id, defaults)
     chat = isinstance(body, ChatRequest)
-    for name, neutral in NEUTRAL.items():
-        value = getattr(body, name, None)
-        if value is not None and value not in neutral:
-            raise BadRequest(f"{name}={value!r} is not supported: this engine samples one answer "
-                             f"per prompt from the model's own law; leave {name} out", name,
-                             "unsupported_parameter")
-    if body.model is not None and body.model != model_id:
-        raise BadRequest(f"the model {body.model!r} does not exist: this server serves "
-                         f"{model_id!r}", "model", "model_not_found", status=404)
-    given = body.max_completion_tokens if chat else None
-    param = "max_completion_tokens" if given is not None else "max_tokens"
-    max_tokens = given or body.max_tokens or defaults.max_new_tokens
-    min_tokens = body.min_tokens or 0
-    if min_tokens > max_tokens:
-        raise BadRequest(f"min_tokens={min_tokens} is more than {param}={max_tokens}",
-                         "min_tokens", "invalid_value")
-    options = body.stream_options
-    if options is not None and not body.stream:
-        raise BadRequest("stream_options is only allowed with stream: true", "stream_options",
-                         "invalid_value")
     prompts = [chat_ids(body.messages, engine)] if chat else prompt_ids(body.prompt, engine)
     for ids in prompts:
-        check_length(ids, max_tokens, engine, "messages" if chat else "prompt", param)
-    include_usage = bool(options and options.include_usage)
-    return {"prompts": prompts, "max_tokens": max_tokens, "min_tokens": min_tokens,
-            "ignore_eos": bool(body.ignore_eos), "stream": bool(body.stream),
-            "stop": [body.stop] if isinstance(body.stop, str) else body.stop or [],
-            "temperature": body.temperature, "seed": body.seed, "usage": include_usage,
-            # vLLM's: usage on every chunk, only with include_usage
-            "continuous": include_usage and bool(options.continuous_usage_stats)}
+        check_length(ids, f["max_tokens"], engine, "messages" if chat else "prompt",
+                     f["max_tokens_param"])
+    return {**f, "prompts": prompts}
 
 
 def encode(engine, text: str, param: str) -> list[int]:
@@ -160,19 +129,6 @@ def chat_ids(messages, engine) -> list[int]:
                          "invalid_value") from None
 
 
-def message_text(content, i: int) -> str:
-    """A message's content: a string, or text parts (joined by newlines, as vLLM does)."""
-    if isinstance(content, str):
-        return content
-    for j, part in enumerate(content):
-        if part.type != "text" or part.text is None:
-            what = ("a text part without text" if part.type == "text" else
-                    f"a part of type {part.type!r}")
-            raise BadRequest(f"messages[{i}].content[{j}] is {what}: this server reads text "
-                             f"only", f"messages[{i}].content[{j}]", "unsupported_content")
-    return "\n".join(part.text for part in content)
-
-
 def check_length(ids, max_tokens, engine, prompt_param, tokens_param):
     ctx = engine.config.max_position_embeddings
     if max_tokens + 1 + engine.K > ctx:
@@ -182,38 +138,6 @@ def check_length(ids, max_tokens, engine, prompt_param, tokens_param):
         raise BadRequest(f"the prompt's {len(ids)} tokens + {tokens_param}={max_tokens} exceed "
                          f"the context of {ctx} tokens: shorten them", prompt_param,
                          "context_length_exceeded")
-
-
-def invalid(e: ValidationError) -> JSONResponse:
-    """A body protocol.py's models refused -> a 400 naming the field of the first error."""
-    errors = e.errors(include_url=False)
-    first = errors[0]
-    if first["type"] == "json_invalid":
-        why = first["msg"].removeprefix("Invalid JSON: ")
-        return error(400, f"malformed JSON: {why}", code="invalid_json")
-    if first["type"] == "extra_forbidden":
-        param = ".".join(filter(None, [field_path(first["loc"][:-1]), str(first["loc"][-1])]))
-        return error(400, f"unknown or unsupported field {param!r}: leave it out", param,
-                     "unsupported_parameter")
-    param = field_path(first["loc"])
-    if param is None:
-        return error(400, "the request body must be a JSON object", code="invalid_type")
-    why = "; or ".join(dict.fromkeys(x["msg"] for x in errors if field_path(x["loc"]) == param))
-    return error(400, f"{param}: {why}", param, "invalid_value")
-
-
-def field_path(loc) -> str | None:
-    """pydantic's error location as OpenAI's param ("messages[0].role"), up to the tag pydantic
-    puts after a field of several types ("list[int]", "str")."""
-    path = ""
-    for part in loc:
-        if isinstance(part, int):
-            path += f"[{part}]"
-        elif part.isidentifier() and part not in ("str", "int", "float", "bool"):
-            path += f".{part}" if path else part
-        else:
-            break
-    return path or None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -338,11 +262,11 @@ class API:
         start = time.perf_counter()  # its arrival, for /metrics' latencies
         try:
             body = schema.model_validate_json(await self.read(http))
-            f = check_fields(body, self.engine, self.model_id, self.defaults)
+            f = settings(body, self.engine, self.model_id, self.defaults)
         except ValidationError as e:
-            return invalid(e)
+            return refuse(invalid(e))
         except BadRequest as e:
-            return error(e.status, str(e), e.param, e.code)
+            return refuse(e)
         if self.state["down"]:  # while the speculator restarts, requests wait in the queue
             return error(503, f"the engine is down: {self.state['error']}", kind="server_error",
                          code="engine_down")

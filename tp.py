@@ -60,11 +60,8 @@ def tp_backend(devices: list[str]) -> str:
 def tp_store(world: int, timeout_s: float, port: int | None = None) -> dist.TCPStore:
     """The rendezvous of a tensor-parallel group on this machine: rank 0 serves it on a port the OS
     picks (port=None; the port is .port), the other ranks connect to that port."""
-    t = timedelta(seconds=timeout_s)
-    if port is None:
-        return dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
-                             timeout=t)
-    return dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=t)
+    return dist.TCPStore("127.0.0.1", port or 0, world, is_master=port is None,
+                         wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
 
 
 def check_start(target, world: int, timeout_s: float):
@@ -80,9 +77,8 @@ def check_start(target, world: int, timeout_s: float):
 
 
 def tp_init(rank, world, store, backend, device, timeout_s=TP_TIMEOUT_S):
-    """Join the process group. A worker first marks itself in the store, so rank 0 can wait for
-    every worker while watching that each is alive (a rank that dies before joining must not leave
-    rank 0 waiting)."""
+    """Join the process group. A worker first marks itself in the store, so that rank 0 waits for
+    every worker while watching that each lives (one dead before joining would leave it waiting)."""
     device = torch.device(device)
     if device.type == "cuda":
         # NCCL uses each rank's current device; set_device needs an index, which "cuda" lacks
@@ -112,9 +108,8 @@ class Ranks:
 
 class TPWorkers(Ranks):
     """Rank 0's handle on ranks 1..world-1: spawns them (they load their slices while rank 0 loads
-    its own), joins their process group, watches that they live, and stops them in close(): a "stop"
-    call when they wait for one, else terminate, so Ctrl-C or an error anywhere leaves no process
-    behind.
+    its own), joins their process group, watches that they live, and stops them in close() (a
+    "stop" call when they wait for one, else terminate): Ctrl-C or an error leaves no process.
 
     A rank that dies: during start-up, rank 0 sees it in the rendezvous or the load and raises
     naming it; while decoding, gloo's next collective fails at once (the peer's socket is closed),
@@ -150,9 +145,8 @@ class TPWorkers(Ranks):
             time.sleep(0.02)
 
     def watch(self):
-        """While decoding: a worker that dies leaves NCCL peers spinning in a collective, and this
-        process blocked in its next host sync; aborting the process group releases them with an
-        error (gloo fails by itself, its peers' sockets close)."""
+        """While decoding: a dead worker leaves NCCL's peers spinning in a collective and this
+        process blocked at its next host sync; aborting the group frees them (gloo fails alone)."""
         while not self.closing:
             if any(p.exitcode not in (0, None) for p in self.procs):
                 if self.backend == "nccl" and dist.is_initialized():
@@ -163,28 +157,19 @@ class TPWorkers(Ranks):
     def wait_ready(self):
         """Block until every worker has loaded its slices (no time limit: a large checkpoint on a
         slow disk takes what it takes); a worker that fails or dies raises here."""
-        ready = 0
-        while ready < len(self.procs):
-            try:
-                kind, msg = self.errors.get(timeout=0.1)
-            except queue.Empty:
-                if not all(p.is_alive() for p in self.procs):
-                    raise RuntimeError(self.failure()
-                                       or "a tensor-parallel rank died while loading")
-                continue
+        for _ in self.procs:
+            self.wait(lambda: not self.errors.empty(), "loading")
+            kind, msg = self.errors.get()
             if kind == "error":
                 raise RuntimeError(f"tensor-parallel {msg}")
-            ready += 1
 
     def failure(self, killed=()) -> str | None:
         """The first error a worker reported, else the first worker that died by itself, or None."""
-        while True:
-            try:
+        with suppress(queue.Empty):
+            while True:
                 kind, msg = self.errors.get_nowait()
-            except queue.Empty:
-                break
-            if kind == "error":
-                return f"tensor-parallel {msg}"
+                if kind == "error":
+                    return f"tensor-parallel {msg}"
         for r, p in enumerate(self.procs, 1):
             if p.exitcode not in (0, None) and p not in killed:
                 return f"tensor-parallel rank {r} died (exit code {p.exitcode})"
@@ -195,10 +180,8 @@ class TPWorkers(Ranks):
         interrupted), or name the ranks that stopped answering when a collective timed out."""
         self.closing = True
         if self.idle:
-            try:
+            with suppress(Exception):  # a dead worker: reported below
                 broadcast_header(("stop", []))
-            except Exception:  # a dead worker: reported below
-                pass
         # after an error, give a worker that is dying a moment to be seen dead (a SIGKILLed rank's
         # sockets close before its exit code shows): it is reported as dead, not killed by us
         deadline = time.time() + (30 if self.idle else 1)

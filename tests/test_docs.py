@@ -126,3 +126,49 @@ def test_engine_lines_fit_100_columns():
             for i, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1)
             if len(line) > 100]
     assert not long, "lines over 100 columns:\n" + "\n".join(long)
+
+
+# ----------------------------------------------------------------------------------------------------
+# One reading order (issue 54): decode.py's docstring, the README and docs/design.md carry the same
+# "Reading order:" block, the README's file table lists the files in that order, and every engine
+# file (top-level *.py) has its place in it.
+
+PY_NAME = re.compile(r"\b[a-z_][a-z0-9_]*\.py\b")
+
+
+def reading_order(text: str, where: str) -> list[str]:
+    """The *.py names of the block that starts at the line "Reading order..." and runs over the
+    indented lines after it, in order."""
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.lstrip().startswith("Reading order")), None)
+    assert start is not None, f"{where} has no 'Reading order' block"
+    names = []
+    for line in lines[start + 1:]:
+        if not line.startswith(" ") or not line.strip():
+            break
+        names += PY_NAME.findall(line)
+    assert names, f"{where}'s 'Reading order' block names no file"
+    return names
+
+
+def readme_table_order(readme: str) -> list[str]:
+    """The top-level *.py names in the first column of the README's file table, in order."""
+    names = []
+    for line in readme.splitlines():
+        cells = line.split("|")
+        if line.startswith("| `") and len(cells) > 2:
+            names += PY_NAME.findall(cells[1])
+    return names
+
+
+def test_one_reading_order():
+    import decode
+    order = reading_order(decode.__doc__, "decode.py's docstring")
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    assert reading_order(readme, "README.md") == order
+    assert reading_order(DESIGN.read_text(encoding="utf-8"), "docs/design.md") == order
+    assert readme_table_order(readme) == order, "the README's file table is not in the reading order"
+    assert len(set(order)) == len(order), f"a file is listed twice: {order}"
+    files = {f.name for f in REPO.glob("*.py")}
+    assert set(order) == files, (f"not in the reading order: {sorted(files - set(order))}; "
+                                 f"listed but missing: {sorted(set(order) - files)}")

@@ -28,9 +28,9 @@ from conftest import KINDS, hf_model, make_checkpoint, one_line
 from safetensors.torch import load_file
 
 import checkpoint
-from checkpoint import (REPO, gguf_config, load_config, load_gguf_weights, load_model, materialize,
-                        read_gguf, resolve)
+from checkpoint import REPO, load_config, load_model, materialize, resolve
 from config import ModelConfig
+from gguf_format import gguf_config, load_gguf_weights, read_gguf
 from model import TP, Transformer, tp_split_dim
 from run import encode, generate
 

@@ -7,7 +7,8 @@ the quantized target's (with a negative control).
 import pytest
 import torch
 
-from checkpoint import GGUF_INTEGERS, gguf_integers, load_model
+from checkpoint import load_model
+from gguf_format import GGUF_INTEGERS, gguf_integers
 from quantize import (QuantLinear, QuantRows, dequantize, int4_product, int8_product,
                       quantize_int4, quantize_int8, weight_bytes)
 from test_generate import N_LAW, empirical_law, gen, make_small_vocab_pair, tv, tv_bound
