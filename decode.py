@@ -20,7 +20,7 @@ Reading order (the same in the README and docs/design.md; tests/test_docs.py kee
     the model   config.py, model.py, kv_cache.py, graphs.py, devices.py, quantize.py,
                 cpu_linear.py, checkpoint.py, gguf_format.py
     serving     serve.py, protocol.py, metrics.py
-    measuring   bench.py, bench_report.py, bench_serve.py
+    measuring   bench.py, bench_peers.py, bench_report.py, bench_serve.py
 """
 from __future__ import annotations  # the rounds come first; what they record, Output, after
 

@@ -1,17 +1,15 @@
-"""The draft side: draft K tokens (SD), and pre-speculate the next round for guessed outcomes (SSD).
+"""The draft side: draft up to K tokens (SD); pre-speculate the next round's guessed outcomes (SSD).
 
-Read in this order: `draft_k` (the draft's inner loop), `Drafter` (plain SD: prefill, draft, follow
-the verifier's outcome), then `Speculator`, which adds SSD: while the target verifies a round, guess
-its likely outcomes (n, t) and draft the next round for each of them (`pre_speculate`); when the
-real outcome arrives, answer from the speculation cache (a hit) or from a fallback (a miss)
-(`respond`: `look_up`, `roll_back`, `adopt`, `propose_on_miss`). What the speculator measures and
-decides from that (clocks, the gate, the budget B, b*, each row's fan-out) is
-spec_policy.SpecPolicy's.
+Read in this order: `DraftSettings` (how the draft proposes), `draft_k` (its inner loop), `Drafter`
+(plain SD: prefill, draft, follow the verifier's outcome), then `Speculator`, which adds SSD: while
+the target verifies a round, guess its likely outcomes (n, t) and draft the next round for each
+(`pre_speculate`); when the real outcome arrives, answer from the speculation cache (a hit) or a
+fallback (a miss) (`respond`: `look_up`, `roll_back`, `adopt`, `propose_on_miss`). What the
+speculator measures and decides from that is spec_policy.SpecPolicy's.
 
 Invariant: a row's KV cache holds a prefix of its committed tokens + its proposals under
-verification; the rest is unfed (`Drafter.unfed`), and the next forward feeds it first. In SD that
-is the last bonus t (and the last proposal after an all-accepted round); in SSD also proposals not
-fed yet: the last one, all of a fast backup's. `Row` says what each field holds.
+verification; the rest is unfed (`Drafter.unfed`: the last bonus t, the last proposal, a fast
+backup's tokens), and the next forward feeds it first.
 """
 import numbers
 import time
@@ -27,10 +25,10 @@ from devices import device_index, to_device, to_host
 from kv_cache import PagedKVCache
 from model import Transformer
 from quantize import warm_up
-from saguaro_sample import (exp_noise, probs_from_logits, row_seed, row_settings, row_temperatures,
-                            sample, saguaro)
+from saguaro_sample import (draw, exp_noise, guess_probs_from_logits, row_seed,
+                            row_settings, row_temperatures)
 from spec_cache import SpecCache, check_fan_out, guess_triples, select_guesses_batch
-from spec_policy import SpecPolicy
+from spec_policy import PRE_SPEC, SpecPolicy
 
 
 @dataclass
@@ -48,7 +46,6 @@ class Proposals:
 
 # row_seed's streams of a row's draft-side draws (verify.py's is 0)
 NOISE_STREAM, RANDOM_STREAM = 1, 2
-PRE_SPEC = ("always", "auto", "never")  # never: the control that prices the process split alone
 
 
 @dataclass(frozen=True)
@@ -58,9 +55,8 @@ class DraftSettings:
     name). Checked once, here. The fields from fan_out on are SSD's."""
     K: int = 4                  # the most draft tokens a round proposes (a row may stop sooner)
     # stop a row's proposal after the first token the draft gives a probability below this (its
-    # own law at T > 0, the temperature-1 softmax at T = 0), as transformers' assisted generation's
-    # assistant_confidence_threshold does; 0: always K. Exact either way: where a row stops is the
-    # draft's business, and the verifier tests what it proposed
+    # law at T > 0, the T = 1 softmax at T = 0), as assisted generation's assistant_confidence_
+    # threshold does; 0: always K. Exact: the draft's side decides, the verifier tests what came
     confidence: float = 0.0
     fan_out: str | list = "geometric"  # the rule (spec_cache.FAN_OUTS), or F_0..F_K given
     budget: int = 8             # the ceiling of B = sum_j F_j, branches per row per round: B
@@ -73,62 +69,28 @@ class DraftSettings:
     fixed_budget: bool = False  # B stays `budget` (experiments); else it adapts to time
 
     def __post_init__(self):
-        if not isinstance(self.K, numbers.Integral) or not 1 <= self.K <= 64:
-            raise ValueError(f"k={self.K} is impossible: use 1 <= k <= 64 draft tokens per round")
-        if not 0 <= self.confidence < 1:
-            raise ValueError(f"confidence={self.confidence}: use a probability in [0, 1) "
-                             f"(0: the draft always proposes K tokens)")
-        if self.budget < 1:
-            raise ValueError(f"budget={self.budget}: the fan-out budget B must be >= 1")
-        if not 0 <= self.saguaro_c <= 1:
-            raise ValueError(f"saguaro_c={self.saguaro_c}: C must be in [0, 1]")
-        if self.fallback not in POLICIES:
-            raise ValueError(f"fallback={self.fallback!r}: use {', '.join(POLICIES)}")
-        if self.pre_spec not in PRE_SPEC:
-            raise ValueError(f"pre_spec={self.pre_spec!r}: use {', '.join(PRE_SPEC)}")
+        for ok, problem in (
+                (isinstance(self.K, numbers.Integral) and 1 <= self.K <= 64,
+                 f"k={self.K} is impossible: use 1 <= k <= 64 draft tokens per round"),
+                (0 <= self.confidence < 1, f"confidence={self.confidence}: use a probability in "
+                                           f"[0, 1) (0: the draft always proposes K tokens)"),
+                (self.budget >= 1, f"budget={self.budget}: the fan-out budget B must be >= 1"),
+                (0 <= self.saguaro_c <= 1, f"saguaro_c={self.saguaro_c}: C must be in [0, 1]"),
+                (self.fallback in POLICIES, f"fallback={self.fallback!r}: use {POLICIES}"),
+                (self.pre_spec in PRE_SPEC, f"pre_spec={self.pre_spec!r}: use {PRE_SPEC}")):
+            if not ok:
+                raise ValueError(problem)
         fan_out = check_fan_out(self.fan_out, self.K)
         object.__setattr__(self, "fan_out", fan_out)  # normalised once (frozen: never after)
         if isinstance(fan_out, list):
             object.__setattr__(self, "budget", sum(fan_out))  # an explicit one is its own budget
 
 
-def greedy(temperature) -> bool:
-    """Every row at temperature 0 (temperature: one float, or a tensor [b] of them)."""
-    return isinstance(temperature, numbers.Real) and temperature == 0
-
-
-def guess_probs_from_logits(logits, temperature):
-    """The probabilities SSD's guesses rank the tokens by (and SD's prefill returns): at
-    temperature T > 0 the draft's own law q. At T = 0 the draft is greedy, its law one-hot, which
-    ranks nothing after the top token: the temperature-1 softmax then, a ranking, not a law any
-    token is drawn from. temperature: one float, or a tensor [b] of them."""
-    if isinstance(temperature, torch.Tensor):
-        return probs_from_logits(logits, torch.where(temperature > 0, temperature, 1.0))
-    return probs_from_logits(logits, temperature if temperature > 0 else 1.0)
-
-
-def draw(logits, temperature, noise, f=None, c=1.0):
-    """One draft token per row: (token [b], q_drawn [b, V], guess_probs [b, V]). q_drawn is the law
-    the token was drawn from (Saguaro's q' when f is set and C < 1; at T = 0 the token is the
-    argmax and q_drawn unused), guess_probs what the guesses rank by (guess_probs_from_logits).
-    temperature: one float, or a tensor [b]; noise [b, V]: the Exp(1) noise each row draws with
-    (Drafter.noise; None when every row is greedy)."""
-    probs = guess_probs_from_logits(logits, temperature)
-    if greedy(temperature):
-        return probs.argmax(-1), probs, probs
-    q = saguaro(probs, f, c) if f is not None and c < 1 else probs
-    x = sample(q, None, noise)
-    if isinstance(temperature, torch.Tensor):  # its rows at T = 0 are greedy (tested one-hot)
-        x = torch.where(temperature > 0, x, probs.argmax(-1))
-    return x, q, probs
-
-
 @dataclass
 class Drafted:
-    """Draft steps taken so far for a batch of sequences. Step i feeds one token per sequence still
-    drafting (its `first` tokens at i = 0, then x_i) and draws x_{i+1}; a proposal's last token is
-    not fed here (the caller's next forward feeds it). A sequence stops after K tokens, or sooner
-    (`ended`); SSD's pre-speculation may stop every sequence after any step and go on later."""
+    """Draft steps so far for a batch of sequences. Step i feeds each sequence still drafting one
+    token (its `first` tokens at i = 0, then x_i) and draws x_{i+1}; a proposal's last token is left
+    to the caller's next forward. A sequence stops after K tokens or sooner (`ended`)."""
     tokens: list = field(default_factory=list)  # per step i: x_{i+1} [b] (0 where ended)
     q: list = field(default_factory=list)       # per step i: the law x_{i+1} came from [b, V]
     guess_probs: list = field(default_factory=list)  # per step i: `draw`'s guess_probs [b, V]
@@ -163,13 +125,12 @@ def draft_k(model: Transformer, cache: PagedKVCache, seqs, first, K, temperature
             F=None, c=1.0, confidence=0.0, stop=None, done: Drafted | None = None,
             of=None) -> Drafted:
     """Feed each sequence its `first` tokens (a list per row, e.g. [t] or [x_K, t]), then draft up
-    to K tokens one step at a time, the sequences still drafting together. temperature: one float,
-    or a tensor [b]; noise [n, K, V]: what step i draws with (noise[:, i]; None when greedy), row
-    of[s] of it for sequence s (a LongTensor [b]: SSD's branches share their row's; None: row s).
-    With F (K ints) and C < 1, step i samples from Saguaro's q' (its set: the top F[i] + 1
-    tokens). confidence > 0: a sequence stops after a token its guess_probs give less (one read
-    of them on the host per step). stop(step) -> True ends the drafting before that step (SSD:
-    the verifier's outcome arrived); done continues an earlier call's steps."""
+    to K tokens a step at a time, the sequences still drafting together. temperature: one float, or
+    a tensor [b]; noise [n, K, V]: step i's is noise[:, i] (None when greedy), its row of[s] for
+    sequence s (SSD's branches share their row's; None: row s). With F (K ints) and C < 1, step i
+    samples Saguaro's q' (its set: the top F[i] + 1 tokens). confidence > 0: a sequence stops after
+    a token its guess_probs give less (a host read per step). stop(step) -> True ends the drafting
+    before that step (SSD: the outcome arrived); done continues an earlier call's steps."""
     d = done if done is not None else Drafted(ended=[None] * len(seqs))
     while d.steps < K and d.drafting() and not (stop is not None and stop(d.steps)):
         i, live = d.steps, d.drafting()
@@ -203,13 +164,9 @@ def draft_k(model: Transformer, cache: PagedKVCache, seqs, first, K, temperature
 
 @dataclass
 class Row:
-    """One sequence on the draft side: everything the draft keeps about it (so a row can join or
-    leave the batch alone). docs/design.md section 3 traces one row through the phases.
-
-    Its KV cache always holds a prefix of history + proposed; the rest is what the next forward
-    feeds first (Drafter.unfed). In SD that is the committed tokens but the last bonus t (and the
-    last proposal after an all-accepted round); in SSD also proposals not fed yet (the last one;
-    all of a fast backup's)."""
+    """One sequence on the draft side: all the draft keeps about it, so a row can join or leave
+    the batch alone (docs/design.md section 3 traces one). Its KV cache always holds a prefix of
+    history + proposed; the rest is unfed (Drafter.unfed), and the next forward feeds it first."""
     seq: int | None        # its sequence in the draft's KV cache (None once released)
     history: list[int]     # committed tokens: prompt + output
     proposed: list[int] = field(default_factory=list)  # x_1..x_L being verified ([] in between)
@@ -249,12 +206,10 @@ class Drafter:
         self.rows: list[Row] = []
 
     def add(self, prompts: list[list[int]], first: int | None = None, temps=None, seeds=None):
-        """Rows joining (a static batch's all at once; continuous batching's at a round boundary,
-        scheduler.py): cache their prompts; they are numbered on from the rows already here, or
-        from `first`, the caller's number for the first of them (a speculator started anew after
-        the last one died never saw the rows before it). temps, seeds: each row's
-        (saguaro_sample.row_settings: None, the defaults). Returns the draft's next-token
-        probabilities [len(prompts), V] for them."""
+        """Rows joining (at a round boundary: scheduler.py): cache their prompts; they are numbered
+        on from the rows here, or from `first` (a speculator started anew after one died never saw
+        the rows before it). temps, seeds: each row's (saguaro_sample.row_settings). Returns the
+        draft's next-token probabilities [len(prompts), V] for them."""
         if first is not None:
             self.rows += [None] * (first - len(self.rows))
         temps, seeds = row_settings(len(prompts), temps, seeds, self.temperature, self.seeds)
@@ -274,11 +229,10 @@ class Drafter:
         return row_temperatures([self.rows[r].temperature for r in rows], self.model.device)
 
     def noise(self, rows):
-        """The Exp(1) noise [b, K, V] the rows' next proposals x_1..x_K are drawn with (None when
-        every row is greedy). Row r's is a function of its seed and its proposal index d alone
-        (row_seed(seed, NOISE_STREAM, d)): a round's tokens do not depend on the batch, and SSD's
-        branch for the outcome that happens draws what its fallback would have (docs/design.md,
-        Serving)."""
+        """The Exp(1) noise [b, K, V] the rows' next proposals are drawn with (None when all are
+        greedy): row r's from its seed and proposal index d alone (row_seed(seed, NOISE_STREAM, d)),
+        so its tokens do not depend on the batch, and SSD's branch for the outcome that happens
+        draws what its fallback would have."""
         if all(self.rows[r].temperature == 0 for r in rows):
             return None
         gens = [self.rows[r].gen.manual_seed(row_seed(self.rows[r].seed, NOISE_STREAM,
@@ -313,10 +267,8 @@ class Drafter:
             row.commit(n_r, t_r)
 
     def release(self, rows):
-        """Free the KV of rows that ended (EOS or max_new_tokens), after registering the full
-        blocks of their committed tokens (prefix caching: a chat's next turn starts with them).
-        The cache holds a prefix of history + proposed (`Row`), so its first
-        min(len(history), length) tokens are committed."""
+        """Free the KV of rows that ended, after registering the full blocks of the committed tokens
+        it holds (prefix caching: a chat's next turn starts with them)."""
         for r in rows:
             row = self.rows[r]
             self.cache.register(row.seq, row.history[:self.cache.length(row.seq)])
@@ -350,8 +302,7 @@ class Drafter:
 
 @dataclass
 class Branches:
-    """One round's pre-speculated branches, batched: branch m drafts the next round for one
-    guess (its key in the SpecCache is (row, j, guess[m]))."""
+    """One round's branches, batched: branch m drafts the next round for (row, j, guess[m])."""
     seqs: list[int]       # [M] forked KV sequences
     guess: list[int]      # [M] the bonus token each one guessed (its first input)
     drafted: Drafted      # their draft steps: K, or fewer if the outcome arrived first
@@ -363,14 +314,12 @@ class Branches:
 
 
 class Speculator(Drafter):
-    """SSD's draft side. Per round: `respond` to the verifier's outcome (n, t): look it up in the
-    speculation cache, adopt the branches that hit, roll back the rows that missed and let a
-    fallback propose for them; then `pre_speculate` the next round's outcomes while the verifier
-    works. What is measured and what it decides (timers, the gate, the budget B, b*, each row's
-    fan-out) is the SpecPolicy's (spec_policy.py). arrived(step) -> bool: has the verifier's
-    outcome arrived (checked before each pre-speculation step; the speculator's process reads
-    the channel, channel.speculator_main)? By default never: in one process the verifier runs only
-    after pre_speculate returns."""
+    """SSD's draft side. Per round: `respond` to the verifier's outcome (n, t) (adopt the branches
+    that hit, roll back the rows that missed and let a fallback propose), then `pre_speculate` the
+    next round's outcomes while the verifier works; what it measures and decides is the
+    SpecPolicy's. arrived(step) -> bool: has the outcome arrived (checked before each
+    pre-speculation step; the speculator's process reads the channel)? By default never: in one
+    process the verifier runs only after pre_speculate returns."""
 
     def __init__(self, model, spec: DraftSettings, temperature, seed, kv_tokens, *,
                  block_size=16, prefix_caching=False, arrived=None):
@@ -383,12 +332,10 @@ class Speculator(Drafter):
         self.arrived = arrived or (lambda step: False)
 
     def add(self, prompts, first=None, temps=None, seeds=None):
-        """As Drafter's, and each new row starts as after a prefill: round 0 proposes nothing, its
-        outcome will be (0, t0), and q_0 [1, V] is what its guesses of t0 rank by. It has a branch
-        only if the caller pre-speculates for it (a batch starting from empty), so a row joining a
-        running batch misses once: the fallback proposes its first round."""
-        # [b, V]: the draft's guess of the verifier's first token
-        q0 = super().add(prompts, first, temps, seeds)
+        """As Drafter's; a new row's round 0 proposes nothing, its outcome will be (0, t0), and q_0
+        [1, V] ranks its guesses of t0. Only a batch that starts empty pre-speculates round 0: a row
+        joining a running batch misses once, and the fallback proposes its first round."""
+        q0 = super().add(prompts, first, temps, seeds)  # [b, V]
         for i, row in enumerate(self.rows[len(self.rows) - len(prompts):]):
             row.guess_probs = q0[i:i + 1]
         return q0
@@ -398,12 +345,10 @@ class Speculator(Drafter):
     def pre_speculate(self, rows):
         """Guess each row's outcome (j, t) of the round being verified, fork a branch per guess at
         the committed prefix + j drafted tokens, feed t and draft up to K tokens for all branches
-        of all rows as one batch per step (a proposal's last token is not fed: the branch that
-        hits feeds it in the next round's feed_unfed, with the other rows' unfed tokens, rather
-        than every branch paying one more step). Stops early when the outcome arrives: `respond`
-        then completes only the branch that hit. If the policy says no (the gate, or pre_spec
-        "never"), nothing is pre-speculated this round: the verifier works alone and every row
-        misses."""
+        of all rows as one batch per step (a proposal's last token is left to the next round's
+        feed_unfed). Stops early when the outcome arrives: `respond` then completes only the
+        branch that hit. If the policy says no (the gate, pre_spec "never"), nothing is
+        pre-speculated: the verifier works alone and every row misses."""
         if not self.policy.pre_speculate_now(len(rows)):
             return
         start = time.perf_counter()
@@ -412,8 +357,7 @@ class Speculator(Drafter):
         seqs = [self.cache.fork(self.rows[r].seq, len(self.rows[r].history) + j)
                 for r, j in zip(owner, depth)]
         prior = self.policy.prior()  # a hit answers with the draft's proposals
-        # every branch of a row draws with the row's noise for its next proposals: the one that
-        # hits proposes what the fallback would have (Drafter.noise)
+        # a row's branches share its noise: the one that hits proposes what the fallback would have
         at = {r: i for i, r in enumerate(rows)}
         noise, of = (self.noise(rows) if seqs else None), [at[r] for r in owner]
         drafted = Drafted()
@@ -430,10 +374,9 @@ class Speculator(Drafter):
                                    and drafted.steps < self.K)
 
     def feed_unfed(self, rows):
-        """Feed, in one forward, the tokens the rows' caches lack: the last proposal after neural
-        drafting (which stops before feeding it, so that the verifier gets it sooner), all of a
-        fast backup's and the committed tokens before them. This caches their KV and completes
-        guess_probs: q_0..q_L, what the guesses at depths 0..L rank by."""
+        """Feed, in one forward, the tokens the rows' caches lack (the last proposal after neural
+        drafting, which the verifier got sooner for it; a fast backup's, and committed tokens before
+        them): their KV, and guess_probs completed to q_0..q_L, what the guesses rank by."""
         unfed = {r: self.unfed(self.rows[r]) for r in rows}
         todo = [r for r in rows if unfed[r]]
         if not todo:
@@ -448,11 +391,9 @@ class Speculator(Drafter):
             row.guess_probs = probs[-(len(row.proposed) + 1):]  # [L+1, V]: after history + x_1..x_j
 
     def choose_guesses(self, rows):
-        """Each row's guesses (j, t): its fan-out F_0..F_K, decided now by the policy with the
-        row's proposals and probabilities in hand, then the top F_j tokens at each depth j
-        (spec_cache.select_guesses_batch). A row proposing L < K tokens (round 0: none) has q_0..q_L
-        only: its other depths are padded, and get no guesses. Returns per branch its row, depth
-        j and guess t, and each row's F."""
+        """Each row's guesses (j, t): its fan-out F_0..F_K (SpecPolicy.row_fan_out: depths past its
+        L get none), then the top F_j tokens at each depth j (spec_cache.select_guesses_batch).
+        Returns per branch its row, depth j and guess t, and each row's F."""
         K = self.K
         probs, drafted, F = [], [], []
         for r in rows:
@@ -473,9 +414,8 @@ class Speculator(Drafter):
     # -- the answer: when the outcome arrives
 
     def respond(self, rows, n, t, round_seconds=None) -> Proposals:
-        """The outcome (n, t) of the round just verified arrives for `rows`: look each row up in
-        the speculation cache; a hit adopts its branch, whose proposals are ready; a miss rolls
-        back to the accepted prefix and the fallback proposes. Returns the next proposals."""
+        """The outcome (n, t) of the round just verified, for `rows`: a hit adopts its branch, whose
+        proposals are ready; a miss rolls back and the fallback proposes. -> the next proposals."""
         self.policy.outcome_arrived(round_seconds, pre_speculated=self.branches is not None)
         outcome = to_host(torch.stack([n, t], 1))
         hits, misses = self.look_up(rows, outcome)
@@ -491,26 +431,23 @@ class Speculator(Drafter):
             parts.append((misses, backup.tokens, backup.q, backup.lengths))
         greedy_rows = [self.rows[r].temperature == 0 for r in rows]
         tokens, q, lengths = in_row_order(parts, len(rows), None if all(greedy_rows) else self.V)
-        # deterministic: greedy, or a fast backup's rows (not sampled: tested one-hot)
+        # deterministic (tested one-hot): greedy rows, a fast backup's
         one_hot = set(misses) if backup is not None and backup.q is None else set()
-        missed = set(misses)
-        flags = [[greedy_rows[i] or i in one_hot, i not in missed] for i in range(len(rows))]
+        flags = [[greedy_rows[i] or i in one_hot, i not in misses] for i in range(len(rows))]
         deterministic, hit = torch.tensor(flags, device="cpu").unbind(1)  # on the host
         self.policy.answered(sum(n_r + 1 for n_r, _ in outcome))
         return Proposals(tokens, q, deterministic, hit, lengths)
 
     def look_up(self, rows, outcome):
-        """Each row's outcome (n, t) in the cache (a round that pre-speculated nothing looks
-        nothing up), shown to the policy, and committed: history grows by x_1..x_n, t. Returns
-        the hits [(position, branch m)] and the misses [position]."""
+        """Each row's outcome (n, t) looked up (if the round pre-speculated), shown to the policy
+        and committed. Returns the hits [(position, branch m)] and the misses [position]."""
         br, hits, misses = self.branches, [], []
         for i, (r, (n_r, t_r)) in enumerate(zip(rows, outcome)):
             row = self.rows[r]
             m = self.spec_cache.get(r, n_r, t_r) if br is not None else None
             # a row that joined after this round's pre-speculation has no fan-out in it
-            F = None if br is None or r not in br.row_F else br.row_F[r]
-            self.policy.observe(n_r, len(row.proposed), row.fast_backup,
-                                None if F is None else F[n_r], m is not None)
+            F_n = br.row_F[r][n_r] if br is not None and r in br.row_F else None
+            self.policy.observe(n_r, len(row.proposed), row.fast_backup, F_n, m is not None)
             row.commit(n_r, t_r)
             if m is not None:
                 hits.append((i, m))
@@ -519,17 +456,15 @@ class Speculator(Drafter):
         return hits, misses
 
     def roll_back(self, miss_rows):
-        """A miss keeps the accepted prefix that the cache holds; the rest (t, or more if the last
-        round pre-speculated nothing) is unfed."""
+        """A miss keeps the committed prefix its cache holds (all but t, or less); rest unfed."""
         for r in miss_rows:
             row = self.rows[r]
             self.cache.truncate(row.seq, min(len(row.history) - 1, self.cache.length(row.seq)))
             row.guess_probs = None
 
     def adopt(self, hits):
-        """A hit's branch becomes its row's sequence: it holds the committed tokens, then
-        x'_1..x'_{L-1} fed; x'_L is unfed (the next pre_speculate feeds it). hits: (row, branch
-        m) pairs. Returns the proposals: tokens [h, W], q [h, W, V], lengths (h ints)."""
+        """A hit's branch becomes its row's sequence (committed tokens, then x'_1..x'_{L-1}; x'_L
+        unfed). hits: (row, branch m) pairs. -> tokens [h, W], q [h, W, V], lengths."""
         tokens, q, probs, lengths = self.complete_branches([m for _, m in hits])
         for (r, m), proposed, p, L in zip(hits, to_host(tokens), probs, lengths):
             row = self.rows[r]
@@ -540,10 +475,8 @@ class Speculator(Drafter):
 
     def complete_branches(self, ms):
         """The proposals of the branches that hit: tokens [h, W], q [h, W, V], guess_probs
-        [h, W, V], lengths (h ints). If pre-speculation stopped before they were drafted to the end,
-        these branches (and no others) draft their remaining steps now, with their rows' noise:
-        the same tokens as without the stop. Feeding the last one waits for the next
-        pre-speculation."""
+        [h, W, V], lengths. If pre-speculation stopped early, these branches alone draft their
+        remaining steps now, with their rows' noise: the same tokens as without the stop."""
         br, dev = self.branches, self.model.device
         d = br.drafted.rows(device_index(ms, dev), ms)
         if d.steps < self.K and d.drafting():
@@ -581,8 +514,7 @@ class Speculator(Drafter):
         fast = backup.guess_probs is None
         for k, (r, proposed, L) in enumerate(zip(miss_rows, to_host(backup.tokens),
                                                  backup.lengths)):
-            # the unfed tokens go in at the start of pre_speculate (feed_unfed): all of a fast
-            # backup's, the neural one's last; its guess_probs q_0..q_{L-1} are here already
+            # feed_unfed feeds a fast backup's tokens, the neural one's last (q_0..q_{L-1} here)
             self.rows[r].take(proposed[:L], None if fast else backup.guess_probs[k][:L], fast)
         self.policy.backup_took(fast, time.perf_counter() - start, skipped)
         return backup
@@ -609,11 +541,10 @@ class Speculator(Drafter):
 
 
 def in_row_order(parts, b: int, V: int | None):
-    """One round's proposals in row order: tokens [b, W], q [b, W, V] (None when V is: at
-    temperature 0) and lengths (b ints) from parts (row positions, tokens [m, w], q [m, w, V] or
-    None: deterministic rows, whose q the verifier never reads, m lengths) covering rows 0..b-1; W is
-    the widest part's w, the others padded. When the parts interleave, one index built on the host
-    crosses to the device (indexing device tensors with a list would copy synchronously)."""
+    """One round's proposals in row order: tokens [b, W], q [b, W, V] (None when V is) and
+    lengths from parts (row positions, tokens [m, w], q [m, w, V] or None for deterministic rows,
+    lengths) covering rows 0..b-1, padded to the widest. Interleaved parts are reordered by one
+    index built on the host (indexing device tensors with a list would copy synchronously)."""
     order = [i for pos, _, _, _ in parts for i in pos]
     W = max(x.shape[1] for _, x, _, _ in parts)
     pad = torch.nn.functional.pad
@@ -661,9 +592,7 @@ def load_draft(c: DraftConfig, *, arrived=None) -> Drafter:
     model, _ = load_model(c.name, device=c.device, dtype=c.dtype, tokenizer=False,
                           vocab_size=c.vocab_size, quant=c.quant)
     use_forms(model, ROWS)  # the CPU's product forms for any rows a round drafts (cpu_linear.py)
-    # quantized layers' compiled products for a decode step and a round's catch-up (K + 1 rows);
-    # other row counts compile when they first come up
-    warm_up(model, [1, c.spec.K + 1])
+    warm_up(model, [1, c.spec.K + 1])  # quantized layers' products: a step, a catch-up (K + 1)
     model.use_graphs(c.graphs, c.compile)
     kw = dict(block_size=c.block_size, prefix_caching=c.prefix_caching)
     if not c.ssd:

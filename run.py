@@ -23,7 +23,8 @@ import torch
 from checkpoint import load_model, load_tokenizer
 from devices import DTYPES, check_device, resolve_dtype
 from quantize import QUANTS
-from draft import PRE_SPEC, DraftSettings
+from draft import DraftSettings
+from spec_policy import PRE_SPEC
 from engine import (LOADING, Engine, EngineConfig, Started, build_engine, default_devices,
                     kv_sizes, load_target, refuse_target_devices, threads_of)
 from fallback import POLICIES
@@ -106,13 +107,21 @@ def generate(prompts, target="tiny", draft="tiny-draft", mode="sd", max_new_toke
                        dtype=dtype, graphs=graphs,
                        block_size=block_size, torchrun=torchrun, compile=compile, quant=quant,
                        draft_quant=draft_quant, prefix_caching=prefix_caching)
+    return generate_with(cfg, prompts, max_new_tokens, chat, stream, tokenizer)
+
+
+def generate_with(cfg: EngineConfig, prompts, max_new_tokens, chat, stream,
+                  tokenizer) -> GenerateResult:
+    """generate() once its settings are checked: load, size the KV caches for these prompts,
+    decode them as one static batch, and stop whatever was started on every path out."""
     old_threads = torch.get_num_threads()
     started = Started()
     try:
         loaded = load_target(cfg, started, tokenizer)
         ids = [encode(loaded.tokenizer, p, chat) for p in prompts]
         check_prompts(ids, loaded.model.config, max_new_tokens, cfg.K)
-        sizes = kv_sizes(ids, max_new_tokens, cfg.K, block_size, kv_tokens, cfg.branch_budget)
+        sizes = kv_sizes(ids, max_new_tokens, cfg.K, cfg.block_size, cfg.kv_tokens,
+                         cfg.branch_budget)
         engine = build_engine(cfg, loaded, *sizes, max_batch=len(ids))
         requests = [Request(p, max_new_tokens, on_tokens=row_stream(stream, r))
                     for r, p in enumerate(ids)]

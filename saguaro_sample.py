@@ -1,6 +1,6 @@
-"""Sampling for the draft and the verifier: logits -> probabilities, seeded sampling, and Saguaro
+"""Sampling for the draft and the verifier: logits -> probabilities, seeded sampling, Saguaro
 sampling (the paper's Definition 14), which moves probability off the cached guesses so that
-rejections land on them.
+rejections land on them, and `draw`, one draft token per row with the law it came from.
 
 Pure functions on torch tensors, batched over any leading dims ([..., V]), float32 math, randomness
 only from explicit torch.Generators (never the global RNG): a run is reproducible from its seed.
@@ -147,3 +147,37 @@ def row_settings(n: int, temps, seeds, temperature: float, seeder: torch.Generat
     seeds = [int(s) if s is not None else
              int(torch.randint(2**62, (1,), generator=seeder, device="cpu")) for s in seeds]
     return temps, seeds
+
+
+# --------------------------------------------------------------------------------------------------
+# One draft token per row: what draft.draft_k draws at each step
+
+def greedy(temperature) -> bool:
+    """Every row at temperature 0 (temperature: one float, or a tensor [b] of them)."""
+    return isinstance(temperature, numbers.Real) and temperature == 0
+
+
+def guess_probs_from_logits(logits, temperature):
+    """The probabilities SSD's guesses rank the tokens by (and SD's prefill returns): at
+    temperature T > 0 the draft's own law q. At T = 0 the draft is greedy, its law one-hot, which
+    ranks nothing after the top token: the temperature-1 softmax then, a ranking, not a law any
+    token is drawn from. temperature: one float, or a tensor [b] of them."""
+    if isinstance(temperature, torch.Tensor):
+        return probs_from_logits(logits, torch.where(temperature > 0, temperature, 1.0))
+    return probs_from_logits(logits, temperature if temperature > 0 else 1.0)
+
+
+def draw(logits, temperature, noise, f=None, c=1.0):
+    """One draft token per row: (token [b], q_drawn [b, V], guess_probs [b, V]). q_drawn is the law
+    the token was drawn from (Saguaro's q' when f is set and C < 1; at T = 0 the token is the
+    argmax and q_drawn unused), guess_probs what the guesses rank by (guess_probs_from_logits).
+    temperature: one float, or a tensor [b]; noise [b, V]: the Exp(1) noise each row draws with
+    (Drafter.noise; None when every row is greedy)."""
+    probs = guess_probs_from_logits(logits, temperature)
+    if greedy(temperature):
+        return probs.argmax(-1), probs, probs
+    q = saguaro(probs, f, c) if f is not None and c < 1 else probs
+    x = sample(q, None, noise)
+    if isinstance(temperature, torch.Tensor):  # its rows at T = 0 are greedy (tested one-hot)
+        x = torch.where(temperature > 0, x, probs.argmax(-1))
+    return x, q, probs

@@ -20,6 +20,7 @@ import fallback
 from fallback import BACKUPS
 from spec_cache import DEFAULT_A, DEFAULT_R, AcceptanceTracker, expected_tokens, rule_fan_out
 
+PRE_SPEC = ("always", "auto", "never")  # --pre-spec; never: the control that prices the split alone
 # a fast backup's acceptance before it is measured: its proposals are rarely accepted, so its rows'
 # fan-out puts most of B at depth 0
 DEFAULT_A_FAST = 0.1

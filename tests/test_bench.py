@@ -72,10 +72,10 @@ def test_defaults_are_run_generates():
 
 
 def test_prompts_deterministic_and_batches():
-    code = bench.code_prompts(4)
-    assert code == bench.code_prompts(4) and len(set(code)) == 4
+    code = bench.PROMPT_SETS["code"](4)
+    assert code == bench.PROMPT_SETS["code"](4) and len(set(code)) == 4
     assert all(p.lstrip().startswith(("def ", "async def ")) and '"""' in p for p in code)
-    prose = bench.prose_prompts(4)
+    prose = bench.PROMPT_SETS["prose"](4)
     assert any(p.startswith('"""') for p in prose) and any(p.startswith("#") for p in prose)
     assert bench.batches_of([[1], [2], [3]], 2) == [[[1], [2]], [[3], [1]]]
     assert bench.batches_of([[1]], 3) == [[[1], [1], [1]]]
