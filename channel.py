@@ -246,7 +246,7 @@ class SpeculatorProcess:
             raise
         self.startup_s = time.perf_counter() - self.startup_s
 
-    def add(self, prompts, first, temps=None, seeds=None):
+    def add(self, prompts, *, first, temps=None, seeds=None):
         """Rows joining, numbered from `first`, with their temperatures and seeds (None: the
         speculator's defaults): these cross once (pickled: per request, not per round); the
         speculator prefills them and, when they start a batch, pre-speculates their round 0."""
@@ -375,7 +375,7 @@ def control(spec, message, rows) -> list[int]:
     if kind == "add":
         prompts, first, temps, seeds = arg
         new = list(range(first, first + len(prompts)))
-        spec.add(prompts, first, temps, seeds)
+        spec.add(prompts, first=first, temps=temps, seeds=seeds)
         if not rows:
             spec.pre_speculate(new)
         return rows + new

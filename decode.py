@@ -53,7 +53,7 @@ def sd_round(verifier, drafter, rows):
 class NoDraft:
     """Autoregressive decoding is SD with K = 0: no proposals, the bonus token is the next token."""
 
-    def add(self, prompts, first=None, temps=None, seeds=None):
+    def add(self, prompts, *, first=None, temps=None, seeds=None):
         return None
 
     def draft(self, rows) -> Proposals:
@@ -94,8 +94,8 @@ class SDRounds:
         tokens; they run from the next round on. temps, seeds: each row's own (None: the sides'
         defaults, saguaro_sample.row_settings); eos_after: Output.add's. -> their row numbers."""
         new = self.out.add(max_new_tokens, eos_after)
-        q0 = self.drafter.add(prompts, new[0], temps, seeds)
-        t0 = self.verifier.add(prompts, temps, seeds)
+        q0 = self.drafter.add(prompts, first=new[0], temps=temps, seeds=seeds)
+        t0 = self.verifier.add(prompts, temps=temps, seeds=seeds)
         wait_for_devices(q0, t0)
         self.drafter.commit(new, torch.zeros_like(t0), t0)  # n = 0, on t0's device
         self.out.first(new, t0)
@@ -108,7 +108,7 @@ class SDRounds:
         each one's prompt and output (prefix caching registers the blocks they fill)."""
         gone = set(rows)
         self.drafter.leave(rows)
-        self.verifier.leave(rows, tokens)
+        self.verifier.leave(rows, tokens=tokens)
         self.rows = [r for r in self.rows if r not in gone]
 
     def kv_used(self) -> tuple[int, int]:
@@ -173,10 +173,10 @@ class SSDRounds:
              eos_after=None) -> list[int]:
         new = self.out.add(max_new_tokens, eos_after)
         # None in two processes: the speculator prefills over there
-        q0 = self.speculator.add(prompts, new[0], temps, seeds)
+        q0 = self.speculator.add(prompts, first=new[0], temps=temps, seeds=seeds)
         if not self.rows:  # a batch starting from empty: round 0's outcome is (0, t0), guess t0
             self.speculator.pre_speculate(new)
-        t0 = self.verifier.add(prompts, temps, seeds)
+        t0 = self.verifier.add(prompts, temps=temps, seeds=seeds)
         wait_for_devices(q0, t0)
         n0 = torch.zeros_like(t0)
         self.n = n0 if self.n is None else torch.cat([self.n, n0])
@@ -188,7 +188,7 @@ class SSDRounds:
 
     def leave(self, rows, tokens=None):
         gone = set(rows)
-        self.verifier.leave(rows, tokens)
+        self.verifier.leave(rows, tokens=tokens)
         self.speculator.leave(rows)
         keep = [i for i, r in enumerate(self.rows) if r not in gone]
         if len(keep) < len(self.rows):  # the outcome of the rows still running, on its device

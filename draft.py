@@ -205,7 +205,7 @@ class Drafter:
         self.V = model.config.vocab_size
         self.rows: list[Row] = []
 
-    def add(self, prompts: list[list[int]], first: int | None = None, temps=None, seeds=None):
+    def add(self, prompts: list[list[int]], *, first: int | None = None, temps=None, seeds=None):
         """Rows joining (at a round boundary: scheduler.py): cache their prompts; they are numbered
         on from the rows here, or from `first` (a speculator started anew after one died never saw
         the rows before it). temps, seeds: each row's (saguaro_sample.row_settings). Returns the
@@ -331,11 +331,11 @@ class Speculator(Drafter):
         self.completed = 0                        # branches completed alone after a stop
         self.arrived = arrived or (lambda step: False)
 
-    def add(self, prompts, first=None, temps=None, seeds=None):
+    def add(self, prompts, *, first=None, temps=None, seeds=None):
         """As Drafter's; a new row's round 0 proposes nothing, its outcome will be (0, t0), and q_0
         [1, V] ranks its guesses of t0. Only a batch that starts empty pre-speculates round 0: a row
         joining a running batch misses once, and the fallback proposes its first round."""
-        q0 = super().add(prompts, first, temps, seeds)  # [b, V]
+        q0 = super().add(prompts, first=first, temps=temps, seeds=seeds)  # [b, V]
         for i, row in enumerate(self.rows[len(self.rows) - len(prompts):]):
             row.guess_probs = q0[i:i + 1]
         return q0

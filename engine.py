@@ -315,9 +315,10 @@ def build_engine(cfg: EngineConfig, loaded: Loaded, kv_tokens: int, draft_kv: in
     rows = [b * (cfg.K + 1) for b in range(1, max_batch + 1)]
     use_forms(model, [r for r in rows if r in ROWS])
     warm_up(model, [1, *rows])  # quantized layers' compiled products (quantize.py)
-    settings = (cfg.temperature, cfg.seed, kv_tokens, cfg.block_size, cfg.prefix_caching)
+    settings = dict(temperature=cfg.temperature, seed=cfg.seed, kv_tokens=kv_tokens,
+                    block_size=cfg.block_size, prefix_caching=cfg.prefix_caching)
     verifier = (TPVerifier(model, settings, started.workers) if started.workers
-                else Verifier(model, *settings, reuse_cache=model is cfg.target))
+                else Verifier(model, **settings, reuse_cache=model is cfg.target))
     dcfg = DraftConfig(cfg.draft, where.draft_device, where.draft_dtype, cfg.spec,
                        cfg.mode == "ssd", cfg.temperature, cfg.seed + 1, draft_kv, cfg.block_size,
                        cfg.graphs, model.config.vocab_size,  # a draft padded to another size

@@ -181,7 +181,7 @@ class TPWorkers(Ranks):
         self.closing = True
         if self.idle:
             with suppress(Exception):  # a dead worker: reported below
-                broadcast_header(("stop", []))
+                broadcast_header(("stop", [], {}))
         # after an error, give a worker that is dying a moment to be seen dead (a SIGKILLed rank's
         # sockets close before its exit code shows): it is reported as dead, not killed by us
         deadline = time.time() + (30 if self.idle else 1)
@@ -264,29 +264,29 @@ def broadcast_header(header=None, group=None):
 class TPVerifier:
     """One rank of a tensor-parallel verifier, with Verifier's methods (prefill, verify, release).
 
-    On rank 0 (the one given `workers`: TPWorkers or TorchrunWorld) each method is
-    `call(name, *args)`: the call travels to ranks 1.., which receive it in serve(), and every rank
-    makes it on its own Verifier. model.py all-gathers the logits onto every rank, so every rank
+    On rank 0 (the one given `workers`: TPWorkers or TorchrunWorld) each method is `call(name,
+    *args, **kw)`: the call travels to ranks 1.., which receive it in serve(), and every rank makes
+    it on its own Verifier. model.py all-gathers the logits onto every rank, so every rank
     runs accept_reject on the same numbers with an identically seeded generator, draws the same
     (n, t) and rolls its cache back the same way: only the arguments travel, never the outcome."""
 
-    def __init__(self, model, settings: tuple | None = None, workers: Ranks | None = None):
+    def __init__(self, model, settings: dict | None = None, workers: Ranks | None = None):
         self.model, self.workers, self.rank, self.dev = model, workers, model.tp.rank, model.device
         self.group = model.tp.group
         with workers.busy() if workers else nullcontext():  # loading, then taking the settings
             if workers:
                 workers.wait_ready()
-            # Verifier's (temperature, seed, kv_tokens, block_size): pickled once, not per call
+            # Verifier's arguments (temperature, seed, kv_tokens, ...): pickled once, not per call
             box = [settings]
             dist.broadcast_object_list(box, src=0, group=self.group)
-        self.verifier = Verifier(model, *box[0])
+        self.verifier = Verifier(model, **box[0])
 
     # -- rank 0: the calls the decode loops make, exactly as on a Verifier
     def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
         return self.call("prefill", prompts)
 
-    def add(self, prompts: list[list[int]], temps=None, seeds=None) -> torch.Tensor:
-        return self.call("add", prompts, temps, seeds)  # rows joining (scheduler.py)
+    def add(self, prompts: list[list[int]], *, temps=None, seeds=None) -> torch.Tensor:
+        return self.call("add", prompts, temps=temps, seeds=seeds)  # rows joining (scheduler.py)
 
     def verify(self, rows: list[int], tokens, q, deterministic, lengths: list[int]):
         # q=None (T = 0) does not travel; lengths, a list, goes in the header
@@ -295,8 +295,8 @@ class TPVerifier:
     def release(self, rows):
         return self.call("release", rows) if len(rows) else None  # nothing to free, nothing to say
 
-    def leave(self, rows, tokens=None):
-        return self.call("leave", rows, tokens) if len(rows) else None
+    def leave(self, rows, *, tokens=None):
+        return self.call("leave", rows, tokens=tokens) if len(rows) else None
 
     def used_blocks(self) -> int:
         return self.verifier.used_blocks()  # rank 0's: every rank's cache is laid out the same
@@ -307,22 +307,23 @@ class TPVerifier:
     def capture_seconds(self) -> float:
         return self.verifier.capture_seconds()  # 0: no CUDA graphs with tensor parallelism
 
-    def call(self, name: str, *args):
+    def call(self, name: str, *args, **kw):
         """Make the local Verifier's call `name` on every rank and return rank 0's result. Tensor
-        arguments go by dist.broadcast (moved to this rank's device), the others pickled."""
+        arguments go by dist.broadcast (moved to this rank's device), the others (keyword
+        arguments too) pickled."""
         with self.workers.busy():
             header = [TensorArg(tuple(a.shape), a.dtype) if torch.is_tensor(a) else a for a in args]
-            broadcast_header((name, header), self.group)
-            return self.run(name, [self.share(a, h) for a, h in zip(args, header)])
+            broadcast_header((name, header, kw), self.group)
+            return self.run(name, [self.share(a, h) for a, h in zip(args, header)], kw)
 
     # -- ranks 1..world-1
     def serve(self):
         """Run rank 0's calls until it sends "stop"."""
         while True:
-            name, header = broadcast_header(group=self.group)
+            name, header, kw = broadcast_header(group=self.group)
             if name == "stop":
                 return
-            self.run(name, [self.share(None, h) for h in header])
+            self.run(name, [self.share(None, h) for h in header], kw)
 
     # -- every rank
     def share(self, x, h):
@@ -337,10 +338,10 @@ class TPVerifier:
             dist.broadcast(buf, src=0, group=self.group)
         return buf
 
-    def run(self, name, args):
+    def run(self, name, args, kw):
         """The local call, then a guard: if its outcome ever differed between ranks (a reduction not
         bitwise equal on every rank), their caches would drift apart silently; stop loudly."""
-        out = getattr(self.verifier, name)(*args)
+        out = getattr(self.verifier, name)(*args, **kw)
         outs = out if isinstance(out, (tuple, list)) else (out,)
         bits = [x.detach().to(self.dev).contiguous().view(-1).view(torch.uint8)
                 for x in outs if torch.is_tensor(x)]
@@ -566,7 +567,7 @@ class TorchrunWorld(Ranks):
         error = sys.exc_info()[1]
         if self.env.rank == 0 and self.idle:
             with suppress(Exception):  # a rank is gone: named below
-                broadcast_header(("stop", []))
+                broadcast_header(("stop", [], {}))
         msg = self.failure(error)
         if error is not None and msg is None:  # this rank's own error: tell the others
             first = (str(error).strip().splitlines() or [""])[0]

@@ -160,8 +160,8 @@ class Verifier:
     which each round feeds first: one forward over [r, x_1..x_W] gives p_0..p_W for the whole
     round."""
 
-    def __init__(self, model, temperature: float, seed: int, kv_tokens: int, block_size: int = 16,
-                 prefix_caching: bool = False, reuse_cache: bool = False):
+    def __init__(self, model, temperature: float, seed: int, kv_tokens: int, *,
+                 block_size: int = 16, prefix_caching: bool = False, reuse_cache: bool = False):
         # temperature: a joining row's unless it gives its own; seed: of the seeds drawn for rows
         # that give none
         self.model, self.temperature = model, temperature
@@ -180,7 +180,7 @@ class Verifier:
         self.seqs, self.last, self.temps, self.gens = [], None, [], []
         return self.add(prompts)
 
-    def add(self, prompts: list[list[int]], temps=None, seeds=None) -> torch.Tensor:
+    def add(self, prompts: list[list[int]], *, temps=None, seeds=None) -> torch.Tensor:
         """Rows joining (continuous batching: scheduler.py): cache their prompt tokens and draw each
         one's first token t0 (round 0: no proposals). They are numbered on from the rows already
         here; temps, seeds: each row's (saguaro_sample.row_settings: None, the defaults). Every
@@ -234,7 +234,7 @@ class Verifier:
             self.cache.free(self.seqs[r])
             self.seqs[r] = self.gens[r] = None
 
-    def leave(self, rows, tokens=None):
+    def leave(self, rows, *, tokens=None):
         """Rows that left the batch (done or cancelled): their KV freed now. tokens: each one's
         prompt and output so far (None: unknown), whose full blocks the cache holds are
         registered first (prefix caching: a chat's next turn starts with them)."""

@@ -70,7 +70,7 @@ def engine(mode, tgt: Path, dft: Path, T, seed, fallback="neural", saguaro_c=0.3
     need = -(-(max(map(len, prompts)) + max(MAX_TOKENS) + K + 1) // bs) * bs  # a row's, target
     branches = BUDGET * (K + 3 + 2 * bs) if ssd else 0  # its SSD branches, draft
     kv, draft_kv = MAX_BATCH * need + 2 * bs, MAX_BATCH * (need + branches) + 2 * bs
-    verifier = Verifier(tmodel, T, seed, kv, bs, prefix_caching)
+    verifier = Verifier(tmodel, T, seed, kv, block_size=bs, prefix_caching=prefix_caching)
     drafter = load_draft(DraftConfig(str(dft), "cpu", torch.float32, spec, ssd, T, seed + 1,
                                      draft_kv, bs, None, tmodel.config.vocab_size,
                                      prefix_caching=prefix_caching))

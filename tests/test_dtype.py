@@ -62,7 +62,7 @@ COMPARED_MIN = 100
 PROMPTS = ["class Stack:\n    def __init__(self):\n        self.items = []\n",
            "import os\n\n\ndef read_lines(path):\n    \"\"\"Return the lines of a file.\"\"\"\n",
            "def fib(n):\n",
-           "    def __repr__(self):\n"] + __import__("bench").code_prompts(8)
+           "    def __repr__(self):\n"] + __import__("bench").PROMPT_SETS["code"](8)
 NEW = 64
 KW = dict(target="tiny", draft="tiny-draft", max_new_tokens=NEW, ignore_eos=True, target_threads=1, draft_threads=1)
 
@@ -129,7 +129,7 @@ def fake_generate(calls):
         calls.append(kw)
         stats = dict(mode=kw["mode"], batch=len(prompts), new_tokens=len(prompts), prefill_seconds=0.1,
                      decode_seconds=0.1, decode_tok_s=0.0, rounds=1, verify_seconds=0.05, mean_tokens_per_round=1.0,
-                     acceptance_rate=0.0, accept_len_histogram=[1])
+                     acceptance_rate=0.0, accept_len_histogram=[1], proposed_tokens=0, acceptance_trials=0)
         return GenerateResult([[5] for _ in prompts], None, stats)
     return gen
 

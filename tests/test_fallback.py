@@ -178,15 +178,17 @@ def test_propose_runs_the_chosen_backup():
 
     def neural():
         calls.append(1)
-        return torch.zeros(2, K, dtype=torch.long), torch.full((2, K, V), 1 / V), torch.full((2, K + 1, V), 1 / V)
+        return (torch.zeros(2, K, dtype=torch.long), torch.full((2, K, V), 1 / V), torch.full((2, K + 1, V), 1 / V),
+                [K, K - 1])
 
     g = torch.Generator().manual_seed(0)
     b = propose("neural", histories, K, V, g, neural)  # the neural draft proposes, with its laws
     assert b.kind == "neural" and calls == [1] and b.q.shape == (2, K, V) and b.guess_probs.shape == (2, K + 1, V)
+    assert b.lengths == [K, K - 1]  # the neural draft's rows may stop early
     # the n-gram backup: its tokens, deterministic (no laws), the draft not run
     b = propose("ngram", histories, K, V, g, neural)
     assert b.kind == "ngram" and calls == [1] and b.q is None and b.guess_probs is None
-    assert b.tokens.tolist() == [ngram_propose(h, K) for h in histories]
+    assert b.tokens.tolist() == [ngram_propose(h, K) for h in histories] and b.lengths == [K, K]
     b = propose("random", histories, K, V, g, neural)
     assert b.kind == "random" and b.q is None and b.tokens.shape == (2, K) and int(b.tokens.max()) < V
     with pytest.raises(ValueError, match="unknown backup"):

@@ -433,9 +433,10 @@ print("ok")
 
 def test_the_server_builds_generates_engine(monkeypatch):
     """serve.py's engine is generate()'s (engine.py): EngineConfig holds generate()'s parameters less
-    the request's, every run.py flag reaches it, and the server's engine gets what generate()'s does:
-    the CPU product forms for its verifier's rows b (K + 1), b <= --max-batch, the draft read over the
-    target's vocabulary (a padded draft), and --fixed-budget."""
+    the request's (the draft's settings as one object, draft.DraftSettings), every run.py flag reaches
+    it, and the server's engine gets what generate()'s does: the CPU product forms for its verifier's
+    rows b (K + 1), b <= --max-batch, the draft read over the target's vocabulary (a padded draft),
+    and --fixed-budget."""
     import dataclasses
     import inspect
     import draft
@@ -443,14 +444,18 @@ def test_the_server_builds_generates_engine(monkeypatch):
     import serve
     fields = {f.name for f in dataclasses.fields(engine.EngineConfig) if f.init}
     request = {"prompts", "max_new_tokens", "chat", "stream", "tokenizer"}
-    assert fields - {"reserve_cores"} == set(inspect.signature(generate).parameters) - request
-    cfg = serve.engine_config(serve.parser().parse_args(["--fixed-budget", "--budget", "3", "--k", "2"]))
-    assert cfg.mode == "ssd" and cfg.ssd.fixed_budget and cfg.ssd.budget == 3 and cfg.K == 2
+    spec = {f.name for f in dataclasses.fields(draft.DraftSettings)} - {"K", "fast_fallback"}
+    given = set(inspect.signature(generate).parameters) - request - spec - {"k", "draft_settings"}
+    assert fields - {"reserve_cores", "spec"} == given
+    cfg = serve.engine_config(serve.parser().parse_args(["--fixed-budget", "--budget", "3", "--k", "2",
+                                                         "--confidence", "0.25"]))
+    assert cfg.mode == "ssd" and cfg.spec.fixed_budget and cfg.spec.budget == 3 and cfg.K == 2
+    assert cfg.spec.confidence == 0.25
     rows, drafts = [], []
     real_draft = engine.load_draft
     monkeypatch.setattr(engine, "use_forms", lambda model, r: rows.append(list(r)))  # recorded, not timed
     monkeypatch.setattr(draft, "use_forms", lambda model, r: None)
-    monkeypatch.setattr(engine, "load_draft", lambda c: drafts.append(c) or real_draft(c))
+    monkeypatch.setattr(engine, "load_draft", lambda c, **kw: drafts.append(c) or real_draft(c, **kw))
     eng = engine.load_engine(serve.engine_config(serve.parser().parse_args(["--mode", "sd", "--k", "4"])),
                              max_batch=4)
     try:

@@ -183,7 +183,7 @@ def test_dead_rank_fails_cleanly(ckpts):
     workers = TPWorkers(ckpts["llama"], ["cpu", "cpu"], threads=1)
     try:
         model, _ = load_model(ckpts["llama"], tp=workers.rank0)
-        verifier = TPVerifier(model, (0.0, 0, 64, 4), workers)
+        verifier = TPVerifier(model, dict(temperature=0.0, seed=0, kv_tokens=64, block_size=4), workers)
         verifier.prefill([[1, 2, 3]])
         os.kill(workers.procs[0].pid, signal.SIGKILL)
         workers.procs[0].join(timeout=10)
@@ -231,20 +231,20 @@ def test_call_forwards_any_verifier_method(ckpts, monkeypatch):
     workers = TPWorkers(ckpts["llama"], ["cpu", "cpu"], threads=1)
     try:
         model, _ = load_model(ckpts["llama"], tp=workers.rank0)
-        verifier = TPVerifier(model, (0.0, 0, 64, 4), workers)
+        verifier = TPVerifier(model, dict(temperature=0.0, seed=0, kv_tokens=64, block_size=4), workers)
         verifier.prefill([[1, 2, 3]])
         got, facts = verifier.call("echo", x, "word", None, [7, 8], torch.empty(2, 0))
         assert torch.equal(got, x.float()) and facts.tolist() == [4, 7, 8, 1, 1, 1]
         # the tensors travel by themselves, not pickled in the header
         assert headers[-1] == ("echo", [TensorArg((3, 1, V), torch.bfloat16), "word", None, [7, 8],
-                                        TensorArg((2, 0), torch.float32)])
+                                        TensorArg((2, 0), torch.float32)], {})
         verifier.release([])
         assert len(headers) == 2  # nothing to free: no message
         verifier.release([0])
-        assert headers[-1] == ("finish", [[0]])
+        assert headers[-1] == ("release", [[0]], {})
     finally:
         workers.close()  # raises a worker's error
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
-    assert headers[-1] == ("stop", []) and len(headers) == 4  # idle workers are stopped, not killed
+    assert headers[-1] == ("stop", [], {}) and len(headers) == 4  # idle workers are stopped, not killed
     assert not mp.active_children()
