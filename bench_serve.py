@@ -184,9 +184,10 @@ def tool_executable(tool: str, tool_bin: str | None) -> str:
     """`tool`'s executable: in tool_bin (a virtual environment, a folder of executables or the
     executable itself), else on PATH; missing: a one-line exit naming how to install it."""
     p = Path(tool_bin).expanduser() if tool_bin else None
-    found = ([str(x) for x in (p / "bin" / tool, p / tool, p)
-              if x.name == tool and x.is_file() and os.access(x, os.X_OK)] if p
-             else [shutil.which(tool)] if shutil.which(tool) else [])
+    on_path = shutil.which(tool)
+    candidates = [p / "bin" / tool, p / tool, p] if p else [Path(on_path)] if on_path else []
+    found = [str(x) for x in candidates
+             if x.name == tool and x.is_file() and os.access(x, os.X_OK)]
     if not found:
         raise SystemExit(f"--tool {tool}: no {tool} executable in {tool_bin or 'PATH'}; install "
                          f"it apart from the engine: python3 -m venv ~/tools-venv && "
@@ -267,8 +268,14 @@ def run_tool(tool, a, base, model, clients, out: Path) -> dict:
            if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
     env.update({"HF_HUB_OFFLINE": "1"} if tool == "guidellm" else {})
     with open(out / "log.txt", "w") as log:
-        rc = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=out,
-                            timeout=a.tool_timeout).returncode
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=out,
+                                start_new_session=True)
+        try:
+            rc = proc.wait(a.tool_timeout)
+        finally:  # past --tool-timeout, or bench_serve stopped: the tool and every process it began
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
     report = out / ("guidellm.json" if tool == "guidellm" else "profile_export_aiperf.json")
     if rc or not report.exists():
         raise RuntimeError(f"{tool} exited with code {rc} and no report: see {out / 'log.txt'}")
@@ -367,7 +374,7 @@ def parse_args(argv=None):
                          "next question")
     ap.add_argument("--tool", default="own",
                     help="comma list of what sends the load: own (these clients), guidellm, "
-                         "aiperf (each installed apart: see above)")
+                         "aiperf (each installed apart from the engine: docs/benchmarks.md)")
     ap.add_argument("--tool-bin", default=None,
                     help="the virtual environment (or folder) holding the tools' executables "
                          "(default: PATH)")

@@ -1,6 +1,9 @@
 """bench_serve.py's arithmetic on made-up streams, and its --tool runs on made-up reports of guidellm
 and aiperf (the servers themselves: tests/test_serve.py)."""
 import json
+import subprocess
+import time
+from pathlib import Path
 
 import pytest
 
@@ -165,6 +168,19 @@ def test_run_tool_reads_the_report_the_tool_wrote(tmp_path, monkeypatch):
     (tmp_path / "aiperf").write_text("#!/bin/sh\nexit 3\n")
     with pytest.raises(RuntimeError, match="aiperf exited with code 3 and no report"):
         bench_serve.run_tool("aiperf", a, "http://x", "tiny", 1, tmp_path / "p2")
+    # past --tool-timeout: the tool and what it started (here a sleep) are ended
+    (tmp_path / "aiperf").write_text("#!/bin/sh\nsleep 60 &\necho $! > child.pid\nwait\n")
+    a.tool_timeout = 0.5
+    with pytest.raises(subprocess.TimeoutExpired):
+        bench_serve.run_tool("aiperf", a, "http://x", "tiny", 1, tmp_path / "p3")
+    child = (tmp_path / "p3" / "child.pid").read_text().strip()
+    for _ in range(100):  # killed: gone, or a zombie its new parent has not reaped yet
+        stat = Path(f"/proc/{child}/stat")
+        if not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z":
+            break
+        time.sleep(0.02)
+    else:
+        pytest.fail(f"the tool's child {child} outlived --tool-timeout")
 
 
 def test_a_missing_tool_is_one_line_naming_its_install(tmp_path):
