@@ -21,6 +21,17 @@ N tokens (the start of Python's argparse.py, code the tiny pair knows); --turns 
 request a conversation of T turns, each turn's prompt the previous one, its answer and the next
 question (a conversation's turns go one after another; a turn counts as a request in the figures).
 
+Third-party load generators: --tool guidellm,aiperf (with own, bench_serve's clients above) runs
+each named tool against every server started, in turn for each client count: `clients` streams,
+--requests requests of --prompt-tokens synthetic prompt tokens and exactly --max-tokens output
+tokens (ignore_eos), the tool's tokenizer the target's own. The row's figures are read from the
+tool's JSON report (guidellm's --output json, aiperf's profile_export_aiperf.json): output tok/s,
+TTFT p50 / p99 and ITL p50 / p99 as the tool computes them (both take a request's ITL as its
+decode time over its tokens after the first: a per-request mean, not per-token gaps as above).
+Neither is a dependency of the engine: install them apart, e.g.
+    python3 -m venv ~/tools-venv && ~/tools-venv/bin/pip install guidellm==0.8.1 aiperf==0.13.0
+and pass --tool-bin ~/tools-venv. Their reports stay in --log-dir.
+
 "hf" is `transformers serve --continuous-batching` on the same target (float32, the CPU). Tokens
 are counted by re-tokenising each answer with the target's tokenizer, the same for every server.
 Only loopback addresses are used; every request has a timeout and every loop a bound.
@@ -30,6 +41,7 @@ import asyncio
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import statistics
@@ -42,6 +54,8 @@ REPO = Path(__file__).resolve().parent
 DEFAULT_PROMPTS = ["def merge_sorted(a, b):", "class LRUCache:\n    def __init__(self, capacity):",
                    "import os\n\ndef walk_files(root):", "def parse_args(argv):",
                    "def fibonacci(n):", "class Stack:\n    def __init__(self):"]
+# the load generators --tool can run, with the versions docs/benchmarks.md measured
+TOOL_PINS = {"guidellm": "guidellm==0.8.1", "aiperf": "aiperf==0.13.0"}
 
 
 def free_port() -> int:
@@ -166,6 +180,109 @@ def prefix_tokens(base) -> tuple[float, float] | None:
     return (counts["queries"], counts["hits"]) if len(counts) == 2 else None
 
 
+def tool_executable(tool: str, tool_bin: str | None) -> str:
+    """`tool`'s executable: in tool_bin (a virtual environment, a folder of executables or the
+    executable itself), else on PATH; missing: a one-line exit naming how to install it."""
+    p = Path(tool_bin).expanduser() if tool_bin else None
+    on_path = shutil.which(tool)
+    candidates = [p / "bin" / tool, p / tool, p] if p else [Path(on_path)] if on_path else []
+    found = [str(x) for x in candidates
+             if x.name == tool and x.is_file() and os.access(x, os.X_OK)]
+    if not found:
+        raise SystemExit(f"--tool {tool}: no {tool} executable in {tool_bin or 'PATH'}; install "
+                         f"it apart from the engine: python3 -m venv ~/tools-venv && "
+                         f"~/tools-venv/bin/pip install {TOOL_PINS[tool]}, then --tool-bin "
+                         f"~/tools-venv")
+    return found[0]
+
+
+def guidellm_command(exe, a, base, model, clients, seed, out: Path) -> list[str]:
+    """guidellm run: `clients` concurrent streams, a.requests requests of synthetic text (it
+    asks for exactly output_tokens: ignore_eos), its JSON report in out/guidellm.json."""
+    route = "/v1/chat/completions" if a.chat else "/v1/completions"
+    return [exe, "run", "--backend",
+            f"kind=openai_http,target={base},model={model},request_format={route}",
+            "--profile", f"kind=concurrent,streams={clients}",
+            "--constraint", f"kind=max_requests,count={a.requests}",
+            "--data", f"kind=synthetic_text,prompt_tokens={a.prompt_tokens},"
+                      f"output_tokens={a.max_tokens}",
+            "--tokenizer", f"kind=hf_auto,model={a.tokenizer}",
+            "--seed", f"kind=static,value={seed}",
+            "--output", f"kind=json,path={out / 'guidellm.json'}", "--disable-console-interactive"]
+
+
+def aiperf_command(exe, a, base, model, clients, seed, out: Path) -> list[str]:
+    """aiperf profile: the same load (ignore_eos sent as an extra input), its artifacts in out."""
+    return [exe, "profile", "--model", model, "--url", base,
+            "--endpoint-type", "chat" if a.chat else "completions", "--streaming",
+            "--tokenizer", a.tokenizer, "--concurrency", str(clients),
+            "--request-count", str(a.requests), "--isl", str(a.prompt_tokens), "--isl-stddev", "0",
+            "--osl", str(a.max_tokens), "--extra-inputs", "ignore_eos:true",
+            "--random-seed", str(seed), "--artifact-dir", str(out), "--ui", "none"]
+
+
+def guidellm_figures(report: dict) -> dict:
+    """guidellm's JSON report of one benchmark -> the row's figures; a failed request fails it
+    (guidellm itself exits 0 when every request failed, printing zeros)."""
+    (bench,) = report["benchmarks"]
+    m, totals = bench["metrics"], bench["metrics"]["request_totals"]
+    if totals["errored"] or totals["incomplete"] or not totals["successful"]:
+        first = (bench["requests"]["errored"] or [{"info": {"error": "none"}}])[0]["info"]["error"]
+        raise RuntimeError(f"guidellm: {totals['successful']} of {totals['total']} requests "
+                           f"succeeded; first error: {first}")
+    ok = lambda name: m[name]["successful"]
+    pct = lambda name, p: ok(name)["percentiles"][p]
+    return {"output_tok_s": ok("output_tokens_per_second")["mean"],
+            "tokens": int(ok("output_token_count")["total_sum"]), "requests": totals["successful"],
+            "ttft_ms_p50": pct("time_to_first_token_ms", "p50"),
+            "ttft_ms_p99": pct("time_to_first_token_ms", "p99"),
+            "itl_ms_p50": pct("inter_token_latency_ms", "p50"),
+            "itl_ms_p99": pct("inter_token_latency_ms", "p99"), "decode_tok_s_median": None}
+
+
+def aiperf_figures(report: dict) -> dict:
+    """aiperf's profile_export_aiperf.json -> the row's figures; a failed request fails it."""
+    errors = sum(e["count"] for e in report["error_summary"])
+    if errors or report["was_cancelled"]:
+        first = report["error_summary"][0]["error_details"]["message"] if errors else "cancelled"
+        raise RuntimeError(f"aiperf: {errors} requests failed; first error: {first}")
+    return {"output_tok_s": report["output_token_throughput"]["avg"],
+            "tokens": int(report["total_output_tokens"]["avg"]),
+            "requests": int(report["request_count"]["avg"]),
+            "ttft_ms_p50": report["time_to_first_token"]["p50"],
+            "ttft_ms_p99": report["time_to_first_token"]["p99"],
+            "itl_ms_p50": report["inter_token_latency"]["p50"],
+            "itl_ms_p99": report["inter_token_latency"]["p99"], "decode_tok_s_median": None}
+
+
+def run_tool(tool, a, base, model, clients, out: Path) -> dict:
+    """Run `tool` against base once (its output in out/log.txt) -> its report's figures."""
+    out.mkdir(parents=True, exist_ok=True)
+    # another seed at each client count: the prompts of the last load are not in the prefix cache
+    seed = a.seed + clients
+    command = (guidellm_command if tool == "guidellm" else aiperf_command)(
+        a.tool_exe[tool], a, base, model, clients, seed, out)
+    # no hub: guidellm reads the tokenizer offline; aiperf 0.13.0 in offline mode looks a local
+    # tokenizer folder up in the hub's cache and fails, and reads an absolute path locally without
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    env.update({"HF_HUB_OFFLINE": "1"} if tool == "guidellm" else {})
+    with open(out / "log.txt", "w") as log:
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=out,
+                                start_new_session=True)
+        try:
+            rc = proc.wait(a.tool_timeout)
+        finally:  # past --tool-timeout, or bench_serve stopped: the tool and every process it began
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    report = out / ("guidellm.json" if tool == "guidellm" else "profile_export_aiperf.json")
+    if rc or not report.exists():
+        raise RuntimeError(f"{tool} exited with code {rc} and no report: see {out / 'log.txt'}")
+    figures = json.loads(report.read_text())
+    return (guidellm_figures if tool == "guidellm" else aiperf_figures)(figures)
+
+
 def wait_healthy(base, proc, timeout):
     import httpx
     deadline = time.time() + timeout
@@ -194,15 +311,19 @@ def bench_server(kind, a, prompts, count_tokens, system="") -> list[dict]:
         # the warm-up's prompts are not the load's: a system prompt cached here would flatter
         # the first load's time to first token
         asyncio.run(run_load(base, model, prompts, 2, 2, 0, a.max_tokens, a.seed, a.chat))
-        for c in a.clients:  # after the warm-up above
+        for c, tool in [(c, t) for c in a.clients for t in a.tools]:  # after the warm-up
             before = prefix_tokens(base) if kind != "hf" else None
-            start, results = asyncio.run(run_load(base, model, prompts, c, a.requests, a.rate,
-                                                  a.max_tokens, a.seed, a.chat, system=system,
-                                                  turns=a.turns))
+            if tool == "own":
+                start, results = asyncio.run(run_load(base, model, prompts, c, a.requests, a.rate,
+                                                      a.max_tokens, a.seed, a.chat, system=system,
+                                                      turns=a.turns))
+                figures = summarise(start, results, count_tokens)
+            else:
+                figures = run_tool(tool, a, base, model, c, Path(a.log_dir) / f"{tool}-{kind}-{c}")
             after = prefix_tokens(base) if before else None
             hits = ((after[1] - before[1]) / (after[0] - before[0])
                     if after and after[0] > before[0] else None)
-            rows.append({"server": kind, "clients": c, **summarise(start, results, count_tokens),
+            rows.append({"server": kind, "clients": c, "load": tool, **figures,
                          "prefix_hit_rate": hits})
             print(json.dumps(rows[-1]), flush=True)
     finally:
@@ -216,13 +337,15 @@ def bench_server(kind, a, prompts, count_tokens, system="") -> list[dict]:
 
 
 def table(rows) -> str:
-    head = ("| server | clients | output tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | "
-            "decode tok/s per request | prefix hits |\n|---|---|---|---|---|---|---|")
+    head = ("| server | clients | load from | output tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms "
+            "| decode tok/s per request | prefix hits |\n|---|---|---|---|---|---|---|---|")
     hits = lambda x: "-" if x is None else f"{100 * x:.0f}%"
-    lines = [f"| {r['server']} | {r['clients']} | {r['output_tok_s']:.1f} | "
-             f"{r['ttft_ms_p50']:.0f} / {r['ttft_ms_p99']:.0f} | "
-             f"{r['itl_ms_p50']:.1f} / {r['itl_ms_p99']:.1f} | {r['decode_tok_s_median']:.1f} | "
-             f"{hits(r.get('prefix_hit_rate'))} |" for r in rows]
+    decode = lambda x: "-" if x is None else f"{x:.1f}"  # the tools do not report it
+    lines = [f"| {r['server']} | {r['clients']} | {r.get('load', 'own')} | "
+             f"{r['output_tok_s']:.1f} | {r['ttft_ms_p50']:.0f} / {r['ttft_ms_p99']:.0f} | "
+             f"{r['itl_ms_p50']:.1f} / {r['itl_ms_p99']:.1f} | "
+             f"{decode(r['decode_tok_s_median'])} | {hits(r.get('prefix_hit_rate'))} |"
+             for r in rows]
     return "\n".join([head, *lines])
 
 
@@ -249,6 +372,16 @@ def parse_args(argv=None):
     ap.add_argument("--turns", type=int, default=1,
                     help="turns per conversation: each prompt the last one, its answer and the "
                          "next question")
+    ap.add_argument("--tool", default="own",
+                    help="comma list of what sends the load: own (these clients), guidellm, "
+                         "aiperf (each installed apart from the engine: docs/benchmarks.md)")
+    ap.add_argument("--tool-bin", default=None,
+                    help="the virtual environment (or folder) holding the tools' executables "
+                         "(default: PATH)")
+    ap.add_argument("--prompt-tokens", type=int, default=128,
+                    help="the tools' synthetic prompt length in tokens")
+    ap.add_argument("--tool-timeout", type=float, default=1800,
+                    help="seconds one tool run may take")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--startup-timeout", type=float, default=300)
     ap.add_argument("--log-dir", default="/tmp", help="where the servers' logs go")
@@ -264,6 +397,11 @@ def parse_args(argv=None):
     if a.turns < 1 or a.shared_prefix < 0:
         ap.error("--turns must be >= 1 and --shared-prefix >= 0")
     a.serve_args = [x for x in a.serve_args if x != "--"]
+    a.tools = [t for t in a.tool.split(",") if t]
+    bad = [t for t in a.tools if t != "own" and t not in TOOL_PINS]
+    if bad or not a.tools:
+        ap.error(f"--tool: unknown {', '.join(bad) or 'nothing'}; use own, guidellm, aiperf")
+    a.tool_exe = {t: tool_executable(t, a.tool_bin) for t in a.tools if t != "own"}
     return a
 
 
@@ -276,6 +414,7 @@ def main(argv=None):
     prompts = file_prompts(a.prompt_file) if a.prompt_file else DEFAULT_PROMPTS
     if "hf" in a.servers and a.hf_model is None:
         a.hf_model = str(resolve(a.target))
+    a.tokenizer = str(resolve(a.target).resolve())  # the tools' (an absolute path: no hub)
     system = shared_prefix(tok, a.shared_prefix) if a.shared_prefix else ""
     rows = [r for kind in a.servers
             for r in bench_server(kind, a, prompts, count_tokens, system)]
@@ -286,6 +425,7 @@ def main(argv=None):
                 f.write(json.dumps({**r, "target": a.target, "max_tokens": a.max_tokens,
                                     "rate": a.rate, "requests": a.requests,
                                     "shared_prefix": a.shared_prefix, "turns": a.turns,
+                                    "prompt_tokens": a.prompt_tokens,
                                     "serve_args": a.serve_args}) + "\n")
 
 
