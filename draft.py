@@ -592,7 +592,7 @@ def load_draft(c: DraftConfig, *, arrived=None) -> Drafter:
     model, _ = load_model(c.name, device=c.device, dtype=c.dtype, tokenizer=False,
                           vocab_size=c.vocab_size, quant=c.quant)
     use_forms(model, ROWS)  # the CPU's product forms for any rows a round drafts (cpu_linear.py)
-    warm_up(model, [1, c.spec.K + 1])  # quantized layers' products: a step, a catch-up (K + 1)
+    warm_up(model, range(1, c.spec.K + 2))  # quantized products: a step to a catch-up (K + 1)
     model.use_graphs(c.graphs, c.compile)
     kw = dict(block_size=c.block_size, prefix_caching=c.prefix_caching)
     if not c.ssd:

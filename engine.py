@@ -310,9 +310,11 @@ def build_engine(cfg: EngineConfig, loaded: Loaded, kv_tokens: int, draft_kv: in
     if cfg.mode != "ar":
         with LOADING:  # the draft's tokenizer
             check_pair(cfg.target, cfg.draft, model.config, tok)
-    # the CPU's product forms for the verifier's rows (b <= max_batch sequences x K + 1 tokens;
-    # those in cpu_linear.ROWS have a choice), chosen before any decode clock starts
-    rows = [b * (cfg.K + 1) for b in range(1, max_batch + 1)]
+    # the CPU's product forms for the verifier's rows (b <= max_batch sequences x K + 1 tokens, or
+    # any width up to it when rows may stop early; those in cpu_linear.ROWS have a choice), chosen
+    # before any decode clock starts
+    widths = range(1, cfg.K + 2) if cfg.mode != "ar" and cfg.spec.confidence else [cfg.K + 1]
+    rows = sorted({b * w for b in range(1, max_batch + 1) for w in widths})
     use_forms(model, [r for r in rows if r in ROWS])
     warm_up(model, [1, *rows])  # quantized layers' compiled products (quantize.py)
     settings = dict(temperature=cfg.temperature, seed=cfg.seed, kv_tokens=kv_tokens,

@@ -128,9 +128,12 @@ def renamed(fn, tag: str):
     return types.FunctionType(code, fn.__globals__, code.co_name)
 
 
-# The compiled products, one per weight layout and shape: (bits, group, out, in, has mins) -> the
-# product through torch.compile, which keeps one graph per row bucket. A memo of compiled code (as
-# torch.compile's own caches are), shared by every model of the process.
+# The compiled products, one per weight layout and shape and CPU thread count: (bits, group, out,
+# in, has mins, threads) -> the product through torch.compile, which keeps one graph per row
+# bucket. Dynamo guards its graphs on the thread count too, so a process that runs at 1 and 2
+# threads (bench.py) would give one function 2 x 6 buckets, past its limit of 8 graphs: each
+# count gets its own. A memo of compiled code (as torch.compile's own caches are), shared by every
+# model of the process.
 KERNELS = {}
 
 
@@ -142,7 +145,7 @@ def product(x, q, scales, mins):
     if M > ROW_BUCKETS[-1]:
         return dequantised_product(x, q, scales, mins)
     bits = 8 if q.dtype == torch.int8 else 4
-    key = (bits, n // scales.shape[1], q.shape[0], n, mins is not None)
+    key = (bits, n // scales.shape[1], q.shape[0], n, mins is not None, torch.get_num_threads())
     if key not in KERNELS:
         fn = int8_product if bits == 8 else int4_product
         KERNELS[key] = torch.compile(renamed(fn, "_".join(map(str, key))), dynamic=False,

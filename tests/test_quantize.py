@@ -7,6 +7,8 @@ the quantized target's (with a negative control).
 import pytest
 import torch
 
+import quantize
+
 from checkpoint import load_model
 from gguf_format import GGUF_INTEGERS, gguf_integers
 from quantize import (QuantLinear, QuantRows, dequantize, int4_product, int8_product,
@@ -70,6 +72,16 @@ def test_compiled_layer_equals_the_eager_one_for_every_row_bucket():
             x = torch.randn(2, M, 64, generator=g)
             torch.testing.assert_close(fast(x), eager(x), rtol=1e-5, atol=1e-5)
             assert fast(x).shape == (2, M, 48)
+    # Dynamo guards each graph on the thread count: another count compiles a product of its own
+    # (one function would reach its 8 graphs at 2 counts x 6 row buckets and fail, as bench.py did)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        torch.testing.assert_close(fast(x[:, :1]), eager(x[:, :1]), rtol=1e-5, atol=1e-5)
+    finally:
+        torch.set_num_threads(threads)
+    keys = [k for k in quantize.KERNELS if k[:5] == (8, 16, 48, 64, True)]
+    assert sorted(k[5] for k in keys) == [threads, threads + 1], keys
 
 
 def test_bad_layouts_are_one_line_errors():
