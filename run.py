@@ -40,6 +40,7 @@ from tp import TP_TIMEOUT_S, TorchrunEnv, serve_torchrun_rank, torchrun_device, 
 DEFAULT_PROMPT = "class Stack:\n    def __init__(self):\n        "
 
 MODES = ("ar", "sd", "ssd")
+SPEC = DraftSettings()  # the draft's defaults, which the command line's flags show
 AUTO_WARM, AUTO_TOKENS = 8, 24  # mode="auto": tokens per prompt each mode decodes, then times
 
 
@@ -304,33 +305,33 @@ def add_algorithm_options(g, auto=False):
                         "decoding" + ("; auto: decode a few tokens of the prompt in each, say on "
                                       "stderr what each gave, and go on in the fastest" if auto
                                       else "") + " (default: %(default)s)")
-    g.add_argument("--k", type=int, default=4, metavar="K",
+    g.add_argument("--k", type=int, default=SPEC.K, metavar="K",
                    help="K: the most draft tokens proposed per round (sd, ssd) "
                         "(default: %(default)s)")
-    g.add_argument("--confidence", type=float, default=0.0, metavar="P",
+    g.add_argument("--confidence", type=float, default=SPEC.confidence, metavar="P",
                    help="sd, ssd: a row's proposal stops after the first token the draft gives a "
                         "probability below P (exact either way; 0: always K) "
                         "(default: %(default)s)")
-    g.add_argument("--fan-out", default="geometric", metavar="F",
+    g.add_argument("--fan-out", default=SPEC.fan_out, metavar="F",
                    help="ssd: how the B guesses per sequence spread over the K+1 depths: "
                         f"{FAN_OUT_HELP} (default: %(default)s)")
-    g.add_argument("--budget", type=int, default=8, metavar="B",
+    g.add_argument("--budget", type=int, default=SPEC.budget, metavar="B",
                    help="ssd: B, outcome guesses (branches) pre-speculated per sequence per round; "
                         "the ceiling of a budget that adapts to the measured time (default: "
                         "%(default)s)")
     g.add_argument("--fixed-budget", action="store_true",
                    help="ssd: keep B at --budget every round instead of adapting it to the "
                         "measured time (experiments: rules compared at equal B)")
-    g.add_argument("--saguaro-c", type=float, default=1.0, metavar="C",
+    g.add_argument("--saguaro-c", type=float, default=SPEC.saguaro_c, metavar="C",
                    help="ssd at T > 0: Saguaro sampling's C in [0, 1]; the draft's law is scaled "
                         "by C on the cached guesses, so the target's rejections land on them more "
                         "often (1 = the plain law) (default: %(default)s)")
-    g.add_argument("--fallback", default="auto", choices=POLICIES,
+    g.add_argument("--fallback", default=SPEC.fallback, choices=POLICIES,
                    help="ssd: who proposes after a cache miss: the draft (neural), a cheap n-gram "
                         "or random speculator, or auto (the draft while the batch is below the "
                         "critical batch size b*, estimated from this run's timings, n-gram from b* "
                         "on) (default: %(default)s)")
-    g.add_argument("--pre-spec", default="always", choices=PRE_SPEC,
+    g.add_argument("--pre-spec", default=SPEC.pre_spec, choices=PRE_SPEC,
                    help="ssd: always pre-speculate, as the paper does, auto: only while that "
                         "measures faster than letting the verifier work alone (on a CPU the "
                         "draft's work slows the verifier down), or never: SD's schedule with the "
