@@ -275,7 +275,7 @@ class SpeculatorProcess:
         if not self.proc.is_alive():
             raise RuntimeError("the speculator process died")
 
-    def respond(self, rows, n, t, round_seconds=None) -> Proposals:
+    def respond(self, rows, n, t, *, round_seconds=None) -> Proposals:
         self.ch.send_outcome(rows, n, t, round_seconds)
         wait_for(self.ch.proposals_ready, self.proc.is_alive, "speculator", spin=self.ch.spin)
         return self.ch.proposals(len(rows), n.device)  # on the verifier's device, as n is
@@ -340,7 +340,8 @@ def speculator_main(cfg: DraftConfig, threads, ch: Channel, inbox, errors):
             if ch.stop[0]:
                 break
             rows, n, t, round_seconds = ch.outcome()
-            ch.send_proposals(spec.respond(rows, n, t, round_seconds), spec.capture_seconds())
+            ch.send_proposals(spec.respond(rows, n, t, round_seconds=round_seconds),
+                              spec.capture_seconds())
             spec.pre_speculate(rows)  # the next round, while the verifier verifies this one
             ch.draft_blocks[0] = spec.used_blocks()
         errors.put(("stats", spec.stats()))

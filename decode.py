@@ -148,7 +148,7 @@ def ssd_round(verifier, speculator, rows, n, t, round_s):
     start = time.perf_counter()
     # 1. the outcome arrives: a hit answers from the branch pre-drafted for it, a miss asks the
     #    fallback
-    p = speculator.respond(rows, n, t, round_s)
+    p = speculator.respond(rows, n, t, round_seconds=round_s)
     # 2. guess this round's outcomes and draft the next round for each (in the two-process form this
     #    runs in the speculator's process, during step 3)
     speculator.pre_speculate(rows)

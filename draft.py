@@ -413,7 +413,7 @@ class Speculator(Drafter):
 
     # -- the answer: when the outcome arrives
 
-    def respond(self, rows, n, t, round_seconds=None) -> Proposals:
+    def respond(self, rows, n, t, *, round_seconds=None) -> Proposals:
         """The outcome (n, t) of the round just verified, for `rows`: a hit adopts its branch, whose
         proposals are ready; a miss rolls back and the fallback proposes. -> the next proposals."""
         self.policy.outcome_arrived(round_seconds, pre_speculated=self.branches is not None)
@@ -427,7 +427,7 @@ class Speculator(Drafter):
         self.free_branches()
         backup = None
         if misses:
-            backup = self.propose_on_miss([rows[i] for i in misses], len(rows), skipped)
+            backup = self.propose_on_miss([rows[i] for i in misses], len(rows), skipped=skipped)
             parts.append((misses, backup.tokens, backup.q, backup.lengths))
         greedy_rows = [self.rows[r].temperature == 0 for r in rows]
         tokens, q, lengths = in_row_order(parts, len(rows), None if all(greedy_rows) else self.V)
@@ -495,7 +495,7 @@ class Speculator(Drafter):
             self.cache.free(self.branches.seqs[m])
         self.branches = None
 
-    def propose_on_miss(self, miss_rows, b, skipped=False) -> fallback.Backup:
+    def propose_on_miss(self, miss_rows, b, *, skipped=False) -> fallback.Backup:
         """The fallback's proposals for the rows that missed, from the backup the policy picks for
         batch size b; each row then holds what its next guesses need."""
         start = time.perf_counter()
