@@ -221,8 +221,8 @@ class Drafter:
         return guess_probs_from_logits(logits, row_temperatures(temps, logits.device))
 
     def unfed(self, row: Row) -> list[int]:
-        """The tokens of history + proposed that the row's cache does not hold yet."""
-        return (row.history + row.proposed)[self.cache.length(row.seq):]
+        fed = self.cache.length(row.seq)  # what of history + proposed the cache lacks (no copy)
+        return row.history[fed:] + row.proposed[max(0, fed - len(row.history)):]
 
     def temperature_of(self, rows):
         """The temperature argument for these rows (saguaro_sample.row_temperatures)."""

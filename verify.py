@@ -50,8 +50,10 @@ def accept_reject(target_logits: torch.Tensor, draft_tokens: torch.Tensor, draft
     x = draft_tokens.long()
     b, K = x.shape
     lengths = [K] * b if lengths is None else list(lengths)
-    L = to_device(torch.tensor(lengths, device="cpu"), x.device)               # [b]
-    proposed = torch.arange(K, device=x.device) < L[:, None]                   # [b, K]: i < L
+    L, proposed = K, True  # every row proposed K (AR, SD without a stop): nothing to mask
+    if any(n != K for n in lengths):  # then the lengths cross to the device, and mask i >= L
+        L = to_device(torch.tensor(lengths, device="cpu"), x.device)           # [b]
+        proposed = torch.arange(K, device=x.device) < L[:, None]               # [b, K]: i < L
     if isinstance(temperature, numbers.Real) and temperature == 0:
         return greedy_accept(target_logits, x, proposed)
     p = probs_from_logits(target_logits, temperature)                          # [b, K+1, V] float32
@@ -96,8 +98,8 @@ def leading_accepts(accepted: torch.Tensor) -> torch.Tensor:
 
 
 def greedy_accept(target_logits, x, proposed):
-    """Temperature 0: accept while x_{i+1} == argmax p_i (and was proposed: proposed [b, K]); the
-    bonus is argmax p_n (a one-hot q passes exactly these). -> (n, t); no randomness."""
+    """Temperature 0: accept while x_{i+1} == argmax p_i (and was proposed: proposed [b, K], or
+    True for all); the bonus is argmax p_n (a one-hot q passes exactly these). -> (n, t)."""
     K = x.shape[1]
     best = target_logits.argmax(-1)                                            # [b, K+1]
     n = leading_accepts((x == best[:, :K]) & proposed)
