@@ -30,6 +30,15 @@ float32 on these shapes.) Each weight shape compiles once per row bucket (ROW_BU
 seconds each, at load: warm_up). Longer inputs (prefill) dequantise a slice of rows at a time and
 multiply: they are bound by arithmetic, not bytes.
 
+On a CPU with vectorised ATen kernels (AVX2, AVX-512) an int4 layer of the model's blocks is then
+moved into torch's own int4 kernel (`pack`, `_weight_int4pack_mm_for_cpu`), 2 to 3 times faster
+than the compiled loop on SmolLM2-135M's layers (it reads each byte as two 4-bit integers in SIMD,
+where Inductor's loop converts each weight to float on its own). Its terms differ from ours: it
+multiplies bfloat16 activations by w = (q - 8) * s + z with s and z in bfloat16, sums in float32
+and rounds the output to bfloat16, so the loaded model is a bfloat16-activation one (docs/models.md
+measures how close). Its rows are independent bit for bit, whatever their number, so every product
+goes through it: a decode step, a verification and a prefill piece agree on each row.
+
 The quantized model is an approximation of the float one (tests/test_quantize.py and
 docs/models.md measure how close); speculative decoding stays exact with respect to the model as
 loaded, since the draft proposes and the quantized target decides.
@@ -42,6 +51,7 @@ import torch.nn.functional as F
 
 QUANTS = ("auto", "none", "int8", "int4")  # auto: a GGUF file's own precision, else none
 BLOCK = 32  # inputs per int4 block (and per int8 group of a GGUF file): GGUF's block size
+INT4_KERNEL_CPUS = ("AVX2", "AVX512")  # where torch's int4 kernel is vectorised (pack_int4_layers)
 ROW_BUCKETS = (1, 2, 3, 4, 8, 16)  # row counts the compiled product is built for (rows padded up)
 DEQUANT_ELEMENTS = 1 << 23  # a longer product dequantises at most this many weights at a time
 
@@ -118,6 +128,31 @@ def int4_product(x, q, scales, mins):
     xb = x.view(x.shape[0], -1, 2, 16)   # [M, blocks, low | high, 16]
     return torch.stack([(xb[i, :, 0] * low + xb[i, :, 1] * high).sum((-1, -2))
                         for i in range(x.shape[0])])
+
+
+def int4_to_kernel(q, scales, mins):
+    """Our int4 layout -> torch's int4 kernel's: (packed uint8 [out, in / 2], in the kernel's own
+    order, which depends on the CPU; scales_and_zeros bfloat16 [in / 32, out, 2]). The kernel's
+    weight is w = (q - 8) * s + z, so z = min + 8 * scale; s and z are rounded to bfloat16."""
+    ints = torch.stack((q & 15, q >> 4), -2).flatten(1).to(torch.int32)  # [out, in], 0..15
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(ints, 1)
+    sz = torch.stack((scales, mins + 8 * scales), -1).transpose(0, 1)  # [in / 32, out, 2]
+    return packed, sz.contiguous().to(torch.bfloat16)
+
+
+def int4_kernel_product(x, packed, sz):
+    """x [M, in] float @ the packed weight^T -> [M, out] float32 through torch's int4 kernel: x
+    rounded to bfloat16, products summed in float32, the result rounded to bfloat16."""
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), packed, BLOCK,
+                                                      sz).float()
+
+
+def int4_kernel_weight(packed, sz):
+    """The float32 weight [out, in] in the packed layout: the kernel's float32 path run on an
+    identity matrix (slow; for checks). It may fuse (q - 8) * s + z into one rounding, so it can
+    differ from the bfloat16 path's weight by a float32 rounding."""
+    n = sz.shape[0] * BLOCK
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(torch.eye(n), packed, BLOCK, sz.float()).T
 
 
 def renamed(fn, tag: str):
@@ -216,17 +251,38 @@ class QuantLinear(nn.Module):
         self.register_buffer("scales", torch.empty(out_features, n, device=device))
         self.register_buffer("mins", torch.empty(out_features, n, device=device)
                              if bits == 4 or mins else None)
+        # torch's int4 kernel's layout, once pack() has moved the weight there (else None)
+        self.register_buffer("packed", None)
+        self.register_buffer("scales_and_zeros", None)
         self.bias = (nn.Parameter(torch.empty(out_features, device=device, dtype=dtype),
                                   requires_grad=False) if bias else None)
 
     def stored(self, lo: int = 0, hi: int | None = None):
-        """(q, scales[, mins]) of rows [lo, hi)."""
+        """(q, scales[, mins]) of rows [lo, hi); a packed layer's (packed, scales_and_zeros), whole:
+        the kernel's order interleaves rows."""
+        if self.packed is not None:
+            if (lo, hi) != (0, None):
+                raise ValueError("a layer in torch's int4 kernel's layout (pack) has no rows "
+                                 "of its own: load the model with compile_quant=False to edit them")
+            return self.packed, self.scales_and_zeros
         parts = (self.qweight, self.scales) + ((self.mins,) if self.mins is not None else ())
         return tuple(t[lo:hi] for t in parts)
 
     def dequantize(self, lo: int = 0, hi: int | None = None):
         """The float32 weight of rows [lo, hi) -> [rows, in]."""
+        if self.packed is not None:
+            return int4_kernel_weight(self.packed, self.scales_and_zeros)[lo:hi]
         return dequantize(*self.stored(lo, hi))
+
+    def pack(self):
+        """Move this int4 layer into torch's own int4 kernel (int4_to_kernel): every product from
+        now on, of any number of rows, goes through it. Our layout's tensors are released: the
+        kernel's takes 5 bits a weight (4 + two bfloat16 numbers per 32), ours 6."""
+        if self.bits != 4 or self.out_features % 16:
+            raise ValueError(f"torch's int4 kernel takes int4 layers of a multiple of 16 outputs, "
+                             f"not {self}")
+        self.packed, self.scales_and_zeros = int4_to_kernel(self.qweight, self.scales, self.mins)
+        self.qweight = self.scales = self.mins = None
 
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.stored())
@@ -235,7 +291,9 @@ class QuantLinear(nn.Module):
         rows = x.reshape(-1, self.in_features).float().contiguous()  # [M, in]
         M = rows.shape[0]
         stored = (self.qweight, self.scales, self.mins)
-        if torch.compiler.is_compiling():  # inside a compiled step (model.compiled_halves)
+        if self.packed is not None:  # torch's int4 kernel (pack), traced as it is when compiling
+            y = int4_kernel_product(rows, self.packed, self.scales_and_zeros)
+        elif torch.compiler.is_compiling():  # inside a compiled step (model.compiled_halves)
             if M == 1:  # a decode step's product, fused with the step's other work
                 y = (int8_product if self.bits == 8 else int4_product)(rows, *stored)
             else:
@@ -253,8 +311,9 @@ class QuantLinear(nn.Module):
 
     def extra_repr(self):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"int{self.bits}, group={self.group}" + (", mins" * (self.bits == 8
-                                                                     and self.mins is not None)))
+                f"int{self.bits}, group={self.group}"
+                + (", mins" * (self.bits == 8 and self.mins is not None))
+                + (", torch's int4 kernel" * (self.packed is not None)))
 
 
 class QuantRows:
@@ -371,11 +430,27 @@ def quantize_layers(model: nn.Module, layout_of, device, dtype, compiled: bool =
                                                   *layout, device=device, dtype=dtype)
 
 
+def pack_int4_layers(model: nn.Module, device) -> int:
+    """Move the int4 layers of the model's blocks into torch's int4 kernel (QuantLinear.pack)
+    where it is vectorised: on a CPU whose ATen kernels are AVX2 or AVX-512 (elsewhere its scalar
+    loop is slower than the compiled product; on CUDA the compiled product stays, which
+    scripts/gpu_check.py measures). The head and embedding stay (a tied pair shares its tensors).
+    Returns how many layers it packed."""
+    if (torch.device(device).type != "cpu"
+            or torch.backends.cpu.get_cpu_capability() not in INT4_KERNEL_CPUS):
+        return 0
+    layers = [m for m in model.model.layers.modules() if isinstance(m, QuantLinear)
+              and m.bits == 4 and m.out_features % 16 == 0]
+    for m in layers:
+        m.pack()
+    return len(layers)
+
+
 def warm_up(model: nn.Module, rows) -> int:
     """Compile every quantized layer's product for the row buckets that `rows` (row counts a run
     will multiply) fall in, before any decode clock starts. Returns how many products it ran."""
     layers = {(m.bits, m.group, m.out_features, m.in_features): m for m in model.modules()
-              if isinstance(m, QuantLinear) and m.compiled}
+              if isinstance(m, QuantLinear) and m.compiled and m.packed is None}
     buckets = sorted({next(b for b in ROW_BUCKETS if b >= r) for r in rows
                       if 1 <= r <= ROW_BUCKETS[-1]})
     device = next(model.buffers()).device

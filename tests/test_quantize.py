@@ -11,8 +11,8 @@ import quantize
 
 from checkpoint import load_model
 from gguf_format import GGUF_INTEGERS, gguf_integers
-from quantize import (QuantLinear, QuantRows, dequantize, int4_product, int8_product,
-                      quantize_int4, quantize_int8, weight_bytes)
+from quantize import (INT4_KERNEL_CPUS, QuantLinear, QuantRows, dequantize, int4_product,
+                      int8_product, pack_int4_layers, quantize_int4, quantize_int8, weight_bytes)
 from test_generate import N_LAW, empirical_law, gen, make_small_vocab_pair, tv, tv_bound
 
 torch.set_num_threads(1)
@@ -82,6 +82,40 @@ def test_compiled_layer_equals_the_eager_one_for_every_row_bucket():
         torch.set_num_threads(threads)
     keys = [k for k in quantize.KERNELS if k[:5] == (8, 16, 48, 64, True)]
     assert sorted(k[5] for k in keys) == [threads, threads + 1], keys
+
+
+def test_torchs_int4_kernel_layer():
+    """An int4 layer moved into torch's int4 kernel (pack): its weight is ours with the scale and
+    zero rounded to bfloat16, its products are bfloat16 x by that weight (to the output's bfloat16
+    rounding), each row's the same bit for bit whatever the number of rows beside it, and it is
+    5 bits a weight. Runs on any CPU (the kernel has a scalar loop where it is not vectorised)."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(48, 96, generator=g)
+    ours, kernel = (QuantLinear(96, 48, 4, compiled=False) for _ in range(2))
+    for layer in (ours, kernel):
+        layer.rows(0, 48).copy_(w)
+    q, s, m = ours.stored()
+    kernel.pack()
+    assert kernel.qweight is None and kernel.packed.dtype == torch.uint8
+    assert kernel.nbytes() == 48 * 96 // 2 + 48 * 3 * 2 * 2  # 4 bits + bf16 s, z per 32
+    bf = lambda t: t.bfloat16().float()  # noqa: E731
+    z = bf(m + 8 * s)
+    ints = torch.stack((q & 15, q >> 4), -2).flatten(1).float()  # [out, in], 0..15
+    want = (ints - 8) * bf(s).repeat_interleave(32, 1)
+    want = want + z.repeat_interleave(32, 1)
+    torch.testing.assert_close(kernel.dequantize(), want, rtol=0, atol=1e-6)
+    x = torch.randn(20, 96, generator=g)
+    y = kernel(x)
+    torch.testing.assert_close(y, bf(bf(x) @ want.T), rtol=8e-3, atol=1e-3)
+    torch.testing.assert_close(y, ours(x), rtol=0.05, atol=0.05)  # near ours, not ours
+    assert not torch.equal(y, ours(x))
+    for M in (1, 2, 3, 5, 17):
+        assert torch.equal(kernel(x[:M]), y[:M]), M
+        assert torch.equal(kernel(x[M:M + 1]), y[M:M + 1]), M
+    with pytest.raises(ValueError, match="no rows of its own"):
+        kernel.stored(0, 8)
+    with pytest.raises(ValueError, match="multiple of 16 outputs"):
+        QuantLinear(96, 8, 4).pack()
 
 
 def test_bad_layouts_are_one_line_errors():
@@ -157,6 +191,25 @@ def test_gguf_file_keeps_its_own_precision():
     ids = torch.tensor([[1, 504, 3250, 314, 253, 2434, 2136, 30]])
     with torch.no_grad():
         torch.testing.assert_close(model(ids), ref(ids), rtol=1e-4, atol=2e-4)
+
+
+def test_gguf_file_in_torchs_int4_kernel():
+    """The same file loaded for speed (compile_quant, the default) on a CPU with AVX2 / AVX-512:
+    its 120 int4 layers in torch's int4 kernel, 5 bits a weight, its logits within bfloat16's
+    rounding of the file's own model and the same argmax at every position here."""
+    if torch.backends.cpu.get_cpu_capability() not in INT4_KERNEL_CPUS:
+        pytest.skip("torch's int4 kernel is not vectorised on this CPU: not used")
+    ref = smollm2()
+    model, _ = load_model("smollm2-135m", tokenizer=False)
+    packed = [m for m in model.modules() if isinstance(m, QuantLinear) and m.packed is not None]
+    assert len(packed) == 4 * 30 and model.lm_head.packed is None
+    assert weight_bytes(model) < 0.19 * weight_bytes(ref)
+    ids = torch.tensor([[1, 504, 3250, 314, 253, 2434, 2136, 30]])
+    with torch.no_grad():
+        a, b = model(ids), ref(ids)
+    assert (a - b).abs().max() < 1.0 and (a - b).abs().mean() < 0.15
+    assert torch.equal(a.argmax(-1), b.argmax(-1))
+    assert pack_int4_layers(model, "meta") == 0  # not on another device
 
 
 def test_gguf_file_requantized_to_int8():
@@ -274,7 +327,7 @@ def test_greedy_sd_and_ssd_emit_the_quantized_ar_tokens(quant, modes):
 def quantized_law(path, prompt, n_tokens: int, temperature: float, quant: str) -> dict:
     """The quantized target's exact law of its first n_tokens tokens after `prompt`, by
     enumeration over V^n continuations through this engine's own full forward."""
-    m, _ = load_model(path, tokenizer=False, quant=quant, compile_quant=False)
+    m, _ = load_model(path, tokenizer=False, quant=quant)  # in the form generate() loads it in
     V = m.config.vocab_size
     conts = torch.cartesian_prod(*[torch.arange(V)] * n_tokens).view(-1, n_tokens)  # [V^n, n]
     x = torch.cat([torch.tensor(prompt).expand(len(conts), -1), conts], 1)         # [V^n, L + n]
