@@ -141,10 +141,9 @@ def int4_to_kernel(q, scales, mins):
 
 
 def int4_kernel_product(x, packed, sz):
-    """x [M, in] float @ the packed weight^T -> [M, out] float32 through torch's int4 kernel: x
+    """x [M, in] float @ the packed weight^T -> [M, out] bfloat16 through torch's int4 kernel: x
     rounded to bfloat16, products summed in float32, the result rounded to bfloat16."""
-    return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), packed, BLOCK,
-                                                      sz).float()
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), packed, BLOCK, sz)
 
 
 def int4_kernel_weight(packed, sz):
@@ -288,23 +287,25 @@ class QuantLinear(nn.Module):
         return sum(t.nbytes for t in self.stored())
 
     def forward(self, x):
-        rows = x.reshape(-1, self.in_features).float().contiguous()  # [M, in]
-        M = rows.shape[0]
-        stored = (self.qweight, self.scales, self.mins)
         if self.packed is not None:  # torch's int4 kernel (pack), traced as it is when compiling
-            y = int4_kernel_product(rows, self.packed, self.scales_and_zeros)
-        elif torch.compiler.is_compiling():  # inside a compiled step (model.compiled_halves)
-            if M == 1:  # a decode step's product, fused with the step's other work
-                y = (int8_product if self.bits == 8 else int4_product)(rows, *stored)
-            else:
-                y = quant_product(rows, *stored)
-        elif self.compiled:
-            y = product(rows, *stored)
+            y = int4_kernel_product(x.reshape(-1, self.in_features), self.packed,
+                                    self.scales_and_zeros)
         else:
-            y = dequantised_product(rows, *stored)
+            y = self.product(x.reshape(-1, self.in_features).float().contiguous())  # [M, out]
         if self.bias is not None:
             y = y + self.bias
         return y.to(self.out_dtype or x.dtype).view(*x.shape[:-1], self.out_features)
+
+    def product(self, rows):
+        """rows [M, in] float32 @ the weight in our layout^T -> [M, out] float32."""
+        stored = (self.qweight, self.scales, self.mins)
+        if torch.compiler.is_compiling():  # inside a compiled step (model.compiled_halves)
+            if rows.shape[0] == 1:  # a decode step's product, fused with the step's other work
+                return (int8_product if self.bits == 8 else int4_product)(rows, *stored)
+            return quant_product(rows, *stored)
+        if self.compiled:
+            return product(rows, *stored)
+        return dequantised_product(rows, *stored)
 
     def rows(self, lo: int, hi: int) -> "QuantRows":
         return QuantRows(self, lo, hi)

@@ -3,7 +3,8 @@
 For each held-out chat prompt (the draft's, checkpoints/smollm2-135m-draft/heldout_prompts.jsonl):
 the float target's greedy answer (--tokens new tokens) is teacher-forced through every model, and
 over the answer's positions we report, for each target quant against the float target (for a GGUF
-file: the file dequantised, so "auto" is the same weights), and for each draft quant against the
+file: the file dequantised, so "stored" is the same weights, and "auto" those weights in the form
+the engine runs them: torch's int4 kernel on an AVX2 / AVX-512 CPU), and for each draft quant against the
 float draft (safetensors: a float model against its quantized self): the logits' max and mean
 absolute difference and top-1 agreement; and for each (target quant, draft quant)
 pair the draft's top-1 agreement with that target (the draft's greedy agreement, as
@@ -37,7 +38,10 @@ def main():
     torch.set_num_threads(2)
     texts = [json.loads(line)["prompt"] for line in open(a.prompt_file)][:a.prompts]
     ref, tok = load_model(a.target, quant="none")
+    # "auto" as the engine loads it (its int4 layers in torch's int4 kernel on an AVX2 / AVX-512
+    # CPU, bfloat16 activations) and "stored": the same file's weights in quantize.py's own layout
     targets = {q: load_model(a.target, tokenizer=False, quant=q)[0] for q in ("auto", "int8")}
+    targets["stored"] = load_model(a.target, tokenizer=False, compile_quant=False)[0]
     drafts = {q: load_model(a.draft, tokenizer=False, quant=q, vocab_size=ref.config.vocab_size)[0]
               for q in ("none", "int8", "int4")}
     stats = {}
@@ -73,7 +77,7 @@ def main():
                     s["sum"] += diff.mean().item() * len(guess)
                     s["n"] += len(guess)
                     s["agree"] += (guess == dref.argmax(-1)).sum().item()
-                for tq in ("none", "auto", "int8"):
+                for tq in ("none", "auto", "stored", "int8"):
                     s = stats.setdefault(f"draft {dq} vs target {tq}", dict(agree=0, n=0))
                     s["agree"] += (guess == top[tq]).sum().item()
                     s["n"] += len(guess)
