@@ -25,10 +25,12 @@ the stored weight: `int8_product` / `int4_product` write it as one reduction per
 dequantised expression, which torch.compile (Inductor) turns into one loop that reads each stored
 byte once and converts it in registers: the float weight never exists in memory. (Dequantising
 then calling a matmul writes and reads the float weight: slower than float32 itself. torch's stock
-int8/int4 CPU kernels, _weight_int8pack_mm and _weight_int4pack_mm_for_cpu, were slower than
-float32 on these shapes.) Each weight shape compiles once per row bucket (ROW_BUCKETS; a few
-seconds each, at load: warm_up). Longer inputs (prefill) dequantise a slice of rows at a time and
-multiply: they are bound by arithmetic, not bytes.
+int8/int4 CPU kernels, _weight_int8pack_mm and _weight_int4pack_mm_for_cpu, take a scalar path
+for float32 activations, slower than float32 itself; with bfloat16 ones the int4 kernel is the
+fast form below, and the int8 one, at one scale per output channel, was no faster than ours.)
+Each weight shape compiles once per row bucket (ROW_BUCKETS; a few seconds each, at load:
+warm_up). Longer inputs (prefill) dequantise a slice of rows at a time and multiply: they are
+bound by arithmetic, not bytes.
 
 On a CPU with vectorised ATen kernels (AVX2, AVX-512) an int4 layer of the model's blocks is then
 moved into torch's own int4 kernel (`pack`, `_weight_int4pack_mm_for_cpu`), 2 to 3 times faster
@@ -131,27 +133,44 @@ def int4_product(x, q, scales, mins):
 
 
 def int4_to_kernel(q, scales, mins):
-    """Our int4 layout -> torch's int4 kernel's: (packed uint8 [out, in / 2], in the kernel's own
-    order, which depends on the CPU; scales_and_zeros bfloat16 [in / 32, out, 2]). The kernel's
-    weight is w = (q - 8) * s + z, so z = min + 8 * scale; s and z are rounded to bfloat16."""
+    """Our int4 layout -> torch's int4 kernel's, on q's device: (packed, in the kernel's own order,
+    which depends on the CPU (uint8 [out, in / 2]) or is CUDA tinygemm's (int32 tiles, 8 inner
+    k-tiles); scales_and_zeros bfloat16 [in / 32, out, 2]). The kernel's weight is w = (q - 8) * s
+    + z, so z = min + 8 * scale; s and z are rounded to bfloat16."""
     ints = torch.stack((q & 15, q >> 4), -2).flatten(1).to(torch.int32)  # [out, in], 0..15
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(ints, 1)
+    if q.device.type == "cuda":  # tinygemm takes the integers two to a byte, even ones high
+        packed = torch.ops.aten._convert_weight_to_int4pack(
+            (ints[:, ::2] << 4 | ints[:, 1::2]).to(torch.uint8), 8)
+    else:
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(ints, 1)
     sz = torch.stack((scales, mins + 8 * scales), -1).transpose(0, 1)  # [in / 32, out, 2]
     return packed, sz.contiguous().to(torch.bfloat16)
+
+
+def int4_kernel_fits(out_features: int, in_features: int, device) -> bool:
+    """Whether torch's int4 kernel takes a layer of this shape on this device."""
+    if torch.device(device).type == "cuda":
+        return out_features % 8 == 0 and in_features % 128 == 0
+    return out_features % 16 == 0
 
 
 def int4_kernel_product(x, packed, sz):
     """x [M, in] float @ the packed weight^T -> [M, out] bfloat16 through torch's int4 kernel: x
     rounded to bfloat16, products summed in float32, the result rounded to bfloat16."""
-    return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), packed, BLOCK, sz)
+    mm = (torch.ops.aten._weight_int4pack_mm if x.device.type == "cuda"
+          else torch.ops.aten._weight_int4pack_mm_for_cpu)
+    return mm(x.to(torch.bfloat16).contiguous(), packed, BLOCK, sz)
 
 
 def int4_kernel_weight(packed, sz):
-    """The float32 weight [out, in] in the packed layout: the kernel's float32 path run on an
-    identity matrix (slow; for checks). It may fuse (q - 8) * s + z into one rounding, so it can
-    differ from the bfloat16 path's weight by a float32 rounding."""
-    n = sz.shape[0] * BLOCK
-    return torch.ops.aten._weight_int4pack_mm_for_cpu(torch.eye(n), packed, BLOCK, sz.float()).T
+    """The weight [out, in] in the packed layout, as the kernel multiplies by it, run on an
+    identity matrix (slow; for checks). On the CPU its float32 path: that may fuse (q - 8) * s + z
+    into one rounding, so it can differ from the bfloat16 path's weight by a float32 rounding; on
+    CUDA, where tinygemm takes bfloat16 only, to bfloat16's rounding."""
+    eye = torch.eye(sz.shape[0] * BLOCK, device=sz.device)
+    if sz.device.type == "cuda":
+        return int4_kernel_product(eye, packed, sz).float().T
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, packed, BLOCK, sz.float()).T
 
 
 def renamed(fn, tag: str):
@@ -277,9 +296,10 @@ class QuantLinear(nn.Module):
         """Move this int4 layer into torch's own int4 kernel (int4_to_kernel): every product from
         now on, of any number of rows, goes through it. Our layout's tensors are released: the
         kernel's takes 5 bits a weight (4 + two bfloat16 numbers per 32), ours 6."""
-        if self.bits != 4 or self.out_features % 16:
-            raise ValueError(f"torch's int4 kernel takes int4 layers of a multiple of 16 outputs, "
-                             f"not {self}")
+        if self.bits != 4 or not int4_kernel_fits(self.out_features, self.in_features,
+                                                  self.qweight.device):
+            raise ValueError(f"torch's int4 kernel takes int4 layers of a multiple of 16 outputs "
+                             f"(CUDA: 8 outputs, 128 inputs), not {self}")
         self.packed, self.scales_and_zeros = int4_to_kernel(self.qweight, self.scales, self.mins)
         self.qweight = self.scales = self.mins = None
 
@@ -431,17 +451,19 @@ def quantize_layers(model: nn.Module, layout_of, device, dtype, compiled: bool =
                                                   *layout, device=device, dtype=dtype)
 
 
-def pack_int4_layers(model: nn.Module, device) -> int:
+def pack_int4_layers(model: nn.Module, device, cuda: bool = False) -> int:
     """Move the int4 layers of the model's blocks into torch's int4 kernel (QuantLinear.pack)
     where it is vectorised: on a CPU whose ATen kernels are AVX2 or AVX-512 (elsewhere its scalar
-    loop is slower than the compiled product; on CUDA the compiled product stays, which
-    scripts/gpu_check.py measures). The head and embedding stay (a tied pair shares its tensors).
+    loop is slower than the compiled product). On CUDA the compiled product stays the default
+    until tinygemm is measured against it: scripts/gpu_check.py times both (`quant_step:*:int4`),
+    calling this with cuda=True. The head and embedding stay (a tied pair shares its tensors).
     Returns how many layers it packed."""
-    if (torch.device(device).type != "cpu"
-            or torch.backends.cpu.get_cpu_capability() not in INT4_KERNEL_CPUS):
+    device = torch.device(device)
+    if not ((device.type == "cpu" and torch.backends.cpu.get_cpu_capability() in INT4_KERNEL_CPUS)
+            or (device.type == "cuda" and cuda)):
         return 0
     layers = [m for m in model.model.layers.modules() if isinstance(m, QuantLinear)
-              and m.bits == 4 and m.out_features % 16 == 0]
+              and m.bits == 4 and int4_kernel_fits(m.out_features, m.in_features, device)]
     for m in layers:
         m.pack()
     return len(layers)

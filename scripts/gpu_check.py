@@ -70,7 +70,7 @@ from kv_cache import PagedKVCache, paged_attention
 from config import ModelConfig
 from graphs import StaticSteps
 from model import PREFILL_CHUNK, Transformer
-from quantize import QuantLinear, quantize_layers, weight_bytes
+from quantize import QuantLinear, pack_int4_layers, quantize_layers, weight_bytes
 from run import generate  # noqa: E402
 
 # HF config fields of the shapes (Llama-3.2-1B and Llama-3.1-8B), and their --quick stand-ins
@@ -440,6 +440,20 @@ def check_quant_step(a, name, fields, quant):
     diff = (logits["default"] - logits["eager"]).abs().max().item()
     out["default_vs_eager_max_abs"] = diff
     out["ok"] = diff < 0.25
+    if quant == "int4" and torch.device(a.device).type == "cuda":
+        # the same weights in CUDA's tinygemm (quantize.pack_int4_layers), on the default path:
+        # not the engine's default on CUDA until these numbers say it is faster
+        out["tinygemm_layers"] = pack_int4_layers(model, a.device, cuda=True)
+        out["tinygemm_weight_bytes"] = weight_bytes(model)
+        model.static = None
+        model.use_graphs(None)
+        L = cache.length(seq)
+        tg = model.forward_cached(cache, [seq], tok, [K + 1]).float()
+        cache.truncate(seq, L)
+        out["tinygemm_decode_ms"] = time_steps(model, cache, seq, 1, n, a.device)
+        out["tinygemm_verify_ms"] = time_steps(model, cache, seq, K + 1, n, a.device)
+        out["tinygemm_vs_eager_max_abs"] = (tg - logits["eager"]).abs().max().item()
+        out["ok"] = out["ok"] and out["tinygemm_vs_eager_max_abs"] < 0.25
     cfg = model.config
     kv_bytes = (2 * cfg.num_hidden_layers * ctx * cfg.num_key_value_heads * cfg.head_dim
                 * model.dtype.itemsize)
@@ -447,8 +461,9 @@ def check_quant_step(a, name, fields, quant):
     if bw:
         table = 0 if cfg.tie_word_embeddings else model.model.embed_tokens.nbytes()
         out["floor_ms"] = 1000 * (out["weight_bytes"] - table + kv_bytes) / (bw * 1e9)
-        for label in ("eager", "default"):
-            out[f"{label}_over_floor"] = out[f"{label}_decode_ms"] / out["floor_ms"]
+        for label in ("eager", "default", "tinygemm"):
+            if f"{label}_decode_ms" in out:
+                out[f"{label}_over_floor"] = out[f"{label}_decode_ms"] / out["floor_ms"]
     return out
 
 
