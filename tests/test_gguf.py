@@ -45,15 +45,21 @@ needs_accelerate = pytest.mark.skipif(importlib.util.find_spec("accelerate") is 
 PROMPT = "Write a Python function that reverses a string."
 IM_END = 2  # SmolLM2's <|im_end|>
 MAX_NEW = 64  # greedy SmolLM2 answers PROMPT in 56 tokens, the last one <|im_end|>
-KW = dict(target="smollm2-135m", chat=True, target_threads=1, draft_threads=1)
+# the file dequantised to float32 (quant none), whose numbers are transformers' own: at its own
+# precision the engine runs its int4 layers in torch's int4 kernel, with bfloat16 activations
+# (tests/test_quantize.py checks that form)
+KW = dict(target="smollm2-135m", chat=True, target_threads=1, draft_threads=1, quant="none")
 
 
 # ----------------------------------------------------------------------------------------------------
 # 1. SmolLM2-135M-Instruct
 
 @pytest.fixture(scope="module")
-def smol(smollm2_tokenizer):  # (model, tokenizer), float32 on the CPU; the tokenizer as
-    return load_model("smollm2-135m", tokenizer=False)[0], smollm2_tokenizer  # load_model builds it
+def smol(smollm2_tokenizer):  # (model, tokenizer) on the CPU, the file's own numbers (compile_quant
+    # off: int4 and int8 layers in quantize.py's layout, not torch's kernel); the tokenizer as
+    # load_model builds it
+    return (load_model("smollm2-135m", tokenizer=False, compile_quant=False)[0],
+            smollm2_tokenizer)
 
 
 @pytest.fixture(scope="module")
