@@ -296,6 +296,8 @@ class QuantLinear(nn.Module):
         """Move this int4 layer into torch's own int4 kernel (int4_to_kernel): every product from
         now on, of any number of rows, goes through it. Our layout's tensors are released: the
         kernel's takes 5 bits a weight (4 + two bfloat16 numbers per 32), ours 6."""
+        if self.packed is not None:
+            return
         if self.bits != 4 or not int4_kernel_fits(self.out_features, self.in_features,
                                                   self.qweight.device):
             raise ValueError(f"torch's int4 kernel takes int4 layers of a multiple of 16 outputs "

@@ -617,7 +617,7 @@ def test_code_source_trains_on_raw_stdlib_prompts(tmp_path):
     from scripts import prompt_sets
     out, work = tmp_path / "d", tmp_path / "w"
     dd.main([*TINY_ARGS, "--out", str(out), "--work-dir", str(work), "--prompts", "8",
-             "--prompt-source", "templates:0.5,code:0.5"])
+             "--prompt-source", "templates:0.5,code:0.5", "--self-heldout", "0", "--humaneval", "0"])
     info = json.loads((out / "distill.json").read_text())
     assert info["prompt_source"] == {"templates": 0.5, "code": 0.5} and info["train_prompts"] == 8
     _, tok = load_model("tiny")
