@@ -187,7 +187,8 @@ def run_engine(cfg: Config, batches, a, first=0, target=None):
                      target_threads=cfg.threads,
                      draft_threads=cfg.draft_threads, dtype=a.dtype,
                      graphs=False if a.no_graphs else None,
-                     compile=False if a.no_compile else None, quant=cfg.quant,
+                     compile=False if a.no_compile else (True if a.compile else None),
+                     quant=cfg.quant,
                      draft_quant=a.draft_quant).stats
         c = counters(cfg, s)
         tot = c if tot is None else add_counters(tot, c)
@@ -416,8 +417,11 @@ def add_machine_args(ap):
     ap.add_argument("--no-graphs", action="store_true",
                     help="on CUDA, run this engine's decode steps and verifications eagerly "
                          "instead of as CUDA graphs")
-    ap.add_argument("--no-compile", action="store_true",
-                    help="on CUDA, capture the eager layers in the graphs, not torch.compile's")
+    c = ap.add_mutually_exclusive_group()
+    c.add_argument("--no-compile", action="store_true",
+                   help="on CUDA, capture the eager layers in the graphs, not torch.compile's")
+    c.add_argument("--compile", action="store_true",
+                   help="on the CPU too: this engine's steps as compiled graphs (run.py --compile)")
 
 
 def add_action_args(ap):

@@ -32,19 +32,25 @@ class Bucket:
     tokens: torch.Tensor    # [rows * T] input tokens; padding rows keep token 0
     logits: torch.Tensor | None = None  # the captured run's output [rows * T, V]
     graph: object = None    # torch.cuda.CUDAGraph once captured
+    ran: bool = False       # a compiled CPU body has run it (its set-up is done)
 
 
 class StaticSteps:
     MAX_T = 16       # longer uniform steps (prefill pieces) stay on the dynamic path
     MAX_ROWS = 512   # so do larger batches: a bucket keeps its logits, [rows * T, V] float32
 
-    def __init__(self, capture: bool, halves=None):
+    def __init__(self, capture: bool, halves=None, body=None):
         self.capture = capture
         self.halves = halves  # the layers' compiled halves (model.compiled_halves), or None
+        self.body = body      # the CPU's compiled body (model.compiled_body), or None
         self.buckets: dict[tuple, Bucket] = {}
         self.pool = None    # one memory pool for all of a model's graphs (they never run at once)
         self.captures = 0
         self.capture_seconds = 0.0
+
+    @property
+    def compiled(self) -> bool:
+        return self.halves is not None or self.body is not None
 
     def keep(self, cache: PagedKVCache | None):
         """Drop the buckets (and graphs) of every other cache: theirs are done, and the buckets
@@ -69,9 +75,21 @@ class StaticSteps:
         bk.tokens[:b * T].copy_(tokens)
 
         def run():
-            return model.run(cache, bk.tokens, cache.meta(bk.ints, *shape), halves=self.halves)
+            meta = cache.meta(bk.ints, *shape)
+            if self.body is not None:
+                symbolic_sizes(bk.tokens, meta)
+            return model.run(cache, bk.tokens, meta, halves=self.halves, body=self.body)
         if not self.capture:
-            return run()[:b * T]
+            if self.body is None or bk.ran:
+                return run()[:b * T]
+            # a bucket's first run on the CPU compiles, or checks that a compiled graph serves it:
+            # set-up, timed apart as captures are (one step's work is counted with it)
+            start = time.perf_counter()
+            logits = run()[:b * T]
+            bk.ran = True
+            self.captures += 1
+            self.capture_seconds += time.perf_counter() - start
+            return logits
         if bk.graph is None:
             self.capture_graph(bk, run)
         bk.graph.replay()
@@ -98,3 +116,19 @@ class StaticSteps:
         torch.cuda.synchronize()
         self.captures += 1
         self.capture_seconds += time.perf_counter() - start
+
+
+def symbolic_sizes(tokens, meta):
+    """Tell torch.compile that the sizes a bucket sets (rows, tokens per row, block-table width)
+    vary, before the CPU's compiled body (model.compiled_body) first sees them: its first graph
+    then serves every later bucket. Left to find out, it compiles once per size that changes, and
+    a 30-layer graph takes 10-20 s to compile on a laptop's core. Sizes of 1 still compile apart
+    (a decode step of one row is one graph, a verification of one row another)."""
+    mark = torch._dynamo.maybe_mark_dynamic
+    for t in (tokens, meta.slots, meta.positions, meta.query_index, meta.last):
+        mark(t, 0)          # [N] or [b]
+    for d in (0, 1):        # [b, max_blocks]
+        mark(meta.block_table, d)
+    for d in (0, 2, 3):     # [b, 1, g * T, max_blocks * block_size]
+        mark(meta.mask, d)
+

@@ -362,3 +362,35 @@ def paged_attention(q, k, v, kv_layer, meta: AttnMeta):
     # [b, nkv, g*T, hd] -> [b, nkv, g, T, hd] -> [b, T, nkv, g, hd] -> [b*T, nh, hd]
     y = y.view(b, nkv, nh // nkv, T, hd).permute(0, 3, 1, 2, 4).reshape(b * T, nh, hd)
     return y[meta.query_index] if meta.ragged else y
+
+
+# paged_attention as an operator that torch.compile calls as it is, without looking in: a compiled
+# CPU step (model.compiled_body) holds a whole forward, and this op's write goes into the pool
+# itself. Traced, a write into a slice of an input copies the whole input (the pool) and writes it
+# back, every layer of every step. Its schema tells the compiler that it writes kv_layer. A
+# torch.library definition, not torch.library.custom_op: that wrapper costs some 50 us a call here
+# (one call a layer), this one about 5.
+OPS = torch.library.Library("ssd", "FRAGMENT")
+OPS.define("paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_layer, Tensor slots, "
+           "Tensor block_table, Tensor query_index, Tensor mask) -> Tensor")
+
+
+def paged_attention_op(q, k, v, kv_layer, meta: AttnMeta):
+    """paged_attention through the operator (what a compiled forward calls). T and ragged are read
+    back from the tensors' shapes inside it: passed as numbers, each T would compile a graph."""
+    return torch.ops.ssd.paged_attention(q, k, v, kv_layer, meta.slots, meta.block_table,
+                                         meta.query_index, meta.mask)
+
+
+def _paged_attention(q, k, v, kv_layer, slots, block_table, query_index, mask):
+    b, T = block_table.shape[0], mask.shape[2] // (q.shape[1] // k.shape[1])  # mask [b, 1, g*T, L]
+    meta = AttnMeta(slots, None, block_table, query_index, mask, T, None, q.shape[0] != b * T)
+    return paged_attention(q, k, v, kv_layer, meta).contiguous()  # the strides the fake promises
+
+
+OPS.impl("paged_attention", _paged_attention, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("ssd::paged_attention")
+def _(q, k, v, kv_layer, slots, block_table, query_index, mask):
+    return q.new_empty(q.shape)

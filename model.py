@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from config import ModelConfig
 from devices import MM_FP32_OUT, to_device
 from graphs import StaticSteps
-from kv_cache import AttnMeta, PagedKVCache, paged_attention
+from kv_cache import AttnMeta, PagedKVCache, paged_attention, paged_attention_op
 from quantize import QuantLinear, renamed, split_rows
 
 
@@ -194,6 +194,8 @@ class Attention(nn.Module):
                                                enable_gqa=True)  # [B, nh, T, hd]
             return y.transpose(1, 2)  # [B, T, nh, hd]
         # paged: the new tokens of all sequences back to back, q [N, nh, hd] -> [N, nh, hd]
+        if torch.compiler.is_compiling():  # a compiled step (compiled_body): the op, not traced
+            return paged_attention_op(q, k, v, kv_layer, meta)
         return paged_attention(q, k, v, kv_layer, meta)
 
     def out(self, y):
@@ -266,6 +268,20 @@ def compiled_halves(tag: str):
             torch.compile(renamed(Block.post_attention, tag), **opts))
 
 
+def compiled_body(tag: str):
+    """The CPU's compiled step: Transformer.body (embedding and every layer) through torch.compile
+    as one graph, the paged attention inside it an operator called as it is (kv_cache.py). On the
+    CPU nothing replays a step, so compiled halves still pay Python, dispatch and torch.compile's
+    guards twice a layer (SmolLM2-135M in int4, one thread: a step 25.8 ms, eager 24.7); one graph
+    pays them once a step (19 ms). The LM head stays out: fused with the final norm, Inductor
+    computed the int8 head's 1-row product 1.6x slower than its own compiled product does.
+    Its first graph takes the sizes that vary as symbolic (graphs.symbolic_sizes), so a model
+    compiles about three: one row of one token, one row of more, several rows. Its rows are computed
+    independently, bit for bit, as the eager path's are (tests/test_graphs.py): a decode step and a
+    verification agree, and SD and SSD stay exact."""
+    return torch.compile(renamed(Transformer.body, tag), fullgraph=True)
+
+
 # A draft's own vocabulary (ModelConfig.token_ids): ids in as rows, logits out over the vocabulary
 
 def vocab_maps(token_ids: list[int], V: int, device=None):
@@ -324,14 +340,19 @@ class Transformer(nn.Module):
 
     def use_graphs(self, graphs: bool | None, compile: bool | None = None):
         """graphs=None: CUDA graphs where the model is on CUDA (and not tensor parallel), the
-        dynamic eager path elsewhere; True: decode steps and verifications padded to static shapes
-        (StaticSteps, below), each shape captured once as a CUDA graph and replayed on CUDA, run
-        eagerly on the CPU (where tests check it); False: dynamic shapes, eager.
-        compile: on that static path, every layer's halves through torch.compile (compiled_halves);
-        None: where graphs are captured (CUDA), whose replays launch the fused kernels."""
+        dynamic eager path elsewhere (unless compile=True); True: decode steps and verifications
+        padded to static shapes (StaticSteps, below), each shape captured once as a CUDA graph and
+        replayed on CUDA, run uncaptured on the CPU; False: dynamic shapes, eager.
+        compile: on that static path, torch.compile: on CUDA every layer's halves (compiled_halves),
+        which the graphs replay; on the CPU, which replays nothing, the whole body as one graph
+        (compiled_body). None: where graphs are captured (CUDA); True on the CPU turns the static
+        path on with it."""
         on_cuda = self.device.type == "cuda"
+        if compile and self.tp is not None:
+            raise ValueError("compiled steps are not implemented with tensor parallelism: run "
+                             "with --no-compile (compile=False)")
         if graphs is None:
-            graphs = on_cuda and self.tp is None
+            graphs = (on_cuda or compile is True) and self.tp is None
         if graphs and self.tp is not None:
             raise ValueError("CUDA graphs are not implemented with tensor parallelism: run with "
                              "--no-graphs (graphs=False)")
@@ -342,9 +363,11 @@ class Transformer(nn.Module):
         if not graphs:
             self.static = None
         elif (self.static is None or self.static.capture != on_cuda
-              or (self.static.halves is not None) != compile):
-            halves = compiled_halves(f"{id(self):x}") if compile else None
-            self.static = StaticSteps(capture=on_cuda, halves=halves)
+              or self.static.compiled != compile):
+            tag = f"{id(self):x}"
+            self.static = StaticSteps(capture=on_cuda,
+                                      halves=compiled_halves(tag) if compile and on_cuda else None,
+                                      body=compiled_body(tag) if compile and not on_cuda else None)
         else:  # a model loaded once and decoded with again (generate(target=model), a bench
             # sweep) replays the graphs captured on its reused KV pool (new_cache(reuse=True))
             self.static.keep(self.kv_pool)
@@ -487,17 +510,23 @@ class Transformer(nn.Module):
         return self.run(cache, tokens, cache.prepare(seq_ids, counts), last_only)
 
     def run(self, cache: PagedKVCache, tokens, meta: AttnMeta, last_only: bool = False,
-            halves=None):
+            halves=None, body=None):
         """The device's part of a cached forward, given its plan's metadata: tokens [N] -> float32
         logits [N, V] ([b, V] if last_only). It reads no host values (a CUDA graph can hold it).
-        halves: every layer's compiled halves (Block.forward)."""
+        halves: every layer's compiled halves (Block.forward); body: `body` compiled whole
+        (compiled_body)."""
+        x = (body or Transformer.body)(self, cache, tokens, meta, halves)
+        if last_only:
+            x = x[meta.last]
+        return self.head(x)
+
+    def body(self, cache: PagedKVCache, tokens, meta: AttnMeta, halves=None):
+        """Embedding and layers: tokens [N] -> hidden states [N, hidden]."""
         cos, sin = rope_cos_sin(self.inv_freq, meta.positions, self.dtype)
         x = self.embed(tokens)  # [N, hidden]
         for l, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, cache.kv[l], meta, halves)
-        if last_only:
-            x = x[meta.last]
-        return self.head(x)
+        return x
 
     def prefill(self, cache: PagedKVCache, seq_ids: list[int], prompts: list[list[int]],
                 chunk: int = PREFILL_CHUNK):

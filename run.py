@@ -376,9 +376,14 @@ def add_device_options(g):
     g.add_argument("--no-graphs", action="store_true",
                    help="on CUDA, run decode steps and verifications eagerly instead of replaying "
                         "them as CUDA graphs (the CPU never uses graphs)")
-    g.add_argument("--no-compile", action="store_true",
+    c = g.add_mutually_exclusive_group()
+    c.add_argument("--no-compile", action="store_true",
                    help="on CUDA, replay the eager layers' kernels in the CUDA graphs instead of "
                         "compiling them first with torch.compile (seconds per new shape)")
+    c.add_argument("--compile", action="store_true",
+                   help="on the CPU too: each decode step and verification runs the model's body "
+                        "as one torch.compile graph (needs a C++ compiler; some 20 s per model "
+                        "and thread count the first time, reported apart from decoding)")
     g.add_argument("--kv-tokens", type=int, default=None, metavar="TOKENS",
                    help="target KV cache size in tokens (default: sized for the prompt and "
                         "--max-new-tokens); the draft's cache gets the same plus room for ssd's "
@@ -406,7 +411,7 @@ def generate_kwargs(a: argparse.Namespace) -> dict:
                 draft_threads=a.draft_threads, kv_tokens=a.kv_tokens,
                 tp_timeout=a.tp_timeout, dtype=a.dtype, graphs=False if a.no_graphs else None,
                 quant=a.quant, draft_quant=a.draft_quant,
-                compile=False if a.no_compile else None,
+                compile=False if a.no_compile else (True if a.compile else None),
                 prefix_caching=not a.no_prefix_caching,
                 target_devices=a.target_devices.split(",") if a.target_devices else None)
 
@@ -459,6 +464,8 @@ def print_stats(s: dict):
             ("decode tok/s", f"{s['decode_tok_s']:.1f}"), ("rounds", s["rounds"]),
             ("tokens/round", f"{s['mean_tokens_per_round']:.2f}"),
             ("acceptance", f"{s['acceptance_rate']:.2f}")]
+    if s["capture_seconds"] > 0:  # CUDA graph captures, compiles (--compile): not decoding
+        rows.insert(3, ("set-up s", f"{s['capture_seconds']:.1f} (captures, compiles)"))
     if s["mode"] == "ssd":
         rows += [("cache hit rate", f"{s['cache_hit_rate']:.2f}"),
                  ("fallback", f"{s['fallback']} (b*={s['b_star']})"),

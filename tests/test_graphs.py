@@ -30,10 +30,11 @@ def model(request, tmp_path_factory):
     return load_model(path, tokenizer=False)[0]
 
 
-def steps(model, graphs: bool, compile: bool = False):
+def steps(model, graphs: bool | None, compile: bool = False, static: StaticSteps | None = None):
     """Prefill three ragged prompts, 6 greedy decode steps, then a verification of 4 tokens per row ->
-    (every step's logits, the cache, the rows' ids)."""
+    (every step's logits, the cache, the rows' ids). static: these static steps instead of use_graphs'."""
     model.use_graphs(graphs, compile)
+    model.static = static or model.static
     cache = model.new_cache(1024, block_size=4)  # small blocks: the rows cross block boundaries
     ids = [cache.new_seq() for _ in PROMPTS]
     logits = [model.prefill(cache, ids, PROMPTS)]
@@ -64,28 +65,89 @@ def test_static_steps_equal_the_dynamic_path(model):
     model.use_graphs(False)
 
 
-@pytest.mark.skipif(shutil.which("g++") is None, reason="torch.compile's CPU code needs a C++ compiler (g++)")
-def test_compiled_layers_compute_what_eager_computes(model):
-    """compile=True (on CUDA the default, inside the graphs): each layer's halves around attention through
-    torch.compile, here Inductor's CPU code run without capture. The steps' logits and the K/V they write are
-    the dynamic eager path's. One compiled graph per half serves every layer: the decode steps' 4 tokens
-    compile one, the verification's 16 one more with the token count symbolic, which any other step reuses
-    (automatic dynamic shapes), not a compile per bucket. Each model compiles its own (the fixture's second
-    model, compiled after the first in this process, counts exactly as many graphs)."""
+NO_CXX = pytest.mark.skipif(shutil.which("g++") is None,
+                            reason="torch.compile's CPU code needs a C++ compiler (g++)")
+
+
+def check_compiled_steps(model, graphs_made: int, then: int, static: StaticSteps | None = None):
+    """The compiled path's steps against the dynamic eager path's: logits, the K/V they write, and how many
+    graphs torch.compile made (counted again after a new bucket: none more)."""
     from torch._dynamo.utils import counters
     dynamic, cache_d, ids = steps(model, graphs=False)
     graphs_before = counters["stats"]["unique_graphs"]
-    compiled, cache_c, _ = steps(model, graphs=True, compile=True)
-    assert counters["stats"]["unique_graphs"] - graphs_before == 4  # 2 x (pre_attention, post_attention)
+    compiled, cache_c, _ = steps(model, graphs=None, compile=True, static=static)
+    assert counters["stats"]["unique_graphs"] - graphs_before == graphs_made
     for a, b in zip(dynamic, compiled):
         torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
     for sid in ids:
         for bd, bc in zip(cache_d.seqs[sid].blocks, cache_c.seqs[sid].blocks):
             torch.testing.assert_close(cache_c.kv[:, bc], cache_d.kv[:, bd], atol=1e-5, rtol=1e-5)
     model.forward_cached(cache_c, ids[:2], torch.arange(6) + 3, [3] * 2)  # a new bucket: 2 rows x 3 tokens
-    assert counters["stats"]["unique_graphs"] - graphs_before == 4
+    model.forward_cached(cache_c, ids, torch.arange(6) + 3, [2] * 3)  # and 4 (3) rows x 2 tokens
+    assert counters["stats"]["unique_graphs"] - graphs_before == then
+
+
+@NO_CXX
+def test_compiled_body_computes_what_eager_computes(model):
+    """compile=True on the CPU (graphs left at None: compiling turns the static path on): the embedding and
+    every layer as one compiled graph (model.compiled_body), the paged attention inside it the ssd operator
+    that writes the pool in place. The steps compute what the dynamic eager path computes. The sizes a bucket
+    sets (rows, tokens, block-table width) are symbolic from the first compile, so one graph serves every
+    bucket of several rows; one row compiles apart (torch.compile specialises sizes of 1), once for one token
+    and once for more. A bucket's first run is set-up, counted with the captures, not as decoding."""
+    from torch._dynamo.utils import counters
+    check_compiled_steps(model, graphs_made=1, then=1)
+    assert model.static.body is not None and model.static.halves is None and not model.static.capture
+    assert model.static.captures == len(model.static.buckets) and model.capture_seconds() > 0
+    graphs_before = counters["stats"]["unique_graphs"]
+    cache = model.new_cache(256, block_size=4)
+    sid = cache.new_seq()
+    model.prefill(cache, [sid], [PROMPTS[0]])
+    for T in (1, 1, 3, 2, 4):  # a decode step, a verification of K + 1 tokens (K varies)
+        model.forward_cached(cache, [sid], torch.arange(T) + 3, [T])
+    assert counters["stats"]["unique_graphs"] - graphs_before == 2
     with pytest.raises(ValueError, match="leave graphs on"):
         model.use_graphs(False, compile=True)
+    model.use_graphs(False)
+
+
+@NO_CXX
+def test_compiled_halves_compute_what_eager_computes(model):
+    """CUDA's compiled form, run here without capture: each layer's halves around attention through
+    torch.compile, the attention between them eager. One compiled graph per half serves every layer: the
+    decode steps' 4 tokens compile one, the verification's 16 one more with the token count symbolic, which
+    any other step reuses (automatic dynamic shapes), not a compile per bucket. Each model compiles its own
+    (the fixture's second model, compiled after the first in this process, counts exactly as many graphs)."""
+    from model import compiled_halves
+    halves = StaticSteps(capture=False, halves=compiled_halves(f"{id(model):x}"))
+    check_compiled_steps(model, graphs_made=4, then=4, static=halves)  # 2 x (pre_attention, post_attention)
+    model.use_graphs(False)
+
+
+@NO_CXX
+def test_compiled_rows_are_independent_bit_for_bit(tmp_path):
+    """SD and SSD are exact only if a row's logits do not depend on the rows beside it: a decode step of one
+    token, a verification of three and a batch of two sequences must give the same token the same logits,
+    bit for bit. torch's int4 kernel (an int4 model on AVX2 / AVX-512) has that property; the compiled body
+    around it must keep it (the dynamic eager path has it too, checked as the reference)."""
+    from quantize import QuantLinear
+    path = make_checkpoint(tmp_path, "llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           eos_token_id=None, max_position_embeddings=256)
+    model = load_model(path, tokenizer=False, quant="int4")[0]
+    if not any(m.packed is not None for m in model.modules() if isinstance(m, QuantLinear)):
+        pytest.skip("torch's int4 kernel needs AVX2 or AVX-512")
+    prompt, tokens = [1, 5, 7, 9, 11, 13], [4, 40, 17]
+    for compile in (False, True):
+        model.use_graphs(True if compile else False, compile=compile)
+        cache = model.new_cache(256, block_size=4)
+        a, b = cache.new_seq(), cache.new_seq()
+        model.prefill(cache, [a, b], [prompt, prompt])
+        one = torch.cat([model.forward_cached(cache, [a], torch.tensor([t]), [1]) for t in tokens])
+        cache.truncate(a, len(prompt))
+        three = model.forward_cached(cache, [a], torch.tensor(tokens), [3])
+        cache.truncate(a, len(prompt))
+        batch = model.forward_cached(cache, [a, b], torch.tensor(tokens * 2), [3, 3])
+        assert torch.equal(three, one) and torch.equal(batch[:3], one) and torch.equal(batch[3:], one)
     model.use_graphs(False)
 
 
@@ -164,6 +226,8 @@ def test_on_cuda_graphs_compile_by_default_and_not_without_graphs(model, monkeyp
 def test_graphs_need_cuda_only_when_capturing(model):
     model.use_graphs(None)  # the default: graphs where CUDA is, the dynamic path on the CPU
     assert model.static is None
+    model.use_graphs(None, compile=False)
+    assert model.static is None
     model.use_graphs(True)
     assert model.static is not None and model.static.capture is False
     model.use_graphs(False)
@@ -183,6 +247,25 @@ def test_generate_with_static_shapes_emits_the_same_tokens(mode, parallel, tmp_p
     dynamic = generate(PROMPTS, graphs=False, **kw)
     static = generate(PROMPTS, graphs=True, **kw)
     assert static.tokens == dynamic.tokens
+
+
+@NO_CXX
+def test_compiled_steps_keep_sd_and_ssd_exact(tmp_path_factory):
+    """Greedy, an int4 pair (torch's int4 kernel where the CPU has it): with every step of both models through
+    the compiled body (run.py --compile), SD and two-process SSD emit the compiled AR's tokens. One prompt:
+    the target's graphs are then the ones test_compiled_rows_are_independent_bit_for_bit compiled (compiling
+    is most of this test's time on a CI machine)."""
+    root = tmp_path_factory.mktemp("pair")
+    target = make_checkpoint(root / "t", "llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             eos_token_id=None, max_position_embeddings=256)
+    draft = make_checkpoint(root / "d", "llama", seed=1, hidden_size=32, intermediate_size=64,
+                            num_hidden_layers=1, eos_token_id=None, max_position_embeddings=256)
+    kw = dict(target=str(target), draft=str(draft), max_new_tokens=20, k=3, quant="int4", draft_quant="int4",
+              compile=True)
+    ar = generate(PROMPTS[2:], mode="ar", **kw)
+    assert ar.stats["capture_seconds"] > 0  # the compiles, reported apart from decoding
+    for mode in ("sd", "ssd"):
+        assert generate(PROMPTS[2:], mode=mode, **kw).tokens == ar.tokens, mode
 
 
 def test_a_model_decoded_again_reuses_its_pool_and_its_buckets(model):

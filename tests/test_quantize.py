@@ -313,7 +313,8 @@ def test_bad_quant_requests_are_one_line_errors(make_ckpt):
 def test_greedy_sd_and_ssd_emit_the_quantized_ar_tokens(quant, modes):
     """The tiny pair, both quantized: SD, one-process SSD (ssd1) and two-process SSD emit AR's
     tokens for a batch of two prompts, and those differ from the float target's somewhere (the
-    check sees the quantized model, not the float one)."""
+    check sees the quantized model, not the float one). The same through compiled steps:
+    tests/test_graphs.py."""
     prompts = ["Once upon a time", "The little dog"]
     kw = dict(max_new_tokens=20, k=2, quant=quant, draft_quant=quant)
     ar = gen(prompts, "tiny", "tiny-draft", mode="ar", **kw).tokens
