@@ -3,7 +3,7 @@ padded to a bucket of rows and block-table columns, so that each bucket's run ca
 as a CUDA graph and replayed; on the CPU the same padded path runs eagerly, so tests check it.
 """
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,7 +32,7 @@ class Bucket:
     tokens: torch.Tensor    # [rows * T] input tokens; padding rows keep token 0
     logits: torch.Tensor | None = None  # the captured run's output [rows * T, V]
     graph: object = None    # torch.cuda.CUDAGraph once captured
-    ran: bool = False       # a compiled CPU body has run it (its set-up is done)
+    ran: set = field(default_factory=set)  # the thread counts a compiled CPU body ran it at
 
 
 class StaticSteps:
@@ -80,13 +80,15 @@ class StaticSteps:
                 symbolic_sizes(bk.tokens, meta)
             return model.run(cache, bk.tokens, meta, halves=self.halves, body=self.body)
         if not self.capture:
-            if self.body is None or bk.ran:
+            threads = torch.get_num_threads()  # compiled code is made for a thread count
+            if self.body is None or threads in bk.ran:
                 return run()[:b * T]
-            # a bucket's first run on the CPU compiles, or checks that a compiled graph serves it:
-            # set-up, timed apart as captures are (one step's work is counted with it)
+            # a bucket's first run on the CPU at this thread count compiles, or checks that a
+            # compiled graph serves it: set-up, timed apart as captures are (one step's work is
+            # counted with it)
             start = time.perf_counter()
             logits = run()[:b * T]
-            bk.ran = True
+            bk.ran.add(threads)
             self.captures += 1
             self.capture_seconds += time.perf_counter() - start
             return logits

@@ -86,7 +86,10 @@ def generate(prompts, target="tiny", draft="tiny-draft", mode="sd", max_new_toke
     parallelism) and runs them eagerly elsewhere; False turns graphs off; True pads them to the
     graphs' static shapes on any device (on the CPU, eagerly: the tests' check of that path).
     compile: None compiles the layers of those graphs (torch.compile, fused kernels) on CUDA and
-    not elsewhere; False: not at all; True: on the static path on any device (graphs on).
+    not elsewhere; False: not at all; True: also on the CPU, where each step runs the model's body
+    as one compiled graph (model.compiled_body; graphs=None then means the static shapes). It
+    needs a C++ compiler and takes seconds per model, thread count and graph the first time
+    (Inductor caches it on disk), reported as `capture_seconds`, not as decoding.
     prefix_caching: a prompt that starts with full KV blocks another prompt cached reuses them, on
     the target's cache and the draft's (kv_cache.py); the tokens are the same either way.
     stream(row, tokens_so_far) is called as tokens are accepted. tokenizer: the target's, when the
