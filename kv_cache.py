@@ -369,10 +369,21 @@ def paged_attention(q, k, v, kv_layer, meta: AttnMeta):
 # itself. Traced, a write into a slice of an input copies the whole input (the pool) and writes it
 # back, every layer of every step. Its schema tells the compiler that it writes kv_layer. A
 # torch.library definition, not torch.library.custom_op: that wrapper costs some 50 us a call here
-# (one call a layer), this one about 5.
-OPS = torch.library.Library("ssd", "FRAGMENT")
-OPS.define("paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_layer, Tensor slots, "
-           "Tensor block_table, Tensor query_index, Tensor mask) -> Tensor")
+# (one call a layer), this one about 5. Defined when a model first compiles its body, not at import:
+# defined in every process, it held a tensor-parallel rank whose peer was killed for 60 s at exit.
+OPS = []  # the Library that defines the op, once defined (it must stay alive)
+
+
+def define_paged_attention_op():
+    if OPS:
+        return
+    lib = torch.library.Library("ssd", "FRAGMENT")
+    lib.define("paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_layer, Tensor slots, "
+               "Tensor block_table, Tensor query_index, Tensor mask) -> Tensor")
+    lib.impl("paged_attention", _paged_attention, "CompositeExplicitAutograd")
+    torch.library.register_fake("ssd::paged_attention", lambda q, *rest: q.new_empty(q.shape),
+                                lib=lib)
+    OPS.append(lib)
 
 
 def paged_attention_op(q, k, v, kv_layer, meta: AttnMeta):
@@ -386,11 +397,3 @@ def _paged_attention(q, k, v, kv_layer, slots, block_table, query_index, mask):
     b, T = block_table.shape[0], mask.shape[2] // (q.shape[1] // k.shape[1])  # mask [b, 1, g*T, L]
     meta = AttnMeta(slots, None, block_table, query_index, mask, T, None, q.shape[0] != b * T)
     return paged_attention(q, k, v, kv_layer, meta).contiguous()  # the strides the fake promises
-
-
-OPS.impl("paged_attention", _paged_attention, "CompositeExplicitAutograd")
-
-
-@torch.library.register_fake("ssd::paged_attention")
-def _(q, k, v, kv_layer, slots, block_table, query_index, mask):
-    return q.new_empty(q.shape)

@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from config import ModelConfig
 from devices import MM_FP32_OUT, to_device
 from graphs import StaticSteps
-from kv_cache import AttnMeta, PagedKVCache, paged_attention, paged_attention_op
+from kv_cache import (AttnMeta, PagedKVCache, define_paged_attention_op, paged_attention,
+                      paged_attention_op)
 from quantize import QuantLinear, renamed, split_rows
 
 
@@ -282,6 +283,7 @@ def compiled_body(tag: str):
     # Each model compiles its own copy (tag) and only that model calls it (its StaticSteps), so
     # the guards on its modules' attributes and parameters can go: they cost 0.7 ms a call for 30
     # layers. Inductor's checks of each op's output strides go too (580 a step).
+    define_paged_attention_op()
     options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
                "size_asserts": False}
     return torch.compile(renamed(Transformer.body, tag), fullgraph=True, options=options)
