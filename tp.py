@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from channel import start_child
+from channel import quick_exit, start_child
 from checkpoint import load_config, load_model
 from devices import check_device, to_device
 from model import TP, check_tp
@@ -232,12 +232,9 @@ def tp_worker_main(rank, world, port, backend, device, target, dtype, threads, t
         errors.put(("ready", rank))
         TPVerifier(model).serve()
         dist.destroy_process_group()
-        # done: skip the interpreter's teardown of torch (seconds), which rank 0 would wait for
         errors.close()
         errors.join_thread()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        quick_exit(0)
     except BaseException as e:
         traceback.print_exc()
         errors.put(("error", f"rank {rank} failed: {type(e).__name__}: {e}"))

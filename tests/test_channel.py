@@ -1,6 +1,7 @@
 """The two-process channel (channel.py), without spawning: compact messages, no q at temperature 0,
 and the page-locking calls a CUDA machine makes (checked against a fake cudart on the CPU)."""
 import math
+import os
 import pytest
 import torch
 
@@ -206,3 +207,37 @@ def test_spin_only_where_each_side_has_its_own_cores():
     assert spin_seconds(4, 1, 3, 2, "cpu", "cpu") == 0                   # oversubscribed
     assert spin_seconds(4, 2, 1, 1, "cpu", "cpu") == SPIN_S              # two CPU ranks + the draft
     assert spin_seconds(2, 1, 8, 8, "cuda:0", "cuda:1") == SPIN_S        # a thread each on the host
+
+
+def child_that_makes_a_lock(names, quick):
+    """A finished child as the speculator and the TP ranks end: a semaphore made here (as tqdm's lock,
+    which torch's compiler creates in the speculator), its name sent home, then the quick exit."""
+    import multiprocessing
+    lock = multiprocessing.get_context("spawn").RLock()
+    names.put(lock._semlock.name)
+    names.close()
+    names.join_thread()
+    channel.quick_exit(0) if quick else os._exit(0)
+
+
+@pytest.mark.parametrize("quick", [True, False])
+def test_a_child_that_exits_quickly_leaves_no_semaphore_behind(quick):
+    """quick_exit skips the interpreter's teardown but not multiprocessing's finalizers: a semaphore the
+    child created is unlinked (else the resource tracker reports it leaked at exit). The control, a bare
+    os._exit, leaves it to be found (and removed here)."""
+    import _multiprocessing
+    import multiprocessing
+    names = multiprocessing.get_context("spawn").Queue()
+    proc = channel.start_child(child_that_makes_a_lock, (names, quick))
+    name = names.get(timeout=60)
+    proc.join(timeout=60)
+    assert proc.exitcode == 0
+    try:
+        _multiprocessing.sem_unlink(name)  # succeeds only if the child left it
+        left = True
+    except FileNotFoundError:
+        left = False
+    if not quick:
+        from multiprocessing import resource_tracker
+        resource_tracker.unregister(name, "semaphore")  # the tracker need not report the control's
+    assert left is not quick
