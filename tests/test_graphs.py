@@ -20,13 +20,14 @@ from run import generate
 torch.set_num_threads(1)
 
 PROMPTS = [[1, 5, 7, 9, 11], [1, 3], [1, 8, 22, 33, 44, 55, 66, 77, 88, 90, 91, 92, 93, 94, 95, 96, 97, 98]]
+# every target here: one shape, so the compiled tests share graphs (and Inductor's disk cache)
+SHAPES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, eos_token_id=None,
+              max_position_embeddings=256)
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
 def model(request, tmp_path_factory):
-    path = make_checkpoint(tmp_path_factory.mktemp(request.param), request.param, hidden_size=64,
-                           intermediate_size=128, num_hidden_layers=2, eos_token_id=None,
-                           max_position_embeddings=256)
+    path = make_checkpoint(tmp_path_factory.mktemp(request.param), request.param, **SHAPES)
     return load_model(path, tokenizer=False)[0]
 
 
@@ -131,8 +132,7 @@ def test_compiled_rows_are_independent_bit_for_bit(tmp_path):
     bit for bit. torch's int4 kernel (an int4 model on AVX2 / AVX-512) has that property; the compiled body
     around it must keep it (the dynamic eager path has it too, checked as the reference)."""
     from quantize import QuantLinear
-    path = make_checkpoint(tmp_path, "llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                           eos_token_id=None, max_position_embeddings=256)
+    path = make_checkpoint(tmp_path, "llama", **SHAPES)
     model = load_model(path, tokenizer=False, quant="int4")[0]
     if not any(m.packed is not None for m in model.modules() if isinstance(m, QuantLinear)):
         pytest.skip("torch's int4 kernel needs AVX2 or AVX-512")
@@ -239,8 +239,7 @@ def test_generate_with_static_shapes_emits_the_same_tokens(mode, parallel, tmp_p
     """Greedy, batch 3, ragged prompts: the static-shape path (draft and target, both processes in SSD) emits
     exactly the dynamic path's tokens."""
     root = tmp_path_factory.mktemp("pair")
-    target = make_checkpoint(root / "t", "llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                             eos_token_id=None, max_position_embeddings=256)
+    target = make_checkpoint(root / "t", "llama", **SHAPES)
     draft = make_checkpoint(root / "d", "llama", seed=1, hidden_size=32, intermediate_size=64,
                             num_hidden_layers=1, eos_token_id=None, max_position_embeddings=256)
     kw = dict(target=str(target), draft=str(draft), mode=mode, max_new_tokens=20, k=3, parallel=parallel)
@@ -257,10 +256,8 @@ def test_compiled_steps_keep_sd_and_ssd_exact(tmp_path_factory):
     draft of the target's shapes (other weights), so that the steps of both models run the graphs that
     test_compiled_rows_are_independent_bit_for_bit compiled (one row of one token, of more, several rows)."""
     root = tmp_path_factory.mktemp("pair")
-    shapes = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, eos_token_id=None,
-                  max_position_embeddings=256)
-    target = make_checkpoint(root / "t", "llama", **shapes)
-    draft = make_checkpoint(root / "d", "llama", seed=1, **shapes)
+    target = make_checkpoint(root / "t", "llama", **SHAPES)
+    draft = make_checkpoint(root / "d", "llama", seed=1, **SHAPES)
     kw = dict(target=str(target), draft=str(draft), max_new_tokens=20, k=3, quant="int4", draft_quant="int4",
               compile=True, target_threads=1, draft_threads=1)  # one thread, as the graphs were compiled for
     ar = generate(PROMPTS[2:], mode="ar", **kw)
