@@ -17,7 +17,7 @@ from config import ModelConfig
 from gguf_format import (GGUF_INTEGERS, GGUFFile, check_gguf_magic, gguf_config, gguf_param_name,
                          load_gguf_weights, read_gguf)
 from model import TP, Transformer, over_vocab, tp_split_dim, vocab_maps
-from quantize import BLOCK, check_quant, pack_int4_layers, quantize_layers
+from quantize import BLOCK, check_quant, pack_layers, quantize_layers
 
 REPO = Path(__file__).resolve().parent
 
@@ -186,9 +186,9 @@ def load_model(name_or_path, device="cpu", dtype=None, tp: TP | None = None,
     logits come out over the target's tokens: ModelConfig.padded_rows).
     quant: the linear layers' weights, "none" (float, dtype), "int8", "int4" (quantize.py), or
     "auto": a GGUF file's own precision (its Q8_0 / Q4_0 / Q4_1 blocks kept as they are), float
-    for safetensors. compile_quant: quantized products in their fast forms, torch.compile's
-    or torch's int4 kernel (quantize.pack_int4_layers), else eager: dequantise-and-multiply with
-    the stored weights as they are (slower, compiles nothing: tests' reference)."""
+    for safetensors. compile_quant: quantized products in their fast forms, the CPU kernels
+    (quantize.pack_layers) or torch.compile's, else eager: dequantise-and-multiply with the
+    stored weights as they are (slower, compiles nothing: tests' reference)."""
     device = check_device(device)
     dtype = resolve_dtype(dtype, device)
     path = resolve(name_or_path)
@@ -215,7 +215,7 @@ def load_model(name_or_path, device="cpu", dtype=None, tp: TP | None = None,
     else:
         load_weights(model, path)
     if plan is not None and compile_quant:
-        pack_int4_layers(model, device)  # torch's int4 kernel, where the CPU vectorises it
+        pack_layers(model, device)  # the CPU kernels, where the CPU vectorises them
     model.init_buffers()
     model.eval().requires_grad_(False)
     # tokenizer=False skips it (and the seconds transformers takes to import) where ids suffice

@@ -32,28 +32,39 @@ Each weight shape compiles once per row bucket (ROW_BUCKETS; a few seconds each,
 warm_up). Longer inputs (prefill) dequantise a slice of rows at a time and multiply: they are
 bound by arithmetic, not bytes.
 
-On a CPU with vectorised ATen kernels (AVX2, AVX-512) an int4 layer of the model's blocks is then
-moved into torch's own int4 kernel (`pack`, `_weight_int4pack_mm_for_cpu`), 2 to 3 times faster
-than the compiled loop on SmolLM2-135M's layers (it reads each byte as two 4-bit integers in SIMD,
-where Inductor's loop converts each weight to float on its own). Its terms differ from ours: it
-multiplies bfloat16 activations by w = (q - 8) * s + z with s and z in bfloat16, sums in float32
-and rounds the output to bfloat16, so the loaded model is a bfloat16-activation one (docs/models.md
-measures how close). Its rows are independent bit for bit, whatever their number, so every product
-goes through it: a decode step, a verification and a prefill piece agree on each row.
+On a CPU with AVX2 (or AVX-512) an int4 layer of the model's blocks is then moved into a kernel
+that reads the 4-bit integers in SIMD (`pack`): quant_cpu.cpp's, a C++ op built at first use with
+the compiler torch.compile uses (quant_cpu_op), where each row of x becomes 16-bit integers per
+block of 32 and multiplies the weights in integer arithmetic (quant_cpu.cpp explains it). On
+SmolLM2-135M's 120 int4 layers it runs at twice the speed of torch's own int4 kernel
+(_weight_int4pack_mm_for_cpu), which is the fallback where no compiler is found: that one
+multiplies bfloat16 activations by w = (q - 8) * s + z with s and z in bfloat16 and rounds its
+output to bfloat16, so it moves the model further from the file's (docs/models.md measures both).
+Both kernels compute each row of the output on its own, bit for bit the same whatever the number
+of rows, so every product goes through them: a decode step, a verification and a prefill piece
+agree on each row.
 
 The quantized model is an approximation of the float one (tests/test_quantize.py and
 docs/models.md measure how close); speculative decoding stays exact with respect to the model as
 loaded, since the draft proposes and the quantized target decides.
 """
+import functools
+import hashlib
+import os
+import subprocess
 import types
+import warnings
+from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils import cpp_extension
 
 QUANTS = ("auto", "none", "int8", "int4")  # auto: a GGUF file's own precision, else none
 BLOCK = 32  # inputs per int4 block (and per int8 group of a GGUF file): GGUF's block size
-INT4_KERNEL_CPUS = ("AVX2", "AVX512")  # where torch's int4 kernel is vectorised (pack_int4_layers)
+INT4_KERNEL_CPUS = ("AVX2", "AVX512")  # where the CPU kernels are vectorised (pack_layers)
+INT4_TILE = 8  # outputs per tile of quant_cpu.cpp's int4 layout
 ROW_BUCKETS = (1, 2, 3, 4, 8, 16)  # row counts the compiled product is built for (rows padded up)
 DEQUANT_ELEMENTS = 1 << 23  # a longer product dequantises at most this many weights at a time
 
@@ -173,6 +184,125 @@ def int4_kernel_weight(packed, sz):
     return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, packed, BLOCK, sz.float()).T
 
 
+def int4_to_cpu_kernel(q, scales, mins):
+    """Our int4 layout -> quant_cpu.cpp's: (packed uint8 [out / 8, in / 32, 4, 32], sm float16
+    [out / 8, in / 32, 2, 8]). Per tile of 8 outputs and block of 32 inputs, 4 units of 8 inputs,
+    each 16 16-bit words: word 2 r + e holds output r's input 8 u + 2 j + e in its nibble j; then
+    the tile's 8 scales and 8 mins for the block, in float16 (a Q4_0 / Q4_1 file's own d and m
+    exactly)."""
+    N, G = scales.shape
+    ints = torch.stack((q & 15, q >> 4), -2).flatten(1).to(torch.int32)  # [out, in], 0..15
+    w = ints.view(N // INT4_TILE, INT4_TILE, G, 4, 4, 2)  # [tile, r, block, unit, j, e]
+    words = (w << (4 * torch.arange(4, dtype=torch.int32)[:, None])).sum(-2)  # [.., unit, e]
+    words = words.permute(0, 2, 3, 1, 4).to(torch.int16)  # [tile, block, unit, r, e]
+    packed = words.contiguous().view(torch.uint8).view(N // INT4_TILE, G, 4, 32)
+    sm = torch.stack((scales, mins)).view(2, N // INT4_TILE, INT4_TILE, G)  # [s | m, tile, r, block]
+    return packed, sm.permute(1, 3, 0, 2).contiguous().half()
+
+
+def int4_cpu_weight(packed, sm):
+    """The weight [out, in] that quant_cpu.cpp's layout stores: q * s + m in float32."""
+    T, G = packed.shape[:2]
+    words = packed.view(torch.int16).view(T, G, 4, INT4_TILE, 2).to(torch.int32)  # [.., r, e]
+    ints = torch.stack([words >> (4 * j) & 15 for j in range(4)], -2)  # [tile, block, unit, r, j, e]
+    ints = ints.permute(0, 3, 1, 2, 4, 5).reshape(T * INT4_TILE, G, BLOCK).float()
+    s, m = sm.float().permute(2, 0, 3, 1).reshape(2, T * INT4_TILE, G, 1)
+    return (ints * s + m).flatten(1)
+
+
+def int4_cpu_product(x, packed, sm):
+    """x [M, in] float @ the weight in quant_cpu.cpp's layout^T -> [M, out] float32: each row of x
+    turned into 16-bit integers per block of 32, multiplied by the 4-bit integers in integer
+    arithmetic (quant_cpu.cpp says how)."""
+    return torch.ops.ssd.int4_mm(x.float().contiguous(), packed, sm)
+
+
+def int4_cpu_reference(x, q, scales, mins):
+    """int4_cpu_product's math in float64 (slow; for tests), from our layout's q, scales and mins
+    (as float16 rounds them): each row of x in 16-bit integers per block of 32 as the kernel
+    makes them, p = round(x * (32767 / max|x|)) with scale d = max|x| / 32767, then
+    y = sum over blocks of s * d * (q . p) + m * sum(x)."""
+    M, n = x.shape
+    xb = x.float().view(M, n // BLOCK, BLOCK)
+    amax = xb.abs().amax(-1, keepdim=True)
+    # a tensor divided, as C divides: torch computes 32767 / amax as 32767 * (1 / amax)
+    inv = torch.where(amax > 0, torch.tensor(32767.0) / amax, torch.zeros_like(amax))
+    p = torch.round(xb * inv).double()                                # [M, blocks, 32]
+    d, xsum = (amax / 32767).double()[..., 0], xb.sum(-1).double()    # [M, blocks]
+    ints = torch.stack((q & 15, q >> 4), -2).flatten(-2).double()     # [out, blocks, 32]
+    qp = torch.einsum("ogk,mgk->mog", ints, p)                        # [M, out, blocks]
+    return (qp * scales.double() * d[:, None] + mins.double() * xsum[:, None]).sum(-1)
+
+
+def int8_cpu_product(x, q, scales, mins=None):
+    """x [M, in] float @ (q * scales (+ mins))^T -> [M, out] float32 through quant_cpu.cpp's
+    int8 kernel, on our own int8 layout: x in 16-bit integers per block of 32, as for int4."""
+    return torch.ops.ssd.int8_mm(x.float().contiguous(), q, scales, mins)
+
+
+def int8_cpu_reference(x, q, scales, mins=None):
+    """int8_cpu_product's math in float64 (slow; for tests): p and d per block of 32 as in
+    int4_cpu_reference, then y = sum over blocks of s * d * (q . p) + sum over groups of
+    m * sum(x)."""
+    M, n = x.shape
+    xb = x.float().view(M, n // BLOCK, BLOCK)
+    amax = xb.abs().amax(-1, keepdim=True)
+    # a tensor divided, as C divides: torch computes 32767 / amax as 32767 * (1 / amax)
+    inv = torch.where(amax > 0, torch.tensor(32767.0) / amax, torch.zeros_like(amax))
+    p = torch.round(xb * inv).double()                                # [M, blocks, 32]
+    d = (amax / 32767).double()[..., 0]                               # [M, blocks]
+    per = n // scales.shape[1] // BLOCK                               # blocks a group
+    s = scales.double().repeat_interleave(per, 1)                     # [out, blocks]
+    qp = torch.einsum("ogk,mgk->mog", q.double().view(q.shape[0], -1, BLOCK), p)
+    y = (qp * s * d[:, None]).sum(-1)
+    if mins is not None:
+        xsum = xb.sum(-1).double().view(M, scales.shape[1], per).sum(-1)  # [M, groups]
+        y = y + xsum @ mins.double().T
+    return y
+
+
+CPU_KERNEL_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ssd"
+CPU_KERNEL_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-std=c++20", "-shared",
+                    "-fPIC"]
+
+
+@functools.cache
+def quant_cpu_op() -> bool:
+    """Whether quant_cpu.cpp's ops (torch.ops.ssd.int4_mm, int8_mm) run here: built on first use
+    into a library cached per source, torch and flags (CPU_KERNEL_DIR; the C++ compiler that
+    torch.compile uses too: $CXX or g++), then loaded. False on a CPU without AVX2, or where it
+    does not build (a warning says why; torch's int4 kernel and the compiled int8 product are
+    used instead)."""
+    if torch.backends.cpu.get_cpu_capability() not in INT4_KERNEL_CPUS:
+        return False
+    source = Path(__file__).with_name("quant_cpu.cpp")
+    cmd = [os.environ.get("CXX", "g++"), *CPU_KERNEL_FLAGS,
+           f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}",
+           *(f"-I{p}" for p in cpp_extension.include_paths()), str(source),
+           *(f"-L{p}" for p in cpp_extension.library_paths()), "-ltorch", "-ltorch_cpu", "-lc10"]
+    key = hashlib.sha256(source.read_bytes() + " ".join(cmd + [torch.__version__]).encode())
+    lib = CPU_KERNEL_DIR / f"quant_cpu-{key.hexdigest()[:16]}.so"
+    if not lib.exists():
+        tmp = lib.with_suffix(f".{os.getpid()}.tmp")  # two processes may build it at once
+        try:
+            lib.parent.mkdir(parents=True, exist_ok=True)
+            subprocess.run(cmd + ["-o", str(tmp)], check=True, capture_output=True, text=True)
+            os.replace(tmp, lib)
+        except (OSError, subprocess.CalledProcessError) as e:
+            tmp.unlink(missing_ok=True)
+            why = (getattr(e, "stderr", None) or str(e)).strip().splitlines()
+            warnings.warn(f"quant_cpu.cpp did not build ({why[-1] if why else cmd[0] + ' failed'}):"
+                          f" quantized layers use torch's int4 kernel and compiled int8 products,"
+                          f" slower; install g++ (or set CXX) to use it")
+            return False
+    torch.ops.load_library(str(lib))
+    torch.library.register_fake("ssd::int4_mm")(
+        lambda x, packed, sm: x.new_empty(x.shape[0], packed.shape[0] * INT4_TILE))
+    torch.library.register_fake("ssd::int8_mm")(
+        lambda x, q, scales, mins: x.new_empty(x.shape[0], q.shape[0]))
+    return True
+
+
 def renamed(fn, tag: str):
     """A copy of fn under its own name: torch.compile keeps graphs (at most 8) and which sizes
     varied per function name, so each weight shape (or model) gets its own."""
@@ -269,7 +399,10 @@ class QuantLinear(nn.Module):
         self.register_buffer("scales", torch.empty(out_features, n, device=device))
         self.register_buffer("mins", torch.empty(out_features, n, device=device)
                              if bits == 4 or mins else None)
-        # torch's int4 kernel's layout, once pack() has moved the weight there (else None)
+        # the kernel that runs the products, where pack_layers chose one (else None): "cpu"
+        # quant_cpu.cpp's (an int4 weight moved into its layout by pack(), an int8 one as it is),
+        # "torch" torch's int4 kernel (CUDA's tinygemm, or its CPU form), moved there by pack()
+        self.kernel = None
         self.register_buffer("packed", None)
         self.register_buffer("scales_and_zeros", None)
         self.bias = (nn.Parameter(torch.empty(out_features, device=device, dtype=dtype),
@@ -280,8 +413,8 @@ class QuantLinear(nn.Module):
         the kernel's order interleaves rows."""
         if self.packed is not None:
             if (lo, hi) != (0, None):
-                raise ValueError("a layer in torch's int4 kernel's layout (pack) has no rows "
-                                 "of its own: load the model with compile_quant=False to edit them")
+                raise ValueError("a layer in an int4 kernel's layout (pack) has no rows of its "
+                                 "own: load the model with compile_quant=False to edit them")
             return self.packed, self.scales_and_zeros
         parts = (self.qweight, self.scales) + ((self.mins,) if self.mins is not None else ())
         return tuple(t[lo:hi] for t in parts)
@@ -289,29 +422,33 @@ class QuantLinear(nn.Module):
     def dequantize(self, lo: int = 0, hi: int | None = None):
         """The float32 weight of rows [lo, hi) -> [rows, in]."""
         if self.packed is not None:
-            return int4_kernel_weight(self.packed, self.scales_and_zeros)[lo:hi]
+            weight = int4_cpu_weight if self.kernel == "cpu" else int4_kernel_weight
+            return weight(self.packed, self.scales_and_zeros)[lo:hi]
         return dequantize(*self.stored(lo, hi))
 
-    def pack(self):
-        """Move this int4 layer into torch's own int4 kernel (int4_to_kernel): every product from
-        now on, of any number of rows, goes through it. Our layout's tensors are released: the
-        kernel's takes 5 bits a weight (4 + two bfloat16 numbers per 32), ours 6."""
+    def pack(self, kernel: str = "torch"):
+        """Move this int4 layer into an int4 kernel's layout: "cpu", quant_cpu.cpp's
+        (int4_to_cpu_kernel), or "torch", torch's own (int4_to_kernel). Every product from now
+        on, of any number of rows, goes through that kernel. Our layout's tensors are released:
+        the kernels' take 5 bits a weight (4 + two 16-bit numbers per 32), ours 6."""
         if self.packed is not None:
             return
         if self.bits != 4 or not int4_kernel_fits(self.out_features, self.in_features,
                                                   self.qweight.device):
-            raise ValueError(f"torch's int4 kernel takes int4 layers of a multiple of 16 outputs "
+            raise ValueError(f"the int4 kernels take int4 layers of a multiple of 16 outputs "
                              f"(CUDA: 8 outputs, 128 inputs), not {self}")
-        self.packed, self.scales_and_zeros = int4_to_kernel(self.qweight, self.scales, self.mins)
+        to_kernel = int4_to_cpu_kernel if kernel == "cpu" else int4_to_kernel
+        self.packed, self.scales_and_zeros = to_kernel(self.qweight, self.scales, self.mins)
+        self.kernel = kernel
         self.qweight = self.scales = self.mins = None
 
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.stored())
 
     def forward(self, x):
-        if self.packed is not None:  # torch's int4 kernel (pack), traced as it is when compiling
-            y = int4_kernel_product(x.reshape(-1, self.in_features), self.packed,
-                                    self.scales_and_zeros)
+        if self.packed is not None:  # an int4 kernel (pack), traced as it is when compiling
+            product = int4_cpu_product if self.kernel == "cpu" else int4_kernel_product
+            y = product(x.reshape(-1, self.in_features), self.packed, self.scales_and_zeros)
         else:
             y = self.product(x.reshape(-1, self.in_features).float().contiguous())  # [M, out]
         if self.bias is not None:
@@ -321,6 +458,8 @@ class QuantLinear(nn.Module):
     def product(self, rows):
         """rows [M, in] float32 @ the weight in our layout^T -> [M, out] float32."""
         stored = (self.qweight, self.scales, self.mins)
+        if self.kernel == "cpu":  # an int8 layer on quant_cpu.cpp's kernel (pack_layers)
+            return int8_cpu_product(rows, *stored)
         if torch.compiler.is_compiling():  # inside a compiled step (model.compiled_halves)
             if rows.shape[0] == 1:  # a decode step's product, fused with the step's other work
                 return (int8_product if self.bits == 8 else int4_product)(rows, *stored)
@@ -336,7 +475,7 @@ class QuantLinear(nn.Module):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"int{self.bits}, group={self.group}"
                 + (", mins" * (self.bits == 8 and self.mins is not None))
-                + (", torch's int4 kernel" * (self.packed is not None)))
+                + (f", {self.kernel} kernel" * (self.kernel is not None)))
 
 
 class QuantRows:
@@ -453,29 +592,39 @@ def quantize_layers(model: nn.Module, layout_of, device, dtype, compiled: bool =
                                                   *layout, device=device, dtype=dtype)
 
 
-def pack_int4_layers(model: nn.Module, device, cuda: bool = False) -> int:
-    """Move the int4 layers of the model's blocks into torch's int4 kernel (QuantLinear.pack)
-    where it is vectorised: on a CPU whose ATen kernels are AVX2 or AVX-512 (elsewhere its scalar
-    loop is slower than the compiled product). On CUDA the compiled product stays the default
-    until tinygemm is measured against it: scripts/gpu_check.py times both (`quant_step:*:int4`),
-    calling this with cuda=True. The head and embedding stay (a tied pair shares its tensors).
-    Returns how many layers it packed."""
+def pack_layers(model: nn.Module, device, cuda: bool = False) -> int:
+    """Move the model's quantized layers into the kernels that run them fastest here. On a CPU
+    with AVX2 or AVX-512 where quant_cpu.cpp builds (quant_cpu_op): the int4 layers of the
+    model's blocks into its int4 kernel's layout (QuantLinear.pack), and every int8 layer of 32-input
+    blocks, the head included, onto its int8 kernel (which reads our own layout, so a tied
+    embedding keeps sharing the head's rows). Where it does not build: the int4 layers into
+    torch's int4 kernel (elsewhere the compiled product is faster than these kernels' scalar
+    loops). On CUDA the compiled product stays the default until tinygemm is measured against
+    it: scripts/gpu_check.py times both (`quant_step:*:int4`), calling this with cuda=True.
+    Returns how many layers it moved."""
     device = torch.device(device)
-    if not ((device.type == "cpu" and torch.backends.cpu.get_cpu_capability() in INT4_KERNEL_CPUS)
-            or (device.type == "cuda" and cuda)):
+    if device.type == "cpu" and torch.backends.cpu.get_cpu_capability() in INT4_KERNEL_CPUS:
+        kernel = "cpu" if quant_cpu_op() else "torch"
+    elif device.type == "cuda" and cuda:
+        kernel = "torch"
+    else:
         return 0
-    layers = [m for m in model.model.layers.modules() if isinstance(m, QuantLinear)
-              and m.bits == 4 and int4_kernel_fits(m.out_features, m.in_features, device)]
-    for m in layers:
-        m.pack()
-    return len(layers)
+    int4 = [m for m in model.model.layers.modules() if isinstance(m, QuantLinear)
+            and m.bits == 4 and int4_kernel_fits(m.out_features, m.in_features, device)]
+    for m in int4:
+        m.pack(kernel)
+    int8 = [m for m in model.modules() if type(m) is QuantLinear and m.bits == 8
+            and m.in_features % BLOCK == 0 and m.group % BLOCK == 0] if kernel == "cpu" else []
+    for m in int8:
+        m.kernel = "cpu"
+    return len(int4) + len(int8)
 
 
 def warm_up(model: nn.Module, rows) -> int:
     """Compile every quantized layer's product for the row buckets that `rows` (row counts a run
     will multiply) fall in, before any decode clock starts. Returns how many products it ran."""
     layers = {(m.bits, m.group, m.out_features, m.in_features): m for m in model.modules()
-              if isinstance(m, QuantLinear) and m.compiled and m.packed is None}
+              if isinstance(m, QuantLinear) and m.compiled and m.kernel is None}
     buckets = sorted({next(b for b in ROW_BUCKETS if b >= r) for r in rows
                       if 1 <= r <= ROW_BUCKETS[-1]})
     device = next(model.buffers()).device

@@ -70,7 +70,7 @@ from kv_cache import PagedKVCache, paged_attention
 from config import ModelConfig
 from graphs import StaticSteps
 from model import PREFILL_CHUNK, Transformer
-from quantize import QuantLinear, pack_int4_layers, quantize_layers, weight_bytes
+from quantize import QuantLinear, pack_layers, quantize_layers, weight_bytes
 from run import generate  # noqa: E402
 
 # HF config fields of the shapes (Llama-3.2-1B and Llama-3.1-8B), and their --quick stand-ins
@@ -432,13 +432,13 @@ def check_quant_step(a, name, fields, quant):
     tok = torch.randint(fields["vocab_size"], (K + 1,), device=a.device)
     paths = [("eager", False), ("default", None)]
     if quant == "int4" and torch.device(a.device).type == "cuda":
-        # the same weights in CUDA's tinygemm (quantize.pack_int4_layers), on the default path:
+        # the same weights in CUDA's tinygemm (quantize.pack_layers), on the default path:
         # not the engine's default on CUDA until these numbers say it is faster
         paths.append(("tinygemm", None))
     logits = {}
     for label, graphs in paths:
         if label == "tinygemm":
-            out["tinygemm_layers"] = pack_int4_layers(model, a.device, cuda=True)
+            out["tinygemm_layers"] = pack_layers(model, a.device, cuda=True)
             out["tinygemm_weight_bytes"] = weight_bytes(model)
         model.static = None
         model.use_graphs(graphs)

@@ -42,7 +42,7 @@ def one(case: str, st_dir: str | None) -> dict:
     """Load, decode 4 tokens, measure (runs in the child process)."""
     import torch
     from checkpoint import load_model
-    from quantize import pack_int4_layers, weight_bytes
+    from quantize import pack_layers, weight_bytes
     torch.set_num_threads(1)
     name, quant = case.split(":")
     if name == "8b":  # built in place in its layout (no checkpoint), float32 as on the CPU
@@ -51,7 +51,7 @@ def one(case: str, st_dir: str | None) -> dict:
     t0 = time.perf_counter()
     if name == "8b":
         model = random_quant_model(SHAPES["llama-8b"], "cpu", quant, dtype=torch.float32)
-        pack_int4_layers(model, "cpu")  # as load_model does: torch's int4 kernel where fast
+        pack_layers(model, "cpu")  # as load_model does: an int4 kernel where fast
     else:
         model = load_model(st_dir if name == "smollm2-135m-st" else name, tokenizer=False,
                            quant=quant)[0]

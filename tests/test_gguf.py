@@ -46,8 +46,8 @@ PROMPT = "Write a Python function that reverses a string."
 IM_END = 2  # SmolLM2's <|im_end|>
 MAX_NEW = 64  # greedy SmolLM2 answers PROMPT in 56 tokens, the last one <|im_end|>
 # the file dequantised to float32 (quant none), whose numbers are transformers' own: at its own
-# precision the engine runs its int4 layers in torch's int4 kernel, with bfloat16 activations
-# (tests/test_quantize.py checks that form)
+# precision the engine runs its int4 layers in an int4 kernel (quant_cpu.cpp's: 16-bit integer
+# activations; tests/test_quantize.py checks that form)
 KW = dict(target="smollm2-135m", chat=True, target_threads=1, draft_threads=1, quant="none")
 
 
@@ -56,7 +56,7 @@ KW = dict(target="smollm2-135m", chat=True, target_threads=1, draft_threads=1, q
 
 @pytest.fixture(scope="module")
 def smol(smollm2_tokenizer):  # (model, tokenizer) on the CPU, the file's own numbers (compile_quant
-    # off: int4 and int8 layers in quantize.py's layout, not torch's kernel); the tokenizer as
+    # off: int4 and int8 layers in quantize.py's layout, not an int4 kernel's); the tokenizer as
     # load_model builds it
     return (load_model("smollm2-135m", tokenizer=False, compile_quant=False)[0],
             smollm2_tokenizer)

@@ -128,14 +128,16 @@ def test_compiled_halves_compute_what_eager_computes(model):
 @NO_CXX
 def test_compiled_rows_are_independent_bit_for_bit(tmp_path):
     """SD and SSD are exact only if a row's logits do not depend on the rows beside it: a decode step of one
-    token, a verification of three and a batch of two sequences must give the same token the same logits,
-    bit for bit. torch's int4 kernel (an int4 model on AVX2 / AVX-512) has that property; the compiled body
-    around it must keep it (the dynamic eager path has it too, checked as the reference)."""
+    token, a verification of three and a batch of two sequences must give the same token the same logits.
+    The eager path, with the CPU's quantized kernels, does so bit for bit. The compiled body does to float
+    rounding, not bit for bit: Inductor fuses a 1-token step, a row of 3 and a batch into different loops,
+    and the kernels' 16-bit inputs carry a last-bit difference on (a 1/32767 step of a block now and then).
+    (With torch's int4 kernel, whose bfloat16 inputs absorbed such differences, it happened to be exact.)"""
     from quantize import QuantLinear
     path = make_checkpoint(tmp_path, "llama", **SHAPES)
     model = load_model(path, tokenizer=False, quant="int4")[0]
     if not any(m.packed is not None for m in model.modules() if isinstance(m, QuantLinear)):
-        pytest.skip("torch's int4 kernel needs AVX2 or AVX-512")
+        pytest.skip("the int4 kernels need AVX2 or AVX-512")
     prompt, tokens = [1, 5, 7, 9, 11, 13], [4, 40, 17]
     for compile in (False, True):
         model.use_graphs(True if compile else False, compile=compile)
@@ -147,7 +149,12 @@ def test_compiled_rows_are_independent_bit_for_bit(tmp_path):
         three = model.forward_cached(cache, [a], torch.tensor(tokens), [3])
         cache.truncate(a, len(prompt))
         batch = model.forward_cached(cache, [a, b], torch.tensor(tokens * 2), [3, 3])
-        assert torch.equal(three, one) and torch.equal(batch[:3], one) and torch.equal(batch[3:], one)
+        for rows in (three, batch[:3], batch[3:]):
+            if compile:
+                torch.testing.assert_close(rows, one, rtol=0, atol=1e-3)
+                assert torch.equal(rows.argmax(-1), one.argmax(-1))
+            else:
+                assert torch.equal(rows, one)
     model.use_graphs(False)
 
 
@@ -250,7 +257,7 @@ def test_generate_with_static_shapes_emits_the_same_tokens(mode, parallel, tmp_p
 
 @NO_CXX
 def test_compiled_steps_keep_sd_and_ssd_exact(tmp_path_factory):
-    """Greedy, an int4 pair (torch's int4 kernel where the CPU has it): with every step of both models through
+    """Greedy, an int4 pair (an int4 kernel where the CPU has one): with every step of both models through
     the compiled body (run.py --compile), SD and two-process SSD emit the compiled AR's tokens. Compiling is
     most of this test's time on a CI machine, so it compiles little that is new: one prompt, one thread, and a
     draft of the target's shapes (other weights), so that the steps of both models run the graphs that

@@ -11,8 +11,9 @@ import quantize
 
 from checkpoint import load_model
 from gguf_format import GGUF_INTEGERS, gguf_integers
-from quantize import (INT4_KERNEL_CPUS, QuantLinear, QuantRows, dequantize, int4_product,
-                      int8_product, pack_int4_layers, quantize_int4, quantize_int8, weight_bytes)
+from quantize import (INT4_KERNEL_CPUS, QuantLinear, QuantRows, dequantize, int4_cpu_reference,
+                      int4_product, int8_cpu_reference, int8_product, pack_layers, quant_cpu_op,
+                      quantize_int4, quantize_int8, weight_bytes)
 from test_generate import N_LAW, empirical_law, gen, make_small_vocab_pair, tv, tv_bound
 
 torch.set_num_threads(1)
@@ -123,6 +124,102 @@ def test_torchs_int4_kernel_layer():
         QuantLinear(96, 8, 4).pack()
 
 
+needs_quant_cpu = pytest.mark.skipif(not quant_cpu_op(), reason="quant_cpu.cpp needs AVX2 and a "
+                                     "C++ compiler (g++, or $CXX)")
+
+
+def rows_are_independent(layer, x, y):
+    """Each row of layer(x) = y the same bit for bit whatever the rows beside it (1 to 17: the
+    kernels take rows 4 at a time), on 2 threads, and compiled."""
+    for M in (1, 2, 3, 5, 17):
+        assert torch.equal(layer(x[:M]), y[:M]), M
+        assert torch.equal(layer(x[M:M + 1]), y[M:M + 1]), M
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert torch.equal(layer(x), y)
+    finally:
+        torch.set_num_threads(threads)
+    compiled = torch.compile(layer.forward, fullgraph=True, dynamic=False)
+    assert torch.equal(compiled(x[:3]), y[:3])
+
+
+def within(y, want, x, tol: float):
+    """|y - want| <= tol (|want| + the row's largest |x|): the terms of a row's sum, which can
+    cancel, scale with its largest x."""
+    bound = tol * (want.abs() + x.abs().amax(1, keepdim=True).double())
+    assert ((y.double() - want).abs() <= bound).all()
+
+
+def awkward_rows(g, n: int):
+    """20 rows of x, one of them zeros (its blocks' scale 0) and one with a block far larger than
+    the rest of its row."""
+    x = torch.randn(20, n, generator=g)
+    x[3] = 0
+    x[4, :32] *= 1e4
+    return x
+
+
+@needs_quant_cpu
+def test_cpu_int4_kernel_layer():
+    """An int4 layer moved into quant_cpu.cpp's kernel (pack("cpu")): its weight is ours with the
+    scale and min in float16, 5 bits a weight; its products are the kernel's stated math (x in
+    16-bit integers per block of 32, exact integer sums) to float32's rounding, close to the
+    float product but not it; each row's the same bit for bit whatever the number of rows beside
+    it, the number of threads, and compiled or not."""
+    g = torch.Generator().manual_seed(6)
+    w = torch.randn(3200, 96, generator=g)  # enough outputs that two threads split them
+    ours, kernel = (QuantLinear(96, 3200, 4, compiled=False) for _ in range(2))
+    for layer in (ours, kernel):
+        layer.rows(0, 3200).copy_(w)
+    q, s, m = ours.stored()
+    kernel.pack("cpu")
+    assert kernel.qweight is None and kernel.kernel == "cpu"
+    assert kernel.nbytes() == 3200 * 96 // 2 + 3200 * 3 * 2 * 2  # 4 bits + float16 s, m per 32
+    half = lambda t: t.half().float()  # noqa: E731
+    assert torch.equal(kernel.dequantize(), dequantize(q, half(s), half(m)))
+    x = awkward_rows(g, 96)
+    y = kernel(x)
+    within(y, int4_cpu_reference(x, q, half(s), half(m)), x, 1e-5)  # float32's rounding of it
+    exact = x.double() @ dequantize(q, half(s), half(m)).double().T
+    within(y, exact, x, 1e-3)  # near the float product
+    assert not torch.equal(y.double(), exact)
+    rows_are_independent(kernel, x, y)
+
+
+@needs_quant_cpu
+@pytest.mark.parametrize("group,mins", [(32, False), (64, True), (192, False)])
+def test_cpu_int8_kernel_layer(group, mins):
+    """An int8 layer on quant_cpu.cpp's int8 kernel (pack_layers marks it; the weight stays in our
+    layout): its products are the kernel's stated math to float32's rounding, for a scale per 32
+    inputs (Q8_0), per 64 with mins, and one a row; close to the float product but not it; rows
+    independent bit for bit."""
+    g = torch.Generator().manual_seed(7)
+    layer = QuantLinear(192, 2800, 8, group, compiled=False, mins=mins)
+    q, s = quantize_int8(torch.randn(2800, 192, generator=g), group)
+    m = 0.01 * torch.randn(s.shape, generator=g) if mins else None
+    layer.rows(0, 2800).copy_stored(q, s, *([m] if mins else []))
+    x = awkward_rows(g, 192)
+    eager = layer(x)
+    layer.kernel = "cpu"
+    y = layer(x)
+    within(y, int8_cpu_reference(x, q, s, m), x, 1e-5)
+    within(y, eager.double(), x, 1e-3)
+    assert not torch.equal(y, eager)
+    rows_are_independent(layer, x, y)
+
+
+def test_cpu_kernels_that_do_not_build_warn_and_fall_back(tmp_path, monkeypatch):
+    """No C++ compiler: one warning naming the fix, and False (torch's int4 kernel is used)."""
+    if torch.backends.cpu.get_cpu_capability() not in INT4_KERNEL_CPUS:
+        pytest.skip("quant_cpu.cpp is not tried on a CPU without AVX2")
+    monkeypatch.setenv("CXX", "false")  # a "compiler" that fails at once
+    monkeypatch.setattr(quantize, "CPU_KERNEL_DIR", tmp_path)
+    with pytest.warns(UserWarning, match="did not build.*install g\\+\\+"):
+        assert quantize.quant_cpu_op.__wrapped__() is False
+    assert not list(tmp_path.iterdir())  # nothing half-written left behind
+
+
 def test_bad_layouts_are_one_line_errors():
     with pytest.raises(ValueError, match="int8 or int4"):
         QuantLinear(64, 8, bits=3)
@@ -198,23 +295,28 @@ def test_gguf_file_keeps_its_own_precision():
         torch.testing.assert_close(model(ids), ref(ids), rtol=1e-4, atol=2e-4)
 
 
-def test_gguf_file_in_torchs_int4_kernel():
+def test_gguf_file_in_the_int4_kernel():
     """The same file loaded for speed (compile_quant, the default) on a CPU with AVX2 / AVX-512:
-    its 120 int4 layers in torch's int4 kernel, 5 bits a weight, its logits within bfloat16's
-    rounding of the file's own model and the same argmax at every position here."""
+    its 120 int4 layers in quant_cpu.cpp's kernel (torch's where that does not build), 5 bits a
+    weight, its logits within the kernel's rounding of the file's own model (16-bit x: close;
+    torch's bfloat16 x: within 1) and the same argmax at every position here."""
     if torch.backends.cpu.get_cpu_capability() not in INT4_KERNEL_CPUS:
-        pytest.skip("torch's int4 kernel is not vectorised on this CPU: not used")
+        pytest.skip("no int4 kernel is vectorised on this CPU: not used")
     ref = smollm2()
     model, _ = load_model("smollm2-135m", tokenizer=False)
     packed = [m for m in model.modules() if isinstance(m, QuantLinear) and m.packed is not None]
-    assert len(packed) == 4 * 30 and model.lm_head.packed is None
+    kernel = "cpu" if quant_cpu_op() else "torch"
+    assert len(packed) == 4 * 30 and {m.kernel for m in packed} == {kernel}
+    assert model.lm_head.packed is None  # the int8 head: its own layout, on the int8 kernel
+    assert model.lm_head.kernel == ("cpu" if kernel == "cpu" else None)
     assert weight_bytes(model) < 0.19 * weight_bytes(ref)
     ids = torch.tensor([[1, 504, 3250, 314, 253, 2434, 2136, 30]])
     with torch.no_grad():
         a, b = model(ids), ref(ids)
-    assert (a - b).abs().max() < 1.0 and (a - b).abs().mean() < 0.15
+    bound = (0.05, 0.01) if kernel == "cpu" else (1.0, 0.15)
+    assert (a - b).abs().max() < bound[0] and (a - b).abs().mean() < bound[1]
     assert torch.equal(a.argmax(-1), b.argmax(-1))
-    assert pack_int4_layers(model, "meta") == 0  # not on another device
+    assert pack_layers(model, "meta") == 0  # not on another device
 
 
 def test_gguf_file_requantized_to_int8():
