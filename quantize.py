@@ -52,6 +52,7 @@ import functools
 import hashlib
 import os
 import subprocess
+import threading
 import types
 import warnings
 from pathlib import Path
@@ -191,13 +192,13 @@ def int4_to_cpu_kernel(q, scales, mins):
     the tile's 8 scales and 8 mins for the block, in float16 (a Q4_0 / Q4_1 file's own d and m
     exactly)."""
     N, G = scales.shape
-    ints = torch.stack((q & 15, q >> 4), -2).flatten(1).to(torch.int32)  # [out, in], 0..15
-    w = ints.view(N // INT4_TILE, INT4_TILE, G, 4, 4, 2)  # [tile, r, block, unit, j, e]
-    words = (w << (4 * torch.arange(4, dtype=torch.int32)[:, None])).sum(-2)  # [.., unit, e]
-    words = words.permute(0, 2, 3, 1, 4).to(torch.int16)  # [tile, block, unit, r, e]
-    packed = words.contiguous().view(torch.uint8).view(N // INT4_TILE, G, 4, 32)
-    sm = torch.stack((scales, mins)).view(2, N // INT4_TILE, INT4_TILE, G)  # [s | m, tile, r, block]
-    return packed, sm.permute(1, 3, 0, 2).contiguous().half()
+    T = N // INT4_TILE
+    # [out, blocks, low | high, 16] = each block's 32 inputs in order -> [tile, r, block, unit, j, e]
+    ints = torch.stack((q & 15, q >> 4), -2).to(torch.int16).view(T, INT4_TILE, G, 4, 4, 2)
+    words = ints[..., 0, :] | ints[..., 1, :] << 4 | ints[..., 2, :] << 8 | ints[..., 3, :] << 12
+    packed = words.permute(0, 2, 3, 1, 4).contiguous()  # [tile, block, unit, r, e]
+    sm = torch.stack((scales, mins)).view(2, T, INT4_TILE, G)  # [s | m, tile, r, block]
+    return packed.view(torch.uint8).view(T, G, 4, 32), sm.permute(1, 3, 0, 2).contiguous().half()
 
 
 def int4_cpu_weight(packed, sm):
@@ -266,6 +267,9 @@ CPU_KERNEL_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-std=c++20"
                     "-fPIC"]
 
 
+BUILD_LOCK = threading.Lock()  # threads that load models at once build and load the ops once
+
+
 @functools.cache
 def quant_cpu_op() -> bool:
     """Whether quant_cpu.cpp's ops (torch.ops.ssd.int4_mm, int8_mm) run here: built on first use
@@ -275,7 +279,12 @@ def quant_cpu_op() -> bool:
     used instead)."""
     if torch.backends.cpu.get_cpu_capability() not in INT4_KERNEL_CPUS:
         return False
-    source = Path(__file__).with_name("quant_cpu.cpp")
+    with BUILD_LOCK:
+        return build_and_load(Path(__file__).with_name("quant_cpu.cpp"))
+
+
+def build_and_load(source: Path) -> bool:
+    """quant_cpu_op's work: compile `source` into CPU_KERNEL_DIR unless it is there, and load it."""
     cmd = [os.environ.get("CXX", "g++"), *CPU_KERNEL_FLAGS,
            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}",
            *(f"-I{p}" for p in cpp_extension.include_paths()), str(source),
