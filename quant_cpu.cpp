@@ -179,7 +179,8 @@ template <int R>
 void rows8(const int16_t* p, const float* d, const float* sum, int64_t K, const int8_t* q,
            const float* s, const float* mn, int64_t group, float* y, int64_t N, int64_t n0,
            int64_t n1) {
-  const int64_t G = K / BLOCK, per = group / BLOCK, S = K / group;  // blocks, blocks a group, groups
+  // blocks, blocks a group, groups
+  const int64_t G = K / BLOCK, per = group / BLOCK, S = K / group;
   for (int64_t n = n0; n < n1; n++) {
     const int8_t* qn = q + n * K;
     __m256 acc[R];

@@ -32,23 +32,23 @@ Each weight shape compiles once per row bucket (ROW_BUCKETS; a few seconds each,
 warm_up). Longer inputs (prefill) dequantise a slice of rows at a time and multiply: they are
 bound by arithmetic, not bytes.
 
-On a CPU with AVX2 (or AVX-512) an int4 layer of the model's blocks is then moved into a kernel
-that reads the 4-bit integers in SIMD (`pack`): quant_cpu.cpp's, a C++ op built at first use with
-the compiler torch.compile uses (quant_cpu_op), where each row of x becomes 16-bit integers per
-block of 32 and multiplies the weights in integer arithmetic (quant_cpu.cpp explains it). On
-SmolLM2-135M's 120 int4 layers it runs at twice the speed of torch's own int4 kernel
-(_weight_int4pack_mm_for_cpu), which is the fallback where no compiler is found: that one
+On a CPU with AVX2 (or AVX-512) the products then run in quant_cpu.cpp's C++ ops, built at first
+use with the compiler torch.compile uses (quant_cpu_op, pack_layers): each row of x becomes 16-bit
+integers per block of 32 and multiplies the 4- or 8-bit weights in integer arithmetic
+(quant_cpu.cpp explains it). An int4 layer of the model's blocks moves into the op's tiled layout
+(`pack`); an int8 layer (the head) runs on ours. On SmolLM2-135M's 120 int4 layers, read from
+memory on one thread, the int4 op takes 4.1 ms a step against 8.2 for torch's own int4 kernel
+(_weight_int4pack_mm_for_cpu). That kernel is the fallback where the ops do not build: it
 multiplies bfloat16 activations by w = (q - 8) * s + z with s and z in bfloat16 and rounds its
 output to bfloat16, so it moves the model further from the file's (docs/models.md measures both).
-Both kernels compute each row of the output on its own, bit for bit the same whatever the number
-of rows, so every product goes through them: a decode step, a verification and a prefill piece
-agree on each row.
+All these kernels compute each row of the output on its own, bit for bit the same whatever the
+number of rows, so every product goes through them: a decode step, a verification and a prefill
+piece agree on each row.
 
 The quantized model is an approximation of the float one (tests/test_quantize.py and
 docs/models.md measure how close); speculative decoding stays exact with respect to the model as
 loaded, since the draft proposes and the quantized target decides.
 """
-import functools
 import hashlib
 import os
 import subprocess
@@ -193,7 +193,7 @@ def int4_to_cpu_kernel(q, scales, mins):
     exactly)."""
     N, G = scales.shape
     T = N // INT4_TILE
-    # [out, blocks, low | high, 16] = each block's 32 inputs in order -> [tile, r, block, unit, j, e]
+    # [out, blocks, low | high, 16], a block's 32 inputs in order -> [tile, r, block, unit, j, e]
     ints = torch.stack((q & 15, q >> 4), -2).to(torch.int16).view(T, INT4_TILE, G, 4, 4, 2)
     words = ints[..., 0, :] | ints[..., 1, :] << 4 | ints[..., 2, :] << 8 | ints[..., 3, :] << 12
     packed = words.permute(0, 2, 3, 1, 4).contiguous()  # [tile, block, unit, r, e]
@@ -205,7 +205,7 @@ def int4_cpu_weight(packed, sm):
     """The weight [out, in] that quant_cpu.cpp's layout stores: q * s + m in float32."""
     T, G = packed.shape[:2]
     words = packed.view(torch.int16).view(T, G, 4, INT4_TILE, 2).to(torch.int32)  # [.., r, e]
-    ints = torch.stack([words >> (4 * j) & 15 for j in range(4)], -2)  # [tile, block, unit, r, j, e]
+    ints = torch.stack([words >> (4 * j) & 15 for j in range(4)], -2)  # [.., unit, r, j, e]
     ints = ints.permute(0, 3, 1, 2, 4, 5).reshape(T * INT4_TILE, G, BLOCK).float()
     s, m = sm.float().permute(2, 0, 3, 1).reshape(2, T * INT4_TILE, G, 1)
     return (ints * s + m).flatten(1)
@@ -218,18 +218,23 @@ def int4_cpu_product(x, packed, sm):
     return torch.ops.ssd.int4_mm(x.float().contiguous(), packed, sm)
 
 
-def int4_cpu_reference(x, q, scales, mins):
-    """int4_cpu_product's math in float64 (slow; for tests), from our layout's q, scales and mins
-    (as float16 rounds them): each row of x in 16-bit integers per block of 32 as the kernel
-    makes them, p = round(x * (32767 / max|x|)) with scale d = max|x| / 32767, then
-    y = sum over blocks of s * d * (q . p) + m * sum(x)."""
+def rows16(x):
+    """x [M, in] as quant_cpu.cpp turns each row into 16-bit integers, in float64 (for tests):
+    per block of 32, p = round(x * (32767 / max|x|)) with scale d = max|x| / 32767, and the
+    block's sum of x -> (p [M, blocks, 32], d [M, blocks], sums [M, blocks])."""
     M, n = x.shape
     xb = x.float().view(M, n // BLOCK, BLOCK)
     amax = xb.abs().amax(-1, keepdim=True)
     # a tensor divided, as C divides: torch computes 32767 / amax as 32767 * (1 / amax)
     inv = torch.where(amax > 0, torch.tensor(32767.0) / amax, torch.zeros_like(amax))
-    p = torch.round(xb * inv).double()                                # [M, blocks, 32]
-    d, xsum = (amax / 32767).double()[..., 0], xb.sum(-1).double()    # [M, blocks]
+    return (torch.round(xb * inv).double(), (amax / 32767).double()[..., 0],
+            xb.sum(-1).double())
+
+
+def int4_cpu_reference(x, q, scales, mins):
+    """int4_cpu_product's math in float64 (slow; for tests), from our layout's q, scales and mins
+    (as float16 rounds them): y = sum over blocks of s * d * (q . p) + m * sum(x)."""
+    p, d, xsum = rows16(x)
     ints = torch.stack((q & 15, q >> 4), -2).flatten(-2).double()     # [out, blocks, 32]
     qp = torch.einsum("ogk,mgk->mog", ints, p)                        # [M, out, blocks]
     return (qp * scales.double() * d[:, None] + mins.double() * xsum[:, None]).sum(-1)
@@ -242,23 +247,14 @@ def int8_cpu_product(x, q, scales, mins=None):
 
 
 def int8_cpu_reference(x, q, scales, mins=None):
-    """int8_cpu_product's math in float64 (slow; for tests): p and d per block of 32 as in
-    int4_cpu_reference, then y = sum over blocks of s * d * (q . p) + sum over groups of
-    m * sum(x)."""
-    M, n = x.shape
-    xb = x.float().view(M, n // BLOCK, BLOCK)
-    amax = xb.abs().amax(-1, keepdim=True)
-    # a tensor divided, as C divides: torch computes 32767 / amax as 32767 * (1 / amax)
-    inv = torch.where(amax > 0, torch.tensor(32767.0) / amax, torch.zeros_like(amax))
-    p = torch.round(xb * inv).double()                                # [M, blocks, 32]
-    d = (amax / 32767).double()[..., 0]                               # [M, blocks]
-    per = n // scales.shape[1] // BLOCK                               # blocks a group
-    s = scales.double().repeat_interleave(per, 1)                     # [out, blocks]
+    """int8_cpu_product's math in float64 (slow; for tests): y = sum over blocks of s * d * (q . p)
+    + sum over groups of m * sum(x)."""
+    p, d, xsum = rows16(x)
+    per = q.shape[1] // scales.shape[1] // BLOCK                       # blocks a group
     qp = torch.einsum("ogk,mgk->mog", q.double().view(q.shape[0], -1, BLOCK), p)
-    y = (qp * s * d[:, None]).sum(-1)
+    y = (qp * scales.double().repeat_interleave(per, 1) * d[:, None]).sum(-1)
     if mins is not None:
-        xsum = xb.sum(-1).double().view(M, scales.shape[1], per).sum(-1)  # [M, groups]
-        y = y + xsum @ mins.double().T
+        y = y + xsum.view(len(x), -1, per).sum(-1) @ mins.double().T  # [M, groups] @ m^T
     return y
 
 
@@ -267,20 +263,23 @@ CPU_KERNEL_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-std=c++20"
                     "-fPIC"]
 
 
-BUILD_LOCK = threading.Lock()  # threads that load models at once build and load the ops once
+# quant_cpu_op's answer once found (a process loads the library once), and the lock that makes
+# threads loading models at once build and load it once
+CPU_OPS = {}
+BUILD_LOCK = threading.Lock()
 
 
-@functools.cache
 def quant_cpu_op() -> bool:
     """Whether quant_cpu.cpp's ops (torch.ops.ssd.int4_mm, int8_mm) run here: built on first use
     into a library cached per source, torch and flags (CPU_KERNEL_DIR; the C++ compiler that
     torch.compile uses too: $CXX or g++), then loaded. False on a CPU without AVX2, or where it
     does not build (a warning says why; torch's int4 kernel and the compiled int8 product are
     used instead)."""
-    if torch.backends.cpu.get_cpu_capability() not in INT4_KERNEL_CPUS:
-        return False
     with BUILD_LOCK:
-        return build_and_load(Path(__file__).with_name("quant_cpu.cpp"))
+        if "ok" not in CPU_OPS:
+            CPU_OPS["ok"] = (torch.backends.cpu.get_cpu_capability() in INT4_KERNEL_CPUS
+                             and build_and_load(Path(__file__).with_name("quant_cpu.cpp")))
+        return CPU_OPS["ok"]
 
 
 def build_and_load(source: Path) -> bool:
@@ -604,8 +603,8 @@ def quantize_layers(model: nn.Module, layout_of, device, dtype, compiled: bool =
 def pack_layers(model: nn.Module, device, cuda: bool = False) -> int:
     """Move the model's quantized layers into the kernels that run them fastest here. On a CPU
     with AVX2 or AVX-512 where quant_cpu.cpp builds (quant_cpu_op): the int4 layers of the
-    model's blocks into its int4 kernel's layout (QuantLinear.pack), and every int8 layer of 32-input
-    blocks, the head included, onto its int8 kernel (which reads our own layout, so a tied
+    model's blocks into its int4 kernel's layout (QuantLinear.pack), and every int8 layer of
+    32-input blocks, the head included, onto its int8 kernel (which reads our own layout, so a tied
     embedding keeps sharing the head's rows). Where it does not build: the int4 layers into
     torch's int4 kernel (elsewhere the compiled product is faster than these kernels' scalar
     loops). On CUDA the compiled product stays the default until tinygemm is measured against
