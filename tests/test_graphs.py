@@ -152,7 +152,9 @@ def test_compiled_rows_are_independent_bit_for_bit(tmp_path):
         for rows in (three, batch[:3], batch[3:]):
             if compile:
                 torch.testing.assert_close(rows, one, rtol=0, atol=1e-3)
-                assert torch.equal(rows.argmax(-1), one.argmax(-1))
+                top2 = one.topk(2, -1).values
+                clear = top2[:, 0] - top2[:, 1] > 2e-3  # the same greedy token, but at a near-tie
+                assert torch.equal(rows.argmax(-1)[clear], one.argmax(-1)[clear])
             else:
                 assert torch.equal(rows, one)
     model.use_graphs(False)
