@@ -32,6 +32,7 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -69,6 +70,19 @@ struct Rows16 {
       quantize_row(xp + r * K, K, &p[r * K], &d[r * G], &sum[r * G]);
   }
 };
+
+// Rows of x MT at a time, each group through the kernel built for its row count:
+// run(R, r) with R a compile-time constant (std::integral_constant) for rows [r, r + R).
+template <typename Run>
+void in_row_tiles(int64_t M, Run run) {
+  for (int64_t r = 0; r < M; r += MT) {
+    const int64_t R = std::min<int64_t>(MT, M - r);
+    if (R == 4) run(std::integral_constant<int, 4>{}, r);
+    else if (R == 3) run(std::integral_constant<int, 3>{}, r);
+    else if (R == 2) run(std::integral_constant<int, 2>{}, r);
+    else run(std::integral_constant<int, 1>{}, r);
+  }
+}
 
 // ---------------------------------------------------------------------------------------------
 // int4, q in 0..15 with a float16 scale and min per block. The layout (quantize.int4_to_cpu_kernel
@@ -153,16 +167,9 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tens
   // each takes at least 64 KB of weights: below that, starting one costs more than it saves.
   const int64_t grain = std::max<int64_t>(1, 65536 / (TILE * K / 2));
   at::parallel_for(0, T, grain, [&](int64_t t0, int64_t t1) {
-    for (int64_t r = 0; r < M; r += MT) {
-      const int64_t R = std::min<int64_t>(MT, M - r);
-      auto args = [&](auto run) {
-        run(pp + r * K, d + r * G, sum + r * G, K, w, smp, yp + r * N, N, t0, t1);
-      };
-      if (R == 4) args(tiles<4>);
-      else if (R == 3) args(tiles<3>);
-      else if (R == 2) args(tiles<2>);
-      else args(tiles<1>);
-    }
+    in_row_tiles(M, [&](auto R, int64_t r) {
+      tiles<R()>(pp + r * K, d + r * G, sum + r * G, K, w, smp, yp + r * N, N, t0, t1);
+    });
   });
   return y;
 }
@@ -239,16 +246,9 @@ at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s
   float* yp = y.data_ptr<float>();
   const int64_t grain = std::max<int64_t>(1, 65536 / K);  // rows: at least 64 KB a thread
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    for (int64_t r = 0; r < M; r += MT) {
-      const int64_t R = std::min<int64_t>(MT, M - r);
-      auto args = [&](auto run) {
-        run(pp + r * K, d + r * G, sum + r * G, K, qp, sp, mp, K / S, yp + r * N, N, n0, n1);
-      };
-      if (R == 4) args(rows8<4>);
-      else if (R == 3) args(rows8<3>);
-      else if (R == 2) args(rows8<2>);
-      else args(rows8<1>);
-    }
+    in_row_tiles(M, [&](auto R, int64_t r) {
+      rows8<R()>(pp + r * K, d + r * G, sum + r * G, K, qp, sp, mp, K / S, yp + r * N, N, n0, n1);
+    });
   });
   return y;
 }

@@ -126,7 +126,7 @@ def test_compiled_halves_compute_what_eager_computes(model):
 
 
 @NO_CXX
-def test_compiled_rows_are_independent_bit_for_bit(tmp_path):
+def test_rows_are_independent_eager_bit_for_bit_compiled_to_rounding(tmp_path):
     """SD and SSD are exact only if a row's logits do not depend on the rows beside it: a decode step of one
     token, a verification of three and a batch of two sequences must give the same token the same logits.
     The eager path, with the CPU's quantized kernels, does so bit for bit. The compiled body does to float
@@ -263,7 +263,7 @@ def test_compiled_steps_keep_sd_and_ssd_exact(tmp_path_factory):
     the compiled body (run.py --compile), SD and two-process SSD emit the compiled AR's tokens. Compiling is
     most of this test's time on a CI machine, so it compiles little that is new: one prompt, one thread, and a
     draft of the target's shapes (other weights), so that the steps of both models run the graphs that
-    test_compiled_rows_are_independent_bit_for_bit compiled (one row of one token, of more, several rows)."""
+    test_rows_are_independent_eager_bit_for_bit_compiled_to_rounding compiled (one row of one token, of more, several rows)."""
     root = tmp_path_factory.mktemp("pair")
     target = make_checkpoint(root / "t", "llama", **SHAPES)
     draft = make_checkpoint(root / "d", "llama", seed=1, **SHAPES)
