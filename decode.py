@@ -18,7 +18,7 @@ Reading order (the same in the README and docs/design.md; tests/test_docs.py kee
                 fallback.py
     around it   channel.py, scheduler.py, tp.py, engine.py, run.py
     the model   config.py, model.py, kv_cache.py, graphs.py, devices.py, quantize.py,
-                cpu_linear.py, checkpoint.py, gguf_format.py
+                cpu_kernels.py, cpu_linear.py, checkpoint.py, gguf_format.py
     serving     serve.py, protocol.py, metrics.py
     measuring   bench.py, bench_peers.py, bench_report.py, bench_serve.py
 """

@@ -127,7 +127,7 @@ def symbolic_sizes(tokens, meta):
     a 30-layer graph takes 10-20 s to compile on a laptop's core. Sizes of 1 still compile apart
     (a decode step of one row is one graph, a verification of one row another)."""
     mark = torch._dynamo.maybe_mark_dynamic
-    for t in (tokens, meta.slots, meta.positions, meta.query_index, meta.last):
+    for t in (tokens, meta.slots, meta.positions, meta.query_index, meta.rows, meta.last):
         mark(t, 0)          # [N] or [b]
     for d in (0, 1):        # [b, max_blocks]
         mark(meta.block_table, d)

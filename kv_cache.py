@@ -2,7 +2,8 @@
 sequence, reference counts so that SSD's branches share their common prefix (fork), rollback
 (truncate), prefix caching (requests whose prompts start alike share those blocks), and what
 attention needs from it: each forward's plan (slots, positions, block tables, mask; `AttnMeta`)
-and `paged_attention`, which writes and reads K/V through the block tables.
+and `paged_attention`, which writes and reads K/V through the block tables (on a CPU, in float32,
+`paged_attention_cpu`: the same math in one C++ op of cpu_kernels.cpp).
 
 Prefix caching (nano-vllm's and vLLM's scheme). A full block of a prompt is named by a hash of its
 tokens and, through the previous block's hash, of every token before it (`block_hashes`): two
@@ -32,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+import cpu_kernels
 from devices import to_device
 
 # --------------------------------------------------------------------------------------------------
@@ -58,11 +60,13 @@ class AttnMeta:
     positions: torch.Tensor    # [N] absolute position of each new token
     block_table: torch.Tensor  # [b, max_blocks] (padded with block 0; padding is masked out)
     query_index: torch.Tensor  # [N] row * T + i: each new token's place in the padded [b, T]
+    rows: torch.Tensor         # [N] each new token's sequence (its row of block_table)
     mask: torch.Tensor         # [b, 1, g * T, max_blocks * block_size]: 0 where a query may look,
                                #   -inf elsewhere; g = query heads per KV head (see paged_attention)
     T: int                     # most new tokens of any sequence in this batch
     last: torch.Tensor         # [b] index in [N] of each sequence's last new token
     ragged: bool               # rows with fewer than T new tokens (else the padded [b, T] is [N])
+    cpu_kernel: bool = False   # attention by paged_attention_cpu (PagedKVCache.cpu_kernel)
 
 
 def block_hashes(tokens: list[int], block_size: int) -> list[bytes]:
@@ -97,6 +101,9 @@ class PagedKVCache:
         self.num_blocks = -(-num_tokens // block_size)
         self.kv = torch.zeros(cfg.num_hidden_layers, self.num_blocks, block_size, 2,
                               cfg.num_key_value_heads, cfg.head_dim, device=device, dtype=dtype)
+        # a float32 pool on a CPU is attended by cpu_kernels.cpp's op where it runs
+        self.cpu_kernel = (self.kv.device.type == "cpu" and dtype == torch.float32
+                           and cpu_kernels.available())
         self.refcount = [0] * self.num_blocks
         # the free blocks in the order they are handed out: those without a hash first (the last
         # freed first), then the registered ones, least recently freed first
@@ -265,11 +272,12 @@ class PagedKVCache:
         s.length += n
         return slots
 
-    def prepare(self, seq_ids: list[int], counts: list[int]) -> AttnMeta:
+    def prepare(self, seq_ids: list[int], counts: list[int], prompt: bool = False) -> AttnMeta:
         """Append counts[i] tokens to each sequence and build the metadata of one forward (every
-        layer uses it): the host's plan, one copy to the device, the device's part."""
+        layer uses it): the host's plan, one copy to the device, the device's part. prompt: the
+        forward is a prefill's (see meta)."""
         host, shape = self.plan(seq_ids, counts)
-        return self.meta(to_device(host, self.kv.device), *shape)
+        return self.meta(to_device(host, self.kv.device), *shape, prompt=prompt)
 
     def pad_block(self) -> int:
         """A block no sequence owns, taken from the pool on first use and never released: the
@@ -303,23 +311,30 @@ class PagedKVCache:
             tables = tables + [[block]] * n_pad
         b = len(counts)
         table = [t + [0] * (max_blocks - len(t)) for t in tables]  # padded with block 0, masked out
-        # [slots N | positions N | query_index N | last b | table b*blocks | qpos b*T]
+        # [slots N | positions N | query_index N | rows N | last b | table b*blocks | qpos b*T]
         positions = [p for st, c in zip(starts, counts) for p in range(st, st + c)]  # absolute
         query_index = [r * T + i for r, c in enumerate(counts) for i in range(c)]   # in [b, T]
+        rows = [r for r, c in enumerate(counts) for _ in range(c)]
         last = [x - 1 for x in itertools.accumulate(counts)]  # each sequence's last token in [N]
         # padded query positions [b, T]; padding queries get position 0: their rows are never empty
         qpos = [st + i if i < c else 0 for st, c in zip(starts, counts) for i in range(T)]
         flat_table = [x for row in table for x in row]
-        host = torch.tensor(slots + positions + query_index + last + flat_table + qpos,
+        host = torch.tensor(slots + positions + query_index + rows + last + flat_table + qpos,
                             device="cpu")
         return host, (b, T, max_blocks)
 
-    def meta(self, ints: torch.Tensor, b: int, T: int, max_blocks: int) -> AttnMeta:
+    def meta(self, ints: torch.Tensor, b: int, T: int, max_blocks: int,
+             prompt: bool = False) -> AttnMeta:
         """The device's half: split the plan's int64 tensor (already on the device) and build the
-        attention mask. No host values are read, so a CUDA graph can hold this."""
-        N = (ints.numel() - b - b * max_blocks - b * T) // 3
-        slots, positions, query_index, last, table, qpos = ints.split(
-            [N, N, N, b, b * max_blocks, b * T])
+        attention mask. No host values are read, so a CUDA graph can hold this. Attention runs in
+        cpu_kernels.cpp's op where the cache allows it (cpu_kernel), except for a prefill's
+        pieces (prompt): there SDPA, which multiplies blocks of queries by blocks of keys, is the
+        faster (SmolLM2-135M in int4, one thread, 64 new tokens after 200: 303 ms against 342).
+        The decode loops' forwards (steps, verifications, branches) all take the kernel, so
+        a token's logits are the same bit for bit however they batch it."""
+        N = (ints.numel() - b - b * max_blocks - b * T) // 4
+        slots, positions, query_index, rows, last, table, qpos = ints.split(
+            [N, N, N, N, b, b * max_blocks, b * T])
         keys = torch.arange(max_blocks * self.block_size, device=ints.device)
         # causal within and across rounds; the rows repeat g times, one copy per query head of a
         # KV head: [b, 1, g * T, L]
@@ -328,8 +343,8 @@ class PagedKVCache:
         # additive float mask, built once per forward (SDPA would convert a bool mask per layer)
         mask = torch.zeros(allowed.shape, dtype=self.kv.dtype, device=ints.device)
         mask.masked_fill_(~allowed, float("-inf"))
-        return AttnMeta(slots, positions, table.view(b, max_blocks), query_index, mask, T, last,
-                        ragged=N != b * T)
+        return AttnMeta(slots, positions, table.view(b, max_blocks), query_index, rows, mask, T,
+                        last, ragged=N != b * T, cpu_kernel=self.cpu_kernel and not prompt)
 
 
 def bucket(n: int) -> int:
@@ -364,6 +379,19 @@ def paged_attention(q, k, v, kv_layer, meta: AttnMeta):
     return y[meta.query_index] if meta.ragged else y
 
 
+def paged_attention_cpu(q, k, v, kv_layer, meta: AttnMeta):
+    """paged_attention's math in one C++ op (cpu_kernels.cpp, float32 on a CPU): each new token's
+    query heads read its sequence's K and V where they lie in the pool, up to its own position, so
+    nothing is gathered or masked. A token's output is bit for bit the same whatever the tokens
+    beside it (a decode step, a verification, a batch) and the thread count; it agrees with
+    paged_attention to float rounding. Eager and compiled steps (model.compiled_body) both call it,
+    where AttnMeta.cpu_kernel says so (PagedKVCache.meta). On SmolLM2-135M's int4 step (30 layers,
+    one thread, 100 tokens of context) it took attention from 2.6 ms to 0.6: the step 19.9 ms ->
+    16.1 compiled. q [N, nh, hd], k/v [N, nkv, hd] -> [N, nh, hd]."""
+    return torch.ops.ssd.paged_attention_cpu(q, k, v, kv_layer, meta.slots, meta.block_table,
+                                             meta.rows, meta.positions)
+
+
 # paged_attention as an operator that torch.compile calls as it is, without looking in: a compiled
 # CPU step (model.compiled_body) holds a whole forward, and this op's write goes into the pool
 # itself. Traced, a write into a slice of an input copies the whole input (the pool) and writes it
@@ -395,5 +423,5 @@ def paged_attention_op(q, k, v, kv_layer, meta: AttnMeta):
 
 def _paged_attention(q, k, v, kv_layer, slots, block_table, query_index, mask):
     b, T = block_table.shape[0], mask.shape[2] // (q.shape[1] // k.shape[1])  # mask [b, 1, g*T, L]
-    meta = AttnMeta(slots, None, block_table, query_index, mask, T, None, q.shape[0] != b * T)
+    meta = AttnMeta(slots, None, block_table, query_index, None, mask, T, None, q.shape[0] != b * T)
     return paged_attention(q, k, v, kv_layer, meta).contiguous()  # the strides the fake promises

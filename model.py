@@ -23,7 +23,7 @@ from config import ModelConfig
 from devices import MM_FP32_OUT, to_device
 from graphs import StaticSteps
 from kv_cache import (AttnMeta, PagedKVCache, define_paged_attention_op, paged_attention,
-                      paged_attention_op)
+                      paged_attention_cpu, paged_attention_op)
 from quantize import QuantLinear, renamed, split_rows
 
 
@@ -195,6 +195,8 @@ class Attention(nn.Module):
                                                enable_gqa=True)  # [B, nh, T, hd]
             return y.transpose(1, 2)  # [B, T, nh, hd]
         # paged: the new tokens of all sequences back to back, q [N, nh, hd] -> [N, nh, hd]
+        if meta.cpu_kernel:  # a float32 pool on a CPU: cpu_kernels.cpp's op, eager or compiled
+            return paged_attention_cpu(q, k, v, kv_layer, meta)
         if torch.compiler.is_compiling():  # a compiled step (compiled_body): the op, not traced
             return paged_attention_op(q, k, v, kv_layer, meta)
         return paged_attention(q, k, v, kv_layer, meta)
@@ -507,12 +509,13 @@ class Transformer(nn.Module):
         return self.head(x)
 
     def forward_cached(self, cache: PagedKVCache, seq_ids: list[int], tokens, counts: list[int],
-                       last_only: bool = False):
+                       last_only: bool = False, prompt: bool = False):
         """Ragged cached forward. tokens: LongTensor [N] (or a list), the new tokens of each
         sequence in seq_ids back to back, counts[i] of them for sequence i; their K/V are appended
         to the cache. Returns float32 logits [N, V], or [b, V] (each sequence's last token) if
         last_only. A step whose rows all add the same few tokens (decode, verification) takes the
-        static-shape path when it is on (`self.static`, below); the others plan and run here."""
+        static-shape path when it is on (`self.static`, below); the others plan and run here.
+        prompt: a prefill's piece (PagedKVCache.meta: how its attention runs)."""
         if not torch.is_tensor(tokens):  # a list (prompts, a draft's pending tokens)
             tokens = to_device(torch.tensor(tokens, dtype=torch.long, device="cpu"), self.device)
         elif tokens.device != self.device:
@@ -520,7 +523,7 @@ class Transformer(nn.Module):
         if self.static is not None and self.static.fits(counts):
             logits = self.static.step(self, cache, seq_ids, tokens, counts[0])  # [b * T, V]
             return logits.view(len(seq_ids), counts[0], -1)[:, -1] if last_only else logits
-        return self.run(cache, tokens, cache.prepare(seq_ids, counts), last_only)
+        return self.run(cache, tokens, cache.prepare(seq_ids, counts, prompt), last_only)
 
     def run(self, cache: PagedKVCache, tokens, meta: AttnMeta, last_only: bool = False,
             halves=None, body=None):
@@ -563,7 +566,8 @@ class Transformer(nn.Module):
                 total += len(queue[0])
             logits = self.forward_cached(cache, [seq_ids[i] for i in rows],
                                          [x for i in rows for x in pieces[i][0]],
-                                         [len(pieces[i][0]) for i in rows], last_only=True)
+                                         [len(pieces[i][0]) for i in rows], last_only=True,
+                                         prompt=True)
             for i, row_logits in zip(rows, logits):
                 pieces[i].pop(0)
                 if not pieces[i]:

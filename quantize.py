@@ -32,10 +32,10 @@ Each weight shape compiles once per row bucket (ROW_BUCKETS; a few seconds each,
 warm_up). Longer inputs (prefill) dequantise a slice of rows at a time and multiply: they are
 bound by arithmetic, not bytes.
 
-On a CPU with AVX2 (or AVX-512) the products then run in quant_cpu.cpp's C++ ops, built at first
-use with the compiler torch.compile uses (quant_cpu_op, pack_layers): each row of x becomes 16-bit
+On a CPU with AVX2 (or AVX-512) the products then run in cpu_kernels.cpp's C++ ops, built at first
+use with the compiler torch.compile uses (cpu_kernels.py; pack_layers): each row of x becomes 16-bit
 integers per block of 32 and multiplies the 4- or 8-bit weights in integer arithmetic
-(quant_cpu.cpp explains it). An int4 layer of the model's blocks moves into the op's tiled layout
+(cpu_kernels.cpp explains it). An int4 layer of the model's blocks moves into the op's tiled layout
 (`pack`); an int8 layer (the head) runs on ours. On SmolLM2-135M's 120 int4 layers, read from
 memory on one thread, the int4 op takes 4.1 ms a step against 8.2 for torch's own int4 kernel
 (_weight_int4pack_mm_for_cpu). That kernel is the fallback where the ops do not build: it
@@ -49,23 +49,17 @@ The quantized model is an approximation of the float one (tests/test_quantize.py
 docs/models.md measure how close); speculative decoding stays exact with respect to the model as
 loaded, since the draft proposes and the quantized target decides.
 """
-import hashlib
-import os
-import subprocess
-import threading
 import types
-import warnings
-from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils import cpp_extension
+
+import cpu_kernels
 
 QUANTS = ("auto", "none", "int8", "int4")  # auto: a GGUF file's own precision, else none
 BLOCK = 32  # inputs per int4 block (and per int8 group of a GGUF file): GGUF's block size
-INT4_KERNEL_CPUS = ("AVX2", "AVX512")  # where the CPU kernels are vectorised (pack_layers)
-INT4_TILE = 8  # outputs per tile of quant_cpu.cpp's int4 layout
+INT4_TILE = 8  # outputs per tile of cpu_kernels.cpp's int4 layout
 ROW_BUCKETS = (1, 2, 3, 4, 8, 16)  # row counts the compiled product is built for (rows padded up)
 DEQUANT_ELEMENTS = 1 << 23  # a longer product dequantises at most this many weights at a time
 
@@ -186,7 +180,7 @@ def int4_kernel_weight(packed, sz):
 
 
 def int4_to_cpu_kernel(q, scales, mins):
-    """Our int4 layout -> quant_cpu.cpp's: (packed uint8 [out / 8, in / 32, 4, 32], sm float16
+    """Our int4 layout -> cpu_kernels.cpp's: (packed uint8 [out / 8, in / 32, 4, 32], sm float16
     [out / 8, in / 32, 2, 8]). Per tile of 8 outputs and block of 32 inputs, 4 units of 8 inputs,
     each 16 16-bit words: word 2 r + e holds output r's input 8 u + 2 j + e in its nibble j; then
     the tile's 8 scales and 8 mins for the block, in float16 (a Q4_0 / Q4_1 file's own d and m
@@ -202,7 +196,7 @@ def int4_to_cpu_kernel(q, scales, mins):
 
 
 def int4_cpu_weight(packed, sm):
-    """The weight [out, in] that quant_cpu.cpp's layout stores: q * s + m in float32."""
+    """The weight [out, in] that cpu_kernels.cpp's layout stores: q * s + m in float32."""
     T, G = packed.shape[:2]
     words = packed.view(torch.int16).view(T, G, 4, INT4_TILE, 2).to(torch.int32)  # [.., r, e]
     ints = torch.stack([words >> (4 * j) & 15 for j in range(4)], -2)  # [.., unit, r, j, e]
@@ -212,14 +206,14 @@ def int4_cpu_weight(packed, sm):
 
 
 def int4_cpu_product(x, packed, sm):
-    """x [M, in] float @ the weight in quant_cpu.cpp's layout^T -> [M, out] float32: each row of x
-    turned into 16-bit integers per block of 32, multiplied by the 4-bit integers in integer
-    arithmetic (quant_cpu.cpp says how)."""
+    """x [M, in] float @ the weight in cpu_kernels.cpp's layout^T -> [M, out] float32: each row
+    of x turned into 16-bit integers per block of 32, multiplied by the 4-bit integers in integer
+    arithmetic (cpu_kernels.cpp says how)."""
     return torch.ops.ssd.int4_mm(x.float().contiguous(), packed, sm)
 
 
 def rows16(x):
-    """x [M, in] as quant_cpu.cpp turns each row into 16-bit integers, in float64 (for tests):
+    """x [M, in] as cpu_kernels.cpp turns each row into 16-bit integers, in float64 (for tests):
     per block of 32, p = round(x * (32767 / max|x|)) with scale d = max|x| / 32767, and the
     block's sum of x -> (p [M, blocks, 32], d [M, blocks], sums [M, blocks])."""
     M, n = x.shape
@@ -241,7 +235,7 @@ def int4_cpu_reference(x, q, scales, mins):
 
 
 def int8_cpu_product(x, q, scales, mins=None):
-    """x [M, in] float @ (q * scales (+ mins))^T -> [M, out] float32 through quant_cpu.cpp's
+    """x [M, in] float @ (q * scales (+ mins))^T -> [M, out] float32 through cpu_kernels.cpp's
     int8 kernel, on our own int8 layout: x in 16-bit integers per block of 32, as for int4."""
     return torch.ops.ssd.int8_mm(x.float().contiguous(), q, scales, mins)
 
@@ -256,59 +250,6 @@ def int8_cpu_reference(x, q, scales, mins=None):
     if mins is not None:
         y = y + xsum.view(len(x), -1, per).sum(-1) @ mins.double().T  # [M, groups] @ m^T
     return y
-
-
-CPU_KERNEL_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ssd"
-CPU_KERNEL_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-std=c++20", "-shared",
-                    "-fPIC"]
-
-
-# quant_cpu_op's answer once found (a process loads the library once), and the lock that makes
-# threads loading models at once build and load it once
-CPU_OPS = {}
-BUILD_LOCK = threading.Lock()
-
-
-def quant_cpu_op() -> bool:
-    """Whether quant_cpu.cpp's ops (torch.ops.ssd.int4_mm, int8_mm) run here: built on first use
-    into a library cached per source, torch and flags (CPU_KERNEL_DIR; the C++ compiler that
-    torch.compile uses too: $CXX or g++), then loaded. False on a CPU without AVX2, or where it
-    does not build (a warning says why; torch's int4 kernel and the compiled int8 product are
-    used instead)."""
-    with BUILD_LOCK:
-        if "ok" not in CPU_OPS:
-            CPU_OPS["ok"] = (torch.backends.cpu.get_cpu_capability() in INT4_KERNEL_CPUS
-                             and build_and_load(Path(__file__).with_name("quant_cpu.cpp")))
-        return CPU_OPS["ok"]
-
-
-def build_and_load(source: Path) -> bool:
-    """quant_cpu_op's work: compile `source` into CPU_KERNEL_DIR unless it is there, and load it."""
-    cmd = [os.environ.get("CXX", "g++"), *CPU_KERNEL_FLAGS,
-           f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}",
-           *(f"-I{p}" for p in cpp_extension.include_paths()), str(source),
-           *(f"-L{p}" for p in cpp_extension.library_paths()), "-ltorch", "-ltorch_cpu", "-lc10"]
-    key = hashlib.sha256(source.read_bytes() + " ".join(cmd + [torch.__version__]).encode())
-    lib = CPU_KERNEL_DIR / f"quant_cpu-{key.hexdigest()[:16]}.so"
-    if not lib.exists():
-        tmp = lib.with_suffix(f".{os.getpid()}.tmp")  # two processes may build it at once
-        try:
-            lib.parent.mkdir(parents=True, exist_ok=True)
-            subprocess.run(cmd + ["-o", str(tmp)], check=True, capture_output=True, text=True)
-            os.replace(tmp, lib)
-        except (OSError, subprocess.CalledProcessError) as e:
-            tmp.unlink(missing_ok=True)
-            why = (getattr(e, "stderr", None) or str(e)).strip().splitlines()
-            warnings.warn(f"quant_cpu.cpp did not build ({why[-1] if why else cmd[0] + ' failed'}):"
-                          f" quantized layers use torch's int4 kernel and compiled int8 products,"
-                          f" slower; install g++ (or set CXX) to use it")
-            return False
-    torch.ops.load_library(str(lib))
-    torch.library.register_fake("ssd::int4_mm")(
-        lambda x, packed, sm: x.new_empty(x.shape[0], packed.shape[0] * INT4_TILE))
-    torch.library.register_fake("ssd::int8_mm")(
-        lambda x, q, scales, mins: x.new_empty(x.shape[0], q.shape[0]))
-    return True
 
 
 def renamed(fn, tag: str):
@@ -408,7 +349,7 @@ class QuantLinear(nn.Module):
         self.register_buffer("mins", torch.empty(out_features, n, device=device)
                              if bits == 4 or mins else None)
         # the kernel that runs the products, where pack_layers chose one (else None): "cpu"
-        # quant_cpu.cpp's (an int4 weight moved into its layout by pack(), an int8 one as it is),
+        # cpu_kernels.cpp's (an int4 weight moved into its layout by pack(), an int8 one as it is),
         # "torch" torch's int4 kernel (CUDA's tinygemm, or its CPU form), moved there by pack()
         self.kernel = None
         self.register_buffer("packed", None)
@@ -435,7 +376,7 @@ class QuantLinear(nn.Module):
         return dequantize(*self.stored(lo, hi))
 
     def pack(self, kernel: str = "torch"):
-        """Move this int4 layer into an int4 kernel's layout: "cpu", quant_cpu.cpp's
+        """Move this int4 layer into an int4 kernel's layout: "cpu", cpu_kernels.cpp's
         (int4_to_cpu_kernel), or "torch", torch's own (int4_to_kernel). Every product from now
         on, of any number of rows, goes through that kernel. Our layout's tensors are released:
         the kernels' take 5 bits a weight (4 + two 16-bit numbers per 32), ours 6."""
@@ -466,7 +407,7 @@ class QuantLinear(nn.Module):
     def product(self, rows):
         """rows [M, in] float32 @ the weight in our layout^T -> [M, out] float32."""
         stored = (self.qweight, self.scales, self.mins)
-        if self.kernel == "cpu":  # an int8 layer on quant_cpu.cpp's kernel (pack_layers)
+        if self.kernel == "cpu":  # an int8 layer on cpu_kernels.cpp's kernel (pack_layers)
             return int8_cpu_product(rows, *stored)
         if torch.compiler.is_compiling():  # inside a compiled step (model.compiled_halves)
             if rows.shape[0] == 1:  # a decode step's product, fused with the step's other work
@@ -602,8 +543,8 @@ def quantize_layers(model: nn.Module, layout_of, device, dtype, compiled: bool =
 
 def pack_layers(model: nn.Module, device, cuda: bool = False) -> int:
     """Move the model's quantized layers into the kernels that run them fastest here. On a CPU
-    with AVX2 or AVX-512 where quant_cpu.cpp builds (quant_cpu_op): the int4 layers of the
-    model's blocks into its int4 kernel's layout (QuantLinear.pack), and every int8 layer of
+    with AVX2 or AVX-512 where cpu_kernels.cpp builds (cpu_kernels.available): the int4 layers of
+    the model's blocks into its int4 kernel's layout (QuantLinear.pack), and every int8 layer of
     32-input blocks, the head included, onto its int8 kernel (which reads our own layout, so a tied
     embedding keeps sharing the head's rows). Where it does not build: the int4 layers into
     torch's int4 kernel (elsewhere the compiled product is faster than these kernels' scalar
@@ -611,8 +552,8 @@ def pack_layers(model: nn.Module, device, cuda: bool = False) -> int:
     it: scripts/gpu_check.py times both (`quant_step:*:int4`), calling this with cuda=True.
     Returns how many layers it moved."""
     device = torch.device(device)
-    if device.type == "cpu" and torch.backends.cpu.get_cpu_capability() in INT4_KERNEL_CPUS:
-        kernel = "cpu" if quant_cpu_op() else "torch"
+    if device.type == "cpu" and torch.backends.cpu.get_cpu_capability() in cpu_kernels.KERNEL_CPUS:
+        kernel = "cpu" if cpu_kernels.available() else "torch"
     elif device.type == "cuda" and cuda:
         kernel = "torch"
     else:

@@ -4,7 +4,7 @@ For each held-out chat prompt (the draft's, checkpoints/smollm2-135m-draft/heldo
 the float target's greedy answer (--tokens new tokens) is teacher-forced through every model, and
 over the answer's positions we report, for each target quant against the float target (for a GGUF
 file: the file dequantised, so "stored" is the same weights, and "auto" those weights in the form
-the engine runs them: quant_cpu.cpp's kernels on an AVX2 / AVX-512 CPU, and "torch-kernel" with
+the engine runs them: cpu_kernels.cpp's kernels on an AVX2 / AVX-512 CPU, and "torch-kernel" with
 torch's int4 kernel), and for each draft quant against the
 float draft (safetensors: a float model against its quantized self): the logits' max and mean
 absolute difference and top-1 agreement; and for each (target quant, draft quant)
@@ -40,12 +40,12 @@ def main():
     torch.set_num_threads(2)
     texts = [json.loads(line)["prompt"] for line in open(a.prompt_file)][:a.prompts]
     ref, tok = load_model(a.target, quant="none")
-    # "auto" as the engine loads it (its int4 layers in quant_cpu.cpp's kernel on an AVX2 / AVX-512
+    # "auto" as the engine loads it (its int4 layers in cpu_kernels.cpp's kernel on an AVX2 / AVX-512
     # CPU, 16-bit integer activations) and "stored": the same file's weights in quantize.py's own
     # layout
     targets = {q: load_model(a.target, tokenizer=False, quant=q)[0] for q in ("auto", "int8")}
     targets["stored"] = load_model(a.target, tokenizer=False, compile_quant=False)[0]
-    # the int4 layers in torch's int4 kernel instead (where quant_cpu.cpp does not build)
+    # the int4 layers in torch's int4 kernel instead (where cpu_kernels.cpp does not build)
     targets["torch-kernel"] = load_model(a.target, tokenizer=False, compile_quant=False)[0]
     for m in targets["torch-kernel"].model.layers.modules():
         if isinstance(m, QuantLinear) and m.bits == 4:

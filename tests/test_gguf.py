@@ -46,7 +46,7 @@ PROMPT = "Write a Python function that reverses a string."
 IM_END = 2  # SmolLM2's <|im_end|>
 MAX_NEW = 64  # greedy SmolLM2 answers PROMPT in 56 tokens, the last one <|im_end|>
 # the file dequantised to float32 (quant none), whose numbers are transformers' own: at its own
-# precision the engine runs its int4 layers in an int4 kernel (quant_cpu.cpp's: 16-bit integer
+# precision the engine runs its int4 layers in an int4 kernel (cpu_kernels.cpp's: 16-bit integer
 # activations; tests/test_quantize.py checks that form)
 KW = dict(target="smollm2-135m", chat=True, target_threads=1, draft_threads=1, quant="none")
 

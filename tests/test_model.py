@@ -13,6 +13,7 @@
 All checkpoints are tiny random ones written by conftest.make_checkpoint.
 """
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -21,8 +22,10 @@ from safetensors.torch import load_file, save_file
 
 from checkpoint import load_model
 import config
+import cpu_kernels
 import model
 from config import ModelConfig
+from kv_cache import PagedKVCache, paged_attention, paged_attention_cpu
 from model import rope_inv_freq
 from scripts.gpu_check import Allocations
 
@@ -169,13 +172,20 @@ def full(model, tokens):
         return model(torch.as_tensor(tokens)[None])[0]
 
 
+@pytest.mark.parametrize("kernel", [True, False], ids=["cpu-kernel", "sdpa"])
 @pytest.mark.parametrize("block_size", [1, 2, 3, 4])
 @pytest.mark.parametrize("which", ["llama", "qwen"])
-def test_cached_decoding_matches_full_forward(request, which, block_size):
+def test_cached_decoding_matches_full_forward(request, which, block_size, kernel):
+    """Attention by cpu_kernels.cpp's op where it runs (a float32 pool on a CPU), and by the
+    reference (gather + SDPA, as on a GPU)."""
     model = request.getfixturevalue(which)
     tokens = rand_tokens(20, 6)
     steps = [5, 1, 1, 1, 3, 3, 4, 1, 1]  # prefill, single tokens, K+1-token verifies, across blocks
     cache = model.new_cache(64, block_size)
+    if kernel != cache.cpu_kernel:
+        if kernel:
+            pytest.skip("cpu_kernels.cpp does not run here")
+        cache.cpu_kernel = False
     with torch.no_grad():
         cached = run_steps(model, cache, cache.new_seq(), tokens, steps)
     assert cached.shape == (20, V) and cached.dtype == torch.float32
@@ -227,7 +237,7 @@ def test_last_only(llama):
 
 
 def test_one_host_to_device_copy_per_forward(llama, monkeypatch):
-    """A forward's metadata (slots, positions, block table, query index, last tokens, padded
+    """A forward's metadata (slots, positions, block table, query index, rows, last tokens, padded
     positions) is built on the host and crosses to the device in one copy through
     devices.to_device; no other host tensor is made during the forward (on a GPU each would be a
     copy, and most a sync). Counted on the CPU by logging tensors created from Python data."""
@@ -245,8 +255,56 @@ def test_one_host_to_device_copy_per_forward(llama, monkeypatch):
         llama.forward_cached(cache, sids, tokens[:5], [2, 2, 1], last_only=True)
     assert len(copies) == 2, copies          # one per forward
     assert len(created) == 2, created        # only the packed metadata, once per forward
-    # [slots 11 | positions 11 | query_index 11 | last 3 | table 3 x 2 blocks | qpos 3 x 6]
-    assert copies[0] == 3 * 11 + 3 + 3 * 2 + 3 * 6
+    # [slots 11 | positions 11 | query_index 11 | rows 11 | last 3 | table 3 x 2 | qpos 3 x 6]
+    assert copies[0] == 4 * 11 + 3 + 3 * 2 + 3 * 6
+
+
+needs_cpu_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason="cpu_kernels.cpp needs "
+                                       "AVX2 and a C++ compiler (g++, or $CXX)")
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("nh,nkv,hd,block_size", [(9, 3, 64, 16), (4, 4, 20, 3), (8, 2, 16, 1)])
+def test_cpu_attention_kernel_equals_the_reference(nh, nkv, hd, block_size):
+    """kv_cache.paged_attention_cpu (cpu_kernels.cpp) against paged_attention (gather + SDPA): a
+    ragged batch over three sequences, one a fork sharing another's blocks, GQA groups of 3, 1
+    and 4, a head size that is no multiple of 8 (the vector loop's tail). Equal to float rounding,
+    and the same K/V written into the pool. Each token's output is bit for bit the same alone, in
+    the batch and on 2 threads. A negative control: attending one key fewer moves it 100x more."""
+    from types import SimpleNamespace
+    cfg = SimpleNamespace(num_hidden_layers=1, num_attention_heads=nh, num_key_value_heads=nkv,
+                          head_dim=hd)
+    g = torch.Generator().manual_seed(nh + hd)
+    caches = [PagedKVCache(cfg, 256, block_size) for _ in range(2)]  # reference, kernel
+    for cache in caches:
+        a, b = cache.new_seq(), cache.new_seq()
+        cache.append(a, 37), cache.append(b, 5)
+        cache.kv.copy_(torch.randn(cache.kv.shape, generator=g.manual_seed(1)))
+        cache.fork(a, 30)  # c: a's first 30 positions, sharing its blocks
+    counts = [3, 1, 2]
+    q, k, v = (torch.randn(6, n, hd, generator=g) for n in (nh, nkv, nkv))
+    with torch.no_grad():
+        want = paged_attention(q, k, v, caches[0].kv[0], caches[0].prepare([0, 1, 2], counts))
+        meta = caches[1].prepare([0, 1, 2], counts)
+        got = paged_attention_cpu(q, k, v, caches[1].kv[0], meta)
+    assert got.shape == want.shape and max_diff(got, want) < 1e-5
+    assert torch.equal(caches[1].kv, caches[0].kv)  # the new tokens' K and V in the same slots
+    for i in range(6):  # token i alone (its K/V already written: writing them again is the same)
+        row = lambda t: t[i:i + 1]
+        alone = replace(meta, slots=row(meta.slots), rows=row(meta.rows),
+                        positions=row(meta.positions))
+        assert torch.equal(paged_attention_cpu(row(q), row(k), row(v), caches[1].kv[0], alone),
+                           got[i:i + 1])
+    torch.set_num_threads(2)
+    try:
+        assert torch.equal(paged_attention_cpu(q, k, v, caches[1].kv[0], meta), got)
+    finally:
+        torch.set_num_threads(1)
+    # a prefill's pieces attend by the reference, the decode loops' forwards by the kernel
+    assert caches[1].prepare([0], [1], prompt=True).cpu_kernel is False and meta.cpu_kernel
+    shorter = replace(meta, positions=meta.positions - 1)
+    off = paged_attention_cpu(q, k, v, caches[1].kv[0], shorter)
+    assert max_diff(off, want) > 100 * max_diff(got, want)
 
 
 def test_chunked_prefill_equals_one_forward(llama):

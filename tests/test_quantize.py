@@ -4,18 +4,18 @@ quantized loading of safetensors and GGUF, and speculative decoding exact with r
 quantized model: greedy SD / SSD emit the quantized AR's tokens, and at T > 0 the output law is
 the quantized target's (with a negative control).
 """
-from pathlib import Path
 
 import pytest
 import torch
 
+import cpu_kernels
 import quantize
 
 from checkpoint import load_model
 from gguf_format import GGUF_INTEGERS, gguf_integers
-from quantize import (INT4_KERNEL_CPUS, QuantLinear, QuantRows, dequantize, int4_cpu_reference,
-                      int4_product, int8_cpu_reference, int8_product, pack_layers, quant_cpu_op,
-                      quantize_int4, quantize_int8, weight_bytes)
+from quantize import (QuantLinear, QuantRows, dequantize, int4_cpu_reference, int4_product,
+                      int8_cpu_reference, int8_product, pack_layers, quantize_int4, quantize_int8,
+                      weight_bytes)
 from test_generate import N_LAW, empirical_law, gen, make_small_vocab_pair, tv, tv_bound
 
 torch.set_num_threads(1)
@@ -126,8 +126,8 @@ def test_torchs_int4_kernel_layer():
         QuantLinear(96, 8, 4).pack()
 
 
-needs_quant_cpu = pytest.mark.skipif(not quant_cpu_op(), reason="quant_cpu.cpp needs AVX2 and a "
-                                     "C++ compiler (g++, or $CXX)")
+needs_quant_cpu = pytest.mark.skipif(not cpu_kernels.available(), reason="cpu_kernels.cpp needs "
+                                     "AVX2 and a C++ compiler (g++, or $CXX)")
 
 
 def rows_are_independent(layer, x, y):
@@ -164,7 +164,7 @@ def awkward_rows(g, n: int):
 
 @needs_quant_cpu
 def test_cpu_int4_kernel_layer():
-    """An int4 layer moved into quant_cpu.cpp's kernel (pack("cpu")): its weight is ours with the
+    """An int4 layer moved into cpu_kernels.cpp's kernel (pack("cpu")): its weight is ours with the
     scale and min in float16, 5 bits a weight; its products are the kernel's stated math (x in
     16-bit integers per block of 32, exact integer sums) to float32's rounding, close to the
     float product but not it; each row's the same bit for bit whatever the number of rows beside
@@ -192,7 +192,7 @@ def test_cpu_int4_kernel_layer():
 @needs_quant_cpu
 @pytest.mark.parametrize("group,mins", [(32, False), (64, True), (192, False)])
 def test_cpu_int8_kernel_layer(group, mins):
-    """An int8 layer on quant_cpu.cpp's int8 kernel (pack_layers marks it; the weight stays in our
+    """An int8 layer on cpu_kernels.cpp's int8 kernel (pack_layers marks it; the weight stays in our
     layout): its products are the kernel's stated math to float32's rounding, for a scale per 32
     inputs (Q8_0), per 64 with mins, and one a row; close to the float product but not it; rows
     independent bit for bit."""
@@ -213,12 +213,12 @@ def test_cpu_int8_kernel_layer(group, mins):
 
 def test_cpu_kernels_that_do_not_build_warn_and_fall_back(tmp_path, monkeypatch):
     """No C++ compiler: one warning naming the fix, and False (torch's int4 kernel is used)."""
-    if torch.backends.cpu.get_cpu_capability() not in INT4_KERNEL_CPUS:
-        pytest.skip("quant_cpu.cpp is not tried on a CPU without AVX2")
+    if torch.backends.cpu.get_cpu_capability() not in cpu_kernels.KERNEL_CPUS:
+        pytest.skip("cpu_kernels.cpp is not tried on a CPU without AVX2")
     monkeypatch.setenv("CXX", "false")  # a "compiler" that fails at once
-    monkeypatch.setattr(quantize, "CPU_KERNEL_DIR", tmp_path)
-    with pytest.warns(UserWarning, match="did not build.*install g\\+\\+"):
-        assert quantize.build_and_load(Path(quantize.__file__).with_name("quant_cpu.cpp")) is False
+    monkeypatch.setattr(cpu_kernels, "CACHE_DIR", tmp_path)
+    with pytest.warns(UserWarning, match="did not build.*SDPA.*install g\\+\\+"):
+        assert cpu_kernels.build_and_load(cpu_kernels.SOURCE) is False
     assert not list(tmp_path.iterdir())  # nothing half-written left behind
 
 
@@ -299,15 +299,15 @@ def test_gguf_file_keeps_its_own_precision():
 
 def test_gguf_file_in_the_int4_kernel():
     """The same file loaded for speed (compile_quant, the default) on a CPU with AVX2 / AVX-512:
-    its 120 int4 layers in quant_cpu.cpp's kernel (torch's where that does not build), 5 bits a
+    its 120 int4 layers in cpu_kernels.cpp's kernel (torch's where that does not build), 5 bits a
     weight, its logits within the kernel's rounding of the file's own model (16-bit x: close;
     torch's bfloat16 x: within 1) and the same argmax at every position here."""
-    if torch.backends.cpu.get_cpu_capability() not in INT4_KERNEL_CPUS:
+    if torch.backends.cpu.get_cpu_capability() not in cpu_kernels.KERNEL_CPUS:
         pytest.skip("no int4 kernel is vectorised on this CPU: not used")
     ref = smollm2()
     model, _ = load_model("smollm2-135m", tokenizer=False)
     packed = [m for m in model.modules() if isinstance(m, QuantLinear) and m.packed is not None]
-    kernel = "cpu" if quant_cpu_op() else "torch"
+    kernel = "cpu" if cpu_kernels.available() else "torch"
     assert len(packed) == 4 * 30 and {m.kernel for m in packed} == {kernel}
     assert model.lm_head.packed is None  # the int8 head: its own layout, on the int8 kernel
     assert model.lm_head.kernel == ("cpu" if kernel == "cpu" else None)

@@ -1,6 +1,11 @@
-// The CPU's quantized products, y = x W^T for a few rows of x (a decode step, a verification) or
-// many (a prefill), with W stored in 4 or 8 bits: the ops ssd::int4_mm and ssd::int8_mm, built and
-// loaded by quantize.py (quant_cpu_op) and called by quantize.int4_cpu_product / int8_cpu_product.
+// The CPU's own kernels, as C++ ops that cpu_kernels.py builds at first use and loads:
+//   ssd::int4_mm, ssd::int8_mm   y = x W^T with W stored in 4 or 8 bits (quantize.py calls them)
+//   ssd::paged_attention_cpu     attention of new tokens over the paged KV cache (kv_cache.py)
+// Each computes every row of its output (a token) on its own, by the same instructions in the
+// same order whatever the rows beside it and the threads that run it, so a row's result is the
+// same bit for bit in a decode step, a verification and a prefill.
+//
+// The quantized products, for a few rows of x (a decode step, a verification) or many (a prefill).
 //
 // Why kernels of our own: a decode step reads every weight once, so a product should run at the
 // speed memory delivers the weights. torch's int4 CPU kernel converts each 4-bit weight to a float
@@ -17,9 +22,7 @@
 //                                                          d = max |x_k in b| / 32767
 //   y[n] = sum_b s[n, g] * d[b] * sum_{k in b} q[n, k] p[k]  +  sum_g m[n, g] * sum_{k in g} x[k]
 // The integer sums are exact (int4: at most 32 * 15 * 32767, int8: 32 * 128 * 32767, < 2^31); the
-// min's term uses x itself. Each row of y is computed by the same instructions in the same order
-// whatever the number of rows beside it and the thread that runs it, so a row's result is the
-// same bit for bit in a decode step, a verification and a prefill.
+// min's term uses x itself.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -253,14 +256,194 @@ at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s
   return y;
 }
 
+// ---------------------------------------------------------------------------------------------
+// Paged attention: the new tokens of a forward attend to their sequences' K and V in the pool
+// (kv_cache.py lays it out; kv_cache.paged_attention is the same math through PyTorch's SDPA).
+// SDPA needs each sequence's K and V in one tensor, so that path first copies them out of their
+// blocks, and for a 1-token step its twenty-odd small ops cost more than the arithmetic: 30 layers
+// of it took 2 ms of SmolLM2-135M's 16 ms int4 step on one thread. Here a token's query heads
+// read the keys and values where they lie, up to the token's own position (causal attention), and
+// the softmax runs over float32 scores.
+//   q [N, nh, hd], k and v [N, nkv, hd]   the new tokens' (RoPE applied), written into the pool
+//   kv [blocks, bs, 2, nkv, hd]           one layer's pool: per slot K, then V
+//   slots [N]                             the pool slot (block * bs + offset) of each new K and V
+//   table [b, max_blocks]                 each sequence's blocks in order
+//   rows [N], positions [N]               each new token's sequence (row of table) and position
+// The g = nh / nkv query heads that share a KV head are done together, so each key and value is
+// read once for them.
+
+float hsum(__m256 v) {  // the sum of v's 8 lanes
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// e^x for x <= 0, 8 at a time: x = n ln 2 + r with |r| <= ln 2 / 2, e^r by a polynomial of degree
+// 7 (Cephes' expf, within 2 ulp), times 2^n. Below -87.3 (e^x < 1e-38) it gives e^-87.3.
+__m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln 2 in two parts
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  for (float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f,
+                  5.0000001201e-1f})
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
+                                                       _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// One token and one KV head h: y [g, hd] for its g query heads q [g, hd], over keys 0..L-1 of the
+// sequence whose blocks are `blocks`. sc: room for g * Lp scores, Lp = L rounded up to 8.
+template <int G>
+void attend(const float* q, int64_t hd, const float* pool, const int64_t* blocks, int64_t bs,
+            int64_t nkv, int64_t h, int64_t L, float* sc, float* y) {
+  const int64_t slot = 2 * nkv * hd, Lp = (L + 7) / 8 * 8;  // floats a slot
+  const float scale = 1 / std::sqrt((float)hd);
+  // scores, key by key: the G heads' dot products side by side (G independent sums)
+  for (int64_t j0 = 0; j0 < L; j0 += bs) {
+    const float* kb = pool + blocks[j0 / bs] * bs * slot + h * hd;
+    for (int64_t j = j0; j < std::min(L, j0 + bs); j++) {
+      const float* key = kb + (j - j0) * slot;
+      for (int64_t c = 0; c < hd; c += 16)  // the keys 8 slots on, one cache line at a time
+        _mm_prefetch((const char*)(key + 8 * slot + c), _MM_HINT_T0);
+      __m256 acc[G];
+      for (int e = 0; e < G; e++) acc[e] = _mm256_setzero_ps();
+      int64_t i = 0;
+      for (; i + 8 <= hd; i += 8) {
+        const __m256 kv8 = _mm256_loadu_ps(key + i);
+        for (int e = 0; e < G; e++)
+          acc[e] = _mm256_fmadd_ps(_mm256_loadu_ps(q + e * hd + i), kv8, acc[e]);
+      }
+      for (int e = 0; e < G; e++) {
+        float t = hsum(acc[e]);
+        for (int64_t r = i; r < hd; r++) t += q[e * hd + r] * key[r];
+        sc[e * Lp + j] = t * scale;
+      }
+    }
+  }
+  for (int e = 0; e < G; e++) {  // softmax of each head's scores
+    float* s = sc + e * Lp;
+    float m = s[0];
+    for (int64_t j = 1; j < L; j++) m = s[j] > m ? s[j] : m;
+    for (int64_t j = L; j < Lp; j++) s[j] = m;  // padding: e^0, zeroed below
+    __m256 sum = _mm256_setzero_ps();
+    for (int64_t j = 0; j < Lp; j += 8) {
+      __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), _mm256_set1_ps(m)));
+      if (j + 8 > L) {  // the last 8: padding lanes to 0
+        const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        const __m256i real = _mm256_cmpgt_epi32(_mm256_set1_epi32(L - j), lane);
+        p = _mm256_and_ps(p, _mm256_castsi256_ps(real));
+      }
+      _mm256_storeu_ps(s + j, p);
+      sum = _mm256_add_ps(sum, p);
+    }
+    const float inv = 1 / hsum(sum);
+    for (int64_t j = 0; j < L; j++) s[j] *= inv;
+  }
+  std::memset(y, 0, G * hd * sizeof(float));
+  for (int64_t j0 = 0; j0 < L; j0 += bs) {  // y = the probabilities times the values
+    const float* vb = pool + blocks[j0 / bs] * bs * slot + (nkv + h) * hd;
+    for (int64_t j = j0; j < std::min(L, j0 + bs); j++) {
+      const float* value = vb + (j - j0) * slot;
+      for (int64_t c = 0; c < hd; c += 16)
+        _mm_prefetch((const char*)(value + 8 * slot + c), _MM_HINT_T0);
+      for (int e = 0; e < G; e++) {
+        const __m256 pe = _mm256_set1_ps(sc[e * Lp + j]);
+        float* ye = y + e * hd;
+        int64_t i = 0;
+        for (; i + 8 <= hd; i += 8)
+          _mm256_storeu_ps(ye + i, _mm256_fmadd_ps(pe, _mm256_loadu_ps(value + i),
+                                                   _mm256_loadu_ps(ye + i)));
+        for (; i < hd; i++) ye[i] += sc[e * Lp + j] * value[i];
+      }
+    }
+  }
+}
+
+// The g query heads of a KV head, at most 8 at a time (the registers of their sums), each group
+// through the attend built for its size: run(G, e), G a compile-time constant, heads [e, e + G).
+template <typename Run>
+void in_head_groups(int64_t g, Run run) {
+  for (int64_t e = 0; e < g; e += 8) {
+    switch (std::min<int64_t>(8, g - e)) {
+      case 8: run(std::integral_constant<int, 8>{}, e); break;
+      case 7: run(std::integral_constant<int, 7>{}, e); break;
+      case 6: run(std::integral_constant<int, 6>{}, e); break;
+      case 5: run(std::integral_constant<int, 5>{}, e); break;
+      case 4: run(std::integral_constant<int, 4>{}, e); break;
+      case 3: run(std::integral_constant<int, 3>{}, e); break;
+      case 2: run(std::integral_constant<int, 2>{}, e); break;
+      default: run(std::integral_constant<int, 1>{}, e);
+    }
+  }
+}
+
+at::Tensor paged_attention_cpu(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
+                               at::Tensor& kv, const at::Tensor& slots, const at::Tensor& table,
+                               const at::Tensor& rows, const at::Tensor& positions) {
+  TORCH_CHECK(kv.dim() == 5 && kv.scalar_type() == at::kFloat && kv.is_contiguous(),
+              "paged_attention_cpu: kv must be a contiguous float32 [blocks, bs, 2, nkv, hd]");
+  const at::Tensor q = q_.contiguous(), k = k_.contiguous(), v = v_.contiguous();
+  const int64_t N = q.size(0), nh = q.size(1), hd = q.size(2), nkv = kv.size(3);
+  const int64_t bs = kv.size(1), g = nh / nkv, width = table.size(1);
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat &&
+                  v.scalar_type() == at::kFloat && kv.size(4) == hd && nh % nkv == 0 &&
+                  k.size(0) == N && k.size(1) == nkv && k.size(2) == hd && v.sizes() == k.sizes(),
+              "paged_attention_cpu: q [N, nh, hd], k and v [N, nkv, hd] float32, as the pool");
+  for (const at::Tensor* t : {&slots, &table, &rows, &positions})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(),
+                "paged_attention_cpu: slots, table, rows and positions must be contiguous int64");
+  float* pool = kv.data_ptr<float>();
+  const int64_t *sl = slots.data_ptr<int64_t>(), *tb = table.data_ptr<int64_t>();
+  const int64_t *rw = rows.data_ptr<int64_t>(), *ps = positions.data_ptr<int64_t>();
+  // First every new K and V into its slot: a token reads those of the tokens before it.
+  int64_t work = 0;
+  for (int64_t i = 0; i < N; i++) {
+    TORCH_CHECK(0 <= sl[i] && sl[i] < kv.size(0) * bs && 0 <= rw[i] && rw[i] < table.size(0) &&
+                    0 <= ps[i] && ps[i] < width * bs,
+                "paged_attention_cpu: a slot, row or position outside the pool or table");
+    float* s = pool + sl[i] * 2 * nkv * hd;
+    std::memcpy(s, k.data_ptr<float>() + i * nkv * hd, nkv * hd * sizeof(float));
+    std::memcpy(s + nkv * hd, v.data_ptr<float>() + i * nkv * hd, nkv * hd * sizeof(float));
+    work += (ps[i] + 1) * nh * hd;
+  }
+  auto y = at::empty({N, nh, hd}, q.options());
+  const float* qp = q.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  // Threads split the (token, KV head) pairs, each at least some 64K multiply-adds (below that,
+  // starting one costs more than it saves); a pair is one thread's, so no bit depends on them.
+  const int64_t grain = std::max<int64_t>(1, 65536 * N * nkv / std::max<int64_t>(work, 1));
+  at::parallel_for(0, N * nkv, grain, [&](int64_t w0, int64_t w1) {
+    std::vector<float> sc;
+    for (int64_t w = w0; w < w1; w++) {
+      const int64_t i = w / nkv, h = w % nkv, L = ps[i] + 1;
+      sc.resize(g * ((L + 7) / 8 * 8));
+      const float* qh = qp + (i * nh + h * g) * hd;
+      float* yh = yp + (i * nh + h * g) * hd;
+      const int64_t* blocks = tb + rw[i] * width;
+      in_head_groups(g, [&](auto G, int64_t e) {
+        attend<G()>(qh + e * hd, hd, pool, blocks, bs, nkv, h, L, sc.data(), yh + e * hd);
+      });
+    }
+  });
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(ssd, m) {
   m.def("int4_mm(Tensor x, Tensor packed, Tensor sm) -> Tensor");
   m.def("int8_mm(Tensor x, Tensor q, Tensor scales, Tensor? mins) -> Tensor");
+  m.def("paged_attention_cpu(Tensor q, Tensor k, Tensor v, Tensor(a!) kv, Tensor slots, "
+        "Tensor table, Tensor rows, Tensor positions) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(ssd, CPU, m) {
   m.impl("int4_mm", int4_mm);
   m.impl("int8_mm", int8_mm);
+  m.impl("paged_attention_cpu", paged_attention_cpu);
 }

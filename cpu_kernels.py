@@ -1,0 +1,69 @@
+"""The CPU's own kernels: cpu_kernels.cpp's C++ ops (torch.ops.ssd.int4_mm, int8_mm: quantize.py's
+products; paged_attention_cpu: kv_cache.py's attention), built here at first use and loaded.
+
+They are built with the C++ compiler that torch.compile uses ($CXX, or g++) against the installed
+torch's headers, into a library cached per source, flags and torch version (CACHE_DIR), so a second
+process loads it in milliseconds. Where they cannot run (a CPU without AVX2, no compiler), one
+warning says why, and PyTorch's own forms run instead: slower, the same model.
+"""
+import hashlib
+import os
+import subprocess
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+from torch.utils import cpp_extension
+
+SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+KERNEL_CPUS = ("AVX2", "AVX512")  # torch's name for the vector instructions the kernels use
+CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ssd"
+FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-std=c++20", "-shared", "-fPIC"]
+
+# available()'s answer once found (a process loads the library once), and the lock that makes
+# threads loading models at once build and load it once
+LOADED = {}
+LOCK = threading.Lock()
+
+
+def available() -> bool:
+    """Whether cpu_kernels.cpp's ops run here: built on first use (seconds) and loaded. False on a
+    CPU without AVX2, or where they do not build (a warning says why)."""
+    with LOCK:
+        if "ok" not in LOADED:
+            LOADED["ok"] = (torch.backends.cpu.get_cpu_capability() in KERNEL_CPUS
+                            and build_and_load(SOURCE))
+        return LOADED["ok"]
+
+
+def build_and_load(source: Path) -> bool:
+    """available()'s work: compile `source` into CACHE_DIR unless it is there, and load it."""
+    cmd = [os.environ.get("CXX", "g++"), *FLAGS,
+           f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}",
+           *(f"-I{p}" for p in cpp_extension.include_paths()), str(source),
+           *(f"-L{p}" for p in cpp_extension.library_paths()), "-ltorch", "-ltorch_cpu", "-lc10"]
+    key = hashlib.sha256(source.read_bytes() + " ".join(cmd + [torch.__version__]).encode())
+    lib = CACHE_DIR / f"{source.stem}-{key.hexdigest()[:16]}.so"
+    if not lib.exists():
+        tmp = lib.with_suffix(f".{os.getpid()}.tmp")  # two processes may build it at once
+        try:
+            lib.parent.mkdir(parents=True, exist_ok=True)
+            subprocess.run(cmd + ["-o", str(tmp)], check=True, capture_output=True, text=True)
+            os.replace(tmp, lib)
+        except (OSError, subprocess.CalledProcessError) as e:
+            tmp.unlink(missing_ok=True)
+            why = (getattr(e, "stderr", None) or str(e)).strip().splitlines()
+            warnings.warn(f"{source.name} did not build ({why[-1] if why else cmd[0] + ' failed'}):"
+                          f" quantized layers use torch's int4 kernel and compiled int8 products,"
+                          f" attention PyTorch's SDPA, slower; install g++ (or set CXX) to use it")
+            return False
+    torch.ops.load_library(str(lib))
+    # what torch.compile needs to trace a call without running it: the output's shape
+    torch.library.register_fake("ssd::int4_mm")(
+        lambda x, packed, sm: x.new_empty(x.shape[0], packed.shape[0] * sm.shape[-1]))
+    torch.library.register_fake("ssd::int8_mm")(
+        lambda x, q, scales, mins: x.new_empty(x.shape[0], q.shape[0]))
+    torch.library.register_fake("ssd::paged_attention_cpu")(lambda q, *rest: q.new_empty(q.shape))
+    return True
+
