@@ -385,9 +385,10 @@ def paged_attention_cpu(q, k, v, kv_layer, meta: AttnMeta):
     nothing is gathered or masked. A token's output is bit for bit the same whatever the tokens
     beside it (a decode step, a verification, a batch) and the thread count; it agrees with
     paged_attention to float rounding. Eager and compiled steps (model.compiled_body) both call it,
-    where AttnMeta.cpu_kernel says so (PagedKVCache.meta). On SmolLM2-135M's int4 step (30 layers,
-    one thread, 100 tokens of context) it took attention from 2.6 ms to 0.6: the step 19.9 ms ->
-    16.1 compiled. q [N, nh, hd], k/v [N, nkv, hd] -> [N, nh, hd]."""
+    where AttnMeta.cpu_kernel says so (PagedKVCache.meta). On SmolLM2-135M in int4 (one thread,
+    100 tokens of context) it took 30 layers of attention from 2.05 ms to 0.66, the compiled step
+    from 17.3 ms to 12.8 (docs/design.md, section 6). q [N, nh, hd], k/v [N, nkv, hd] ->
+    [N, nh, hd]."""
     return torch.ops.ssd.paged_attention_cpu(q, k, v, kv_layer, meta.slots, meta.block_table,
                                              meta.rows, meta.positions)
 
