@@ -66,4 +66,3 @@ def build_and_load(source: Path) -> bool:
         lambda x, q, scales, mins: x.new_empty(x.shape[0], q.shape[0]))
     torch.library.register_fake("ssd::paged_attention_cpu")(lambda q, *rest: q.new_empty(q.shape))
     return True
-
