@@ -36,6 +36,7 @@
 #include <cstring>
 #include <optional>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -74,17 +75,30 @@ struct Rows16 {
   }
 };
 
-// Rows of x MT at a time, each group through the kernel built for its row count:
-// run(R, r) with R a compile-time constant (std::integral_constant) for rows [r, r + R).
-template <typename Run>
-void in_row_tiles(int64_t M, Run run) {
-  for (int64_t r = 0; r < M; r += MT) {
-    const int64_t R = std::min<int64_t>(MT, M - r);
-    if (R == 4) run(std::integral_constant<int, 4>{}, r);
-    else if (R == 3) run(std::integral_constant<int, 3>{}, r);
-    else if (R == 2) run(std::integral_constant<int, 2>{}, r);
-    else run(std::integral_constant<int, 1>{}, r);
+// [0, n) in pieces of at most Max (rows of x, query heads), each through the code built for its
+// size: run(C, i) for [i, i + C), C a compile-time constant (std::integral_constant), so that the
+// piece's sums can live in registers.
+template <int Max, typename Run>
+void in_pieces(int64_t n, Run run) {
+  for (int64_t i = 0; i < n; i += Max) {
+    const int64_t size = std::min<int64_t>(Max, n - i);
+    [&]<int... C>(std::integer_sequence<int, C...>) {  // the one C + 1 == size
+      ((size == C + 1 ? run(std::integral_constant<int, C + 1>{}, i) : void()), ...);
+    }(std::make_integer_sequence<int, Max>{});
   }
+}
+
+// The sum of v's 8 lanes, added as ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)), as sum4 adds.
+float sum8(__m256 v) {
+  const __m256 pairs = _mm256_hadd_ps(v, v), h = _mm256_hadd_ps(pairs, pairs);
+  return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+}
+
+// The lane sums of 4 registers at once (two horizontal adds, then the halves), each added in
+// sum8's order, so that an output's sum has the same bits whichever of the two adds it.
+__m128 sum4(const __m256* a) {
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -170,7 +184,7 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tens
   // each takes at least 64 KB of weights: below that, starting one costs more than it saves.
   const int64_t grain = std::max<int64_t>(1, 65536 / (TILE * K / 2));
   at::parallel_for(0, T, grain, [&](int64_t t0, int64_t t1) {
-    in_row_tiles(M, [&](auto R, int64_t r) {
+    in_pieces<MT>(M, [&](auto R, int64_t r) {
       tiles<R()>(pp + r * K, d + r * G, sum + r * G, K, w, smp, yp + r * N, N, t0, t1);
     });
   });
@@ -183,20 +197,6 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tens
 // quantize.py's own, a row of q after another ([N, K]), so an LM head keeps sharing its rows with
 // the embedding that reads them back. A block of 32 weights of one output becomes two registers
 // of 16 16-bit integers, which madd multiplies by the block's 32 values of p, read as they lie.
-
-// The sum of v's 8 lanes, added as ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)): sum4's order.
-float sum8(__m256 v) {
-  float l[8];
-  _mm256_storeu_ps(l, v);
-  return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
-}
-
-// The lane sums of 4 registers at once (two horizontal adds, then the halves), each added in
-// sum8's order, so that an output's sum has the same bits whichever of the two adds it.
-__m128 sum4(const __m256* a) {
-  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-}
 
 // Rows [0, R) of x (R <= MT) times outputs [n0, n1), NO outputs at a time (n1 - n0 a multiple of
 // NO): y[r, n]. One row of x takes 4 outputs at a time: 4 independent sums keep the core busy
@@ -272,7 +272,7 @@ at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s
   float* yp = y.data_ptr<float>();
   const int64_t grain = std::max<int64_t>(1, 65536 / K);  // rows: at least 64 KB a thread
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    in_row_tiles(M, [&](auto R, int64_t r) {
+    in_pieces<MT>(M, [&](auto R, int64_t r) {
       auto run = [&](auto NO, int64_t a, int64_t b) {
         rows8<R(), NO()>(pp + r * K, d + r * G, sum + r * G, K, qp, sp, mp, K / S, yp + r * N, N,
                          a, b);
@@ -306,12 +306,6 @@ at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s
 //   rows [N], positions [N]               each new token's sequence (row of table) and position
 // The g = nh / nkv query heads that share a KV head are done together, so each key and value is
 // read once for them.
-
-float hsum(__m256 v) {  // the sum of v's 8 lanes
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
 
 // e^x for x <= 0, 8 at a time: x = n ln 2 + r with |r| <= ln 2 / 2, e^r by a polynomial of degree
 // 7 (the coefficients of Cephes' expf), times 2^n. Below -87.3 (e^x < 1e-38) it gives e^-87.3.
@@ -354,7 +348,7 @@ void attend(const float* q, int64_t hd, const float* pool, const int64_t* blocks
           acc[e] = _mm256_fmadd_ps(_mm256_loadu_ps(q + e * hd + i), kv8, acc[e]);
       }
       for (int e = 0; e < G; e++) {
-        float t = hsum(acc[e]);
+        float t = sum8(acc[e]);
         for (int64_t r = i; r < hd; r++) t += q[e * hd + r] * key[r];
         sc[e * Lp + j] = t * scale;
       }
@@ -376,7 +370,7 @@ void attend(const float* q, int64_t hd, const float* pool, const int64_t* blocks
       _mm256_storeu_ps(s + j, p);
       sum = _mm256_add_ps(sum, p);
     }
-    const float inv = 1 / hsum(sum);
+    const float inv = 1 / sum8(sum);
     for (int64_t j = 0; j < L; j++) s[j] *= inv;
   }
   std::memset(y, 0, G * hd * sizeof(float));
@@ -395,24 +389,6 @@ void attend(const float* q, int64_t hd, const float* pool, const int64_t* blocks
                                                    _mm256_loadu_ps(ye + i)));
         for (; i < hd; i++) ye[i] += sc[e * Lp + j] * value[i];
       }
-    }
-  }
-}
-
-// The g query heads of a KV head, at most 8 at a time (the registers of their sums), each group
-// through the attend built for its size: run(G, e), G a compile-time constant, heads [e, e + G).
-template <typename Run>
-void in_head_groups(int64_t g, Run run) {
-  for (int64_t e = 0; e < g; e += 8) {
-    switch (std::min<int64_t>(8, g - e)) {
-      case 8: run(std::integral_constant<int, 8>{}, e); break;
-      case 7: run(std::integral_constant<int, 7>{}, e); break;
-      case 6: run(std::integral_constant<int, 6>{}, e); break;
-      case 5: run(std::integral_constant<int, 5>{}, e); break;
-      case 4: run(std::integral_constant<int, 4>{}, e); break;
-      case 3: run(std::integral_constant<int, 3>{}, e); break;
-      case 2: run(std::integral_constant<int, 2>{}, e); break;
-      default: run(std::integral_constant<int, 1>{}, e);
     }
   }
 }
@@ -460,7 +436,8 @@ at::Tensor paged_attention_cpu(const at::Tensor& q_, const at::Tensor& k_, const
       const float* qh = qp + (i * nh + h * g) * hd;
       float* yh = yp + (i * nh + h * g) * hd;
       const int64_t* blocks = tb + rw[i] * width;
-      in_head_groups(g, [&](auto G, int64_t e) {
+      // the g query heads, at most 8 at a time (the registers of their sums)
+      in_pieces<8>(g, [&](auto G, int64_t e) {
         attend<G()>(qh + e * hd, hd, pool, blocks, bs, nkv, h, L, sc.data(), yh + e * hd);
       });
     }

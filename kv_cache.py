@@ -60,7 +60,7 @@ class AttnMeta:
     positions: torch.Tensor    # [N] absolute position of each new token
     block_table: torch.Tensor  # [b, max_blocks] (padded with block 0; padding is masked out)
     query_index: torch.Tensor  # [N] row * T + i: each new token's place in the padded [b, T]
-    rows: torch.Tensor         # [N] each new token's sequence (its row of block_table)
+    rows: torch.Tensor         # [N] each new token's row of block_table: query_index // T
     mask: torch.Tensor         # [b, 1, g * T, max_blocks * block_size]: 0 where a query may look,
                                #   -inf elsewhere; g = query heads per KV head (see paged_attention)
     T: int                     # most new tokens of any sequence in this batch
@@ -311,15 +311,14 @@ class PagedKVCache:
             tables = tables + [[block]] * n_pad
         b = len(counts)
         table = [t + [0] * (max_blocks - len(t)) for t in tables]  # padded with block 0, masked out
-        # [slots N | positions N | query_index N | rows N | last b | table b*blocks | qpos b*T]
+        # [slots N | positions N | query_index N | last b | table b*blocks | qpos b*T]
         positions = [p for st, c in zip(starts, counts) for p in range(st, st + c)]  # absolute
         query_index = [r * T + i for r, c in enumerate(counts) for i in range(c)]   # in [b, T]
-        rows = [r for r, c in enumerate(counts) for _ in range(c)]
         last = [x - 1 for x in itertools.accumulate(counts)]  # each sequence's last token in [N]
         # padded query positions [b, T]; padding queries get position 0: their rows are never empty
         qpos = [st + i if i < c else 0 for st, c in zip(starts, counts) for i in range(T)]
         flat_table = [x for row in table for x in row]
-        host = torch.tensor(slots + positions + query_index + rows + last + flat_table + qpos,
+        host = torch.tensor(slots + positions + query_index + last + flat_table + qpos,
                             device="cpu")
         return host, (b, T, max_blocks)
 
@@ -333,9 +332,9 @@ class PagedKVCache:
         (SmolLM2-135M in int4, one thread, 64 new tokens after 200: 303 ms against 342).
         The decode loops' forwards (steps, verifications, branches) all take the kernel, so
         a token's logits are the same bit for bit however they batch it."""
-        N = (ints.numel() - b - b * max_blocks - b * T) // 4
-        slots, positions, query_index, rows, last, table, qpos = ints.split(
-            [N, N, N, N, b, b * max_blocks, b * T])
+        N = (ints.numel() - b - b * max_blocks - b * T) // 3
+        slots, positions, query_index, last, table, qpos = ints.split(
+            [N, N, N, b, b * max_blocks, b * T])
         keys = torch.arange(max_blocks * self.block_size, device=ints.device)
         # causal within and across rounds; the rows repeat g times, one copy per query head of a
         # KV head: [b, 1, g * T, L]
@@ -344,7 +343,8 @@ class PagedKVCache:
         # additive float mask, built once per forward (SDPA would convert a bool mask per layer)
         mask = torch.zeros(allowed.shape, dtype=self.kv.dtype, device=ints.device)
         mask.masked_fill_(~allowed, float("-inf"))
-        return AttnMeta(slots, positions, table.view(b, max_blocks), query_index, rows, mask, T,
+        return AttnMeta(slots, positions, table.view(b, max_blocks), query_index,
+                        query_index // T, mask, T,
                         last, ragged=N != b * T, cpu_kernel=self.cpu_kernel and not prompt)
 
 

@@ -28,6 +28,12 @@ torch.set_num_threads(1)
 # processes), never the user's ~/.cache/ssd
 os.environ["SSD_CACHE_DIR"] = tempfile.mkdtemp(prefix="ssd-test-cache-")
 
+import cpu_kernels  # noqa: E402 (after the path above)
+
+# tests of cpu_kernels.cpp's ops, skipped where they do not run
+needs_cpu_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason="cpu_kernels.cpp needs "
+                                       "AVX2 and a C++ compiler (g++, or $CXX)")
+
 TINY = dict(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, max_position_embeddings=256,
             bos_token_id=1, eos_token_id=2)

@@ -17,12 +17,11 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import KINDS, hf_model, make_checkpoint, one_line
+from conftest import KINDS, hf_model, make_checkpoint, needs_cpu_kernels, one_line
 from safetensors.torch import load_file, save_file
 
 from checkpoint import load_model
 import config
-import cpu_kernels
 import model
 from config import ModelConfig
 from kv_cache import PagedKVCache, paged_attention, paged_attention_cpu
@@ -237,7 +236,7 @@ def test_last_only(llama):
 
 
 def test_one_host_to_device_copy_per_forward(llama, monkeypatch):
-    """A forward's metadata (slots, positions, block table, query index, rows, last tokens, padded
+    """A forward's metadata (slots, positions, block table, query index, last tokens, padded
     positions) is built on the host and crosses to the device in one copy through
     devices.to_device; no other host tensor is made during the forward (on a GPU each would be a
     copy, and most a sync). Counted on the CPU by logging tensors created from Python data."""
@@ -255,12 +254,8 @@ def test_one_host_to_device_copy_per_forward(llama, monkeypatch):
         llama.forward_cached(cache, sids, tokens[:5], [2, 2, 1], last_only=True)
     assert len(copies) == 2, copies          # one per forward
     assert len(created) == 2, created        # only the packed metadata, once per forward
-    # [slots 11 | positions 11 | query_index 11 | rows 11 | last 3 | table 3 x 2 | qpos 3 x 6]
-    assert copies[0] == 4 * 11 + 3 + 3 * 2 + 3 * 6
-
-
-needs_cpu_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason="cpu_kernels.cpp needs "
-                                       "AVX2 and a C++ compiler (g++, or $CXX)")
+    # [slots 11 | positions 11 | query_index 11 | last 3 | table 3 x 2 blocks | qpos 3 x 6]
+    assert copies[0] == 3 * 11 + 3 + 3 * 2 + 3 * 6
 
 
 @needs_cpu_kernels

@@ -16,6 +16,7 @@ from gguf_format import GGUF_INTEGERS, gguf_integers
 from quantize import (QuantLinear, QuantRows, dequantize, int4_cpu_reference, int4_product,
                       int8_cpu_reference, int8_product, pack_layers, quantize_int4, quantize_int8,
                       weight_bytes)
+from conftest import needs_cpu_kernels
 from test_generate import N_LAW, empirical_law, gen, make_small_vocab_pair, tv, tv_bound
 
 torch.set_num_threads(1)
@@ -126,10 +127,6 @@ def test_torchs_int4_kernel_layer():
         QuantLinear(96, 8, 4).pack()
 
 
-needs_quant_cpu = pytest.mark.skipif(not cpu_kernels.available(), reason="cpu_kernels.cpp needs "
-                                     "AVX2 and a C++ compiler (g++, or $CXX)")
-
-
 def rows_are_independent(layer, x, y):
     """Each row of layer(x) = y the same bit for bit whatever the rows beside it (1 to 17: the
     kernels take rows 4 at a time), on 2 threads, and compiled."""
@@ -162,7 +159,7 @@ def awkward_rows(g, n: int):
     return x
 
 
-@needs_quant_cpu
+@needs_cpu_kernels
 def test_cpu_int4_kernel_layer():
     """An int4 layer moved into cpu_kernels.cpp's kernel (pack("cpu")): its weight is ours with the
     scale and min in float16, 5 bits a weight; its products are the kernel's stated math (x in
@@ -189,7 +186,7 @@ def test_cpu_int4_kernel_layer():
     rows_are_independent(kernel, x, y)
 
 
-@needs_quant_cpu
+@needs_cpu_kernels
 @pytest.mark.parametrize("group,mins", [(32, False), (64, True), (192, False)])
 def test_cpu_int8_kernel_layer(group, mins):
     """An int8 layer on cpu_kernels.cpp's int8 kernel (pack_layers marks it; the weight stays in our
