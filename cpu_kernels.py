@@ -21,6 +21,16 @@ KERNEL_CPUS = ("AVX2", "AVX512")  # torch's name for the vector instructions the
 CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ssd"
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-std=c++20", "-shared", "-fPIC"]
 
+
+def has_avx_vnni() -> bool:
+    """Whether this CPU has AVX-VNNI (Intel since Alder Lake and Sapphire Rapids, AMD since Zen 5):
+    the int4 product's multiply-adds in one instruction each (cpu_kernels.cpp, dot_pairs). The
+    output is the same bit for bit without it, so SSD_CPU_NO_VNNI=1 builds the AVX2 form here
+    too (tests/test_quantize.py compares the two)."""
+    cpuinfo = Path("/proc/cpuinfo")
+    return (not os.environ.get("SSD_CPU_NO_VNNI") and cpuinfo.exists()
+            and "avx_vnni" in cpuinfo.read_text().split())
+
 # available()'s answer once found (a process loads the library once), and the lock that makes
 # threads loading models at once build and load it once
 LOADED = {}
@@ -39,7 +49,7 @@ def available() -> bool:
 
 def build_and_load(source: Path) -> bool:
     """available()'s work: compile `source` into CACHE_DIR unless it is there, and load it."""
-    cmd = [os.environ.get("CXX", "g++"), *FLAGS,
+    cmd = [os.environ.get("CXX", "g++"), *FLAGS, *(["-mavxvnni"] if has_avx_vnni() else []),
            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}",
            *(f"-I{p}" for p in cpp_extension.include_paths()), str(source),
            *(f"-L{p}" for p in cpp_extension.library_paths()), "-ltorch", "-ltorch_cpu", "-lc10"]

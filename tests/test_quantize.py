@@ -5,6 +5,11 @@ quantized model: greedy SD / SSD emit the quantized AR's tokens, and at T > 0 th
 the quantized target's (with a negative control).
 """
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -184,6 +189,34 @@ def test_cpu_int4_kernel_layer():
     within(y, exact, x, 1e-3)  # near the float product
     assert not torch.equal(y.double(), exact)
     rows_are_independent(kernel, x, y)
+
+
+@needs_cpu_kernels
+@pytest.mark.skipif(not cpu_kernels.has_avx_vnni(), reason="no AVX-VNNI here: the int4 kernel "
+                    "built here is the AVX2 form already")
+def test_int4_kernel_with_and_without_avx_vnni_gives_the_same_bits(tmp_path):
+    """The int4 kernel as this CPU builds it (with AVX-VNNI) and as a CPU without it does (the AVX2
+    form, SSD_CPU_NO_VNNI=1, built and run in a fresh process): the same integer sums, so the same
+    bits, for 1 to 5 rows (each number of rows takes its own code)."""
+    g = torch.Generator().manual_seed(8)
+    inputs = dict(x=3 * torch.randn(5, 192, generator=g),
+                  packed=torch.randint(0, 256, (40, 6, 4, 32), dtype=torch.uint8, generator=g),
+                  sm=(0.01 * torch.randn(40, 6, 2, 8, generator=g)).half())
+    torch.save(inputs, tmp_path / "inputs.pt")
+    code = (f"import sys, torch; sys.path.insert(0, {str(Path(cpu_kernels.__file__).parent)!r})\n"
+            "import cpu_kernels\n"
+            "assert not cpu_kernels.has_avx_vnni() and cpu_kernels.available()\n"
+            f"a = torch.load({str(tmp_path / 'inputs.pt')!r})\n"
+            "torch.save([torch.ops.ssd.int4_mm(a['x'][:m].contiguous(), a['packed'], a['sm'])\n"
+            f"            for m in range(1, 6)], {str(tmp_path / 'avx2.pt')!r})\n")
+    done = subprocess.run([sys.executable, "-c", code], env={**os.environ, "SSD_CPU_NO_VNNI": "1"},
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    avx2 = torch.load(tmp_path / "avx2.pt")
+    for m in range(1, 6):
+        here = torch.ops.ssd.int4_mm(inputs["x"][:m].contiguous(), inputs["packed"], inputs["sm"])
+        assert torch.equal(here, avx2[m - 1]), m
+    assert avx2[4].abs().mean() > 0.1  # outputs of order 1, not zeros that any two builds share
 
 
 @needs_cpu_kernels
