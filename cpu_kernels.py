@@ -24,12 +24,11 @@ FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-std=c++20", "-shared"
 
 def has_avx_vnni() -> bool:
     """Whether this CPU has AVX-VNNI (Intel since Alder Lake and Sapphire Rapids, AMD since Zen 5):
-    the int4 product's multiply-adds in one instruction each (cpu_kernels.cpp, dot_pairs). The
-    output is the same bit for bit without it, so SSD_CPU_NO_VNNI=1 builds the AVX2 form here
-    too (tests/test_quantize.py compares the two)."""
+    the int4 product's multiply-adds in one instruction each (cpu_kernels.cpp, dot_pairs), the
+    same bits as AVX2's two."""
     cpuinfo = Path("/proc/cpuinfo")
-    return (not os.environ.get("SSD_CPU_NO_VNNI") and cpuinfo.exists()
-            and "avx_vnni" in cpuinfo.read_text().split())
+    return cpuinfo.exists() and "avx_vnni" in cpuinfo.read_text().split()
+
 
 # available()'s answer once found (a process loads the library once), and the lock that makes
 # threads loading models at once build and load it once
@@ -43,13 +42,14 @@ def available() -> bool:
     with LOCK:
         if "ok" not in LOADED:
             LOADED["ok"] = (torch.backends.cpu.get_cpu_capability() in KERNEL_CPUS
-                            and build_and_load(SOURCE))
+                            and build_and_load(SOURCE, vnni=has_avx_vnni()))
         return LOADED["ok"]
 
 
-def build_and_load(source: Path) -> bool:
-    """available()'s work: compile `source` into CACHE_DIR unless it is there, and load it."""
-    cmd = [os.environ.get("CXX", "g++"), *FLAGS, *(["-mavxvnni"] if has_avx_vnni() else []),
+def build_and_load(source: Path, vnni: bool = False) -> bool:
+    """available()'s work: compile `source` into CACHE_DIR unless it is there, and load it. vnni:
+    with AVX-VNNI; a compiler that does not know it (GCC before 11) builds the AVX2 form instead."""
+    cmd = [os.environ.get("CXX", "g++"), *FLAGS, *(["-mavxvnni"] if vnni else []),
            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}",
            *(f"-I{p}" for p in cpp_extension.include_paths()), str(source),
            *(f"-L{p}" for p in cpp_extension.library_paths()), "-ltorch", "-ltorch_cpu", "-lc10"]
@@ -63,6 +63,8 @@ def build_and_load(source: Path) -> bool:
             os.replace(tmp, lib)
         except (OSError, subprocess.CalledProcessError) as e:
             tmp.unlink(missing_ok=True)
+            if vnni:
+                return build_and_load(source, vnni=False)
             why = (getattr(e, "stderr", None) or str(e)).strip().splitlines()
             warnings.warn(f"{source.name} did not build ({why[-1] if why else cmd[0] + ' failed'}):"
                           f" quantized layers use torch's int4 kernel and compiled int8 products,"

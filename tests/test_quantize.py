@@ -195,23 +195,32 @@ def test_cpu_int4_kernel_layer():
 @pytest.mark.skipif(not cpu_kernels.has_avx_vnni(), reason="no AVX-VNNI here: the int4 kernel "
                     "built here is the AVX2 form already")
 def test_int4_kernel_with_and_without_avx_vnni_gives_the_same_bits(tmp_path):
-    """The int4 kernel as this CPU builds it (with AVX-VNNI) and as a CPU without it does (the AVX2
-    form, SSD_CPU_NO_VNNI=1, built and run in a fresh process): the same integer sums, so the same
+    """The int4 kernel as this CPU builds it (with AVX-VNNI) and as a compiler without AVX-VNNI
+    (GCC before 11: here g++ behind a script that refuses -mavxvnni, in a fresh process and cache)
+    builds it, the AVX2 form other CPUs run, with no warning: the same integer sums, so the same
     bits, for 1 to 5 rows (each number of rows takes its own code)."""
     g = torch.Generator().manual_seed(8)
     inputs = dict(x=3 * torch.randn(5, 192, generator=g),
                   packed=torch.randint(0, 256, (40, 6, 4, 32), dtype=torch.uint8, generator=g),
                   sm=(0.01 * torch.randn(40, 6, 2, 8, generator=g)).half())
     torch.save(inputs, tmp_path / "inputs.pt")
-    code = (f"import sys, torch; sys.path.insert(0, {str(Path(cpu_kernels.__file__).parent)!r})\n"
+    cxx = tmp_path / "old-g++"
+    cxx.write_text("#!/bin/sh\n"
+                   'for a in "$@"; do [ "$a" = -mavxvnni ] && { echo "unrecognized -mavxvnni" >&2;'
+                   f' exit 1; }}; done\nexec {os.environ.get("CXX", "g++")} "$@"\n')
+    cxx.chmod(0o755)
+    code = (f"import sys, warnings, torch; sys.path.insert(0, {str(Path(cpu_kernels.__file__).parent)!r})\n"
             "import cpu_kernels\n"
-            "assert not cpu_kernels.has_avx_vnni() and cpu_kernels.available()\n"
+            "warnings.simplefilter('error')\n"
+            "assert cpu_kernels.has_avx_vnni() and cpu_kernels.available()\n"
             f"a = torch.load({str(tmp_path / 'inputs.pt')!r})\n"
             "torch.save([torch.ops.ssd.int4_mm(a['x'][:m].contiguous(), a['packed'], a['sm'])\n"
             f"            for m in range(1, 6)], {str(tmp_path / 'avx2.pt')!r})\n")
-    done = subprocess.run([sys.executable, "-c", code], env={**os.environ, "SSD_CPU_NO_VNNI": "1"},
-                          capture_output=True, text=True, timeout=600)
+    env = {**os.environ, "CXX": str(cxx), "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=600)
     assert done.returncode == 0, done.stderr
+    assert len(list((tmp_path / "cache" / "ssd").glob("*.so"))) == 1  # the AVX2 build alone
     avx2 = torch.load(tmp_path / "avx2.pt")
     for m in range(1, 6):
         here = torch.ops.ssd.int4_mm(inputs["x"][:m].contiguous(), inputs["packed"], inputs["sm"])
