@@ -194,27 +194,34 @@ def test_cpu_int4_kernel_layer():
 @needs_cpu_kernels
 @pytest.mark.skipif(not cpu_kernels.has_avx_vnni(), reason="no AVX-VNNI here: the int4 kernel "
                     "built here is the AVX2 form already")
-def test_int4_kernel_with_and_without_avx_vnni_gives_the_same_bits(tmp_path):
-    """The int4 kernel as this CPU builds it (with AVX-VNNI) and as a compiler without AVX-VNNI
-    (GCC before 11: here g++ behind a script that refuses -mavxvnni, in a fresh process and cache)
-    builds it, the AVX2 form other CPUs run, with no warning: the same integer sums, so the same
-    bits, for 1 to 5 rows (each number of rows takes its own code)."""
+def test_kernels_with_and_without_avx_vnni_give_the_same_bits(tmp_path):
+    """The int4 and int8 kernels as this CPU builds them (with AVX-VNNI) and as a compiler without
+    AVX-VNNI (GCC before 11: here g++ behind a script that refuses -mavxvnni, in a fresh process
+    and cache) builds them, the AVX2 form other CPUs run, with no warning: the same integer sums,
+    so the same bits, for 1 to 5 rows (each number of rows takes its own code; 42 int8 outputs
+    leave a tail after the 4 or 2 at a time)."""
     g = torch.Generator().manual_seed(8)
     inputs = dict(x=3 * torch.randn(5, 192, generator=g),
                   packed=torch.randint(0, 256, (40, 6, 4, 32), dtype=torch.uint8, generator=g),
-                  sm=(0.01 * torch.randn(40, 6, 2, 8, generator=g)).half())
+                  sm=(0.01 * torch.randn(40, 6, 2, 8, generator=g)).half(),
+                  q8=torch.randint(-128, 128, (42, 192), dtype=torch.int8, generator=g),
+                  s8=0.01 * torch.rand(42, 6, generator=g),
+                  m8=0.01 * torch.randn(42, 6, generator=g))
     torch.save(inputs, tmp_path / "inputs.pt")
     cxx = tmp_path / "old-g++"
     cxx.write_text("#!/bin/sh\n"
                    'for a in "$@"; do [ "$a" = -mavxvnni ] && { echo "unrecognized -mavxvnni" >&2;'
                    f' exit 1; }}; done\nexec {os.environ.get("CXX", "g++")} "$@"\n')
     cxx.chmod(0o755)
-    code = (f"import sys, warnings, torch; sys.path.insert(0, {str(Path(cpu_kernels.__file__).parent)!r})\n"
+    repo = str(Path(cpu_kernels.__file__).parent)
+    code = (f"import sys, warnings, torch; sys.path.insert(0, {repo!r})\n"
             "import cpu_kernels\n"
             "warnings.simplefilter('error')\n"
             "assert cpu_kernels.has_avx_vnni() and cpu_kernels.available()\n"
             f"a = torch.load({str(tmp_path / 'inputs.pt')!r})\n"
-            "torch.save([torch.ops.ssd.int4_mm(a['x'][:m].contiguous(), a['packed'], a['sm'])\n"
+            "x = lambda m: a['x'][:m].contiguous()\n"
+            "torch.save([[torch.ops.ssd.int4_mm(x(m), a['packed'], a['sm']),\n"
+            "             torch.ops.ssd.int8_mm(x(m), a['q8'], a['s8'], a['m8'])]\n"
             f"            for m in range(1, 6)], {str(tmp_path / 'avx2.pt')!r})\n")
     env = {**os.environ, "CXX": str(cxx), "XDG_CACHE_HOME": str(tmp_path / "cache")}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
@@ -222,10 +229,12 @@ def test_int4_kernel_with_and_without_avx_vnni_gives_the_same_bits(tmp_path):
     assert done.returncode == 0, done.stderr
     assert len(list((tmp_path / "cache" / "ssd").glob("*.so"))) == 1  # the AVX2 build alone
     avx2 = torch.load(tmp_path / "avx2.pt")
+    a = inputs
     for m in range(1, 6):
-        here = torch.ops.ssd.int4_mm(inputs["x"][:m].contiguous(), inputs["packed"], inputs["sm"])
-        assert torch.equal(here, avx2[m - 1]), m
-    assert avx2[4].abs().mean() > 0.1  # outputs of order 1, not zeros that any two builds share
+        x = a["x"][:m].contiguous()
+        assert torch.equal(torch.ops.ssd.int4_mm(x, a["packed"], a["sm"]), avx2[m - 1][0]), m
+        assert torch.equal(torch.ops.ssd.int8_mm(x, a["q8"], a["s8"], a["m8"]), avx2[m - 1][1]), m
+    assert min(y.abs().mean() for y in avx2[4]) > 0.1  # of order 1, not zeros any two builds share
 
 
 @needs_cpu_kernels
