@@ -160,7 +160,8 @@ void tiles(const int16_t* p, const float* d, const float* sum, int64_t K, const 
           std::memcpy(&p45, pu + 4, 4);
           std::memcpy(&p67, pu + 6, 4);
           // one row takes 4 sums, so that 4 chains of multiply-adds run at once; more rows
-          // take 2 each (their rows' chains run beside them, and more would leave registers)
+          // take 2 each (their rows' chains run beside them, and 4 each would not fit the
+          // registers)
           isum[0][r] = dot_pairs(isum[0][r], q0, _mm256_set1_epi32(p01));
           isum[1][r] = dot_pairs(isum[1][r], q1, _mm256_set1_epi32(p23));
           isum[R == 1 ? 2 : 0][r] = dot_pairs(isum[R == 1 ? 2 : 0][r], q2, _mm256_set1_epi32(p45));

@@ -24,8 +24,8 @@ FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-std=c++20", "-shared"
 
 def has_avx_vnni() -> bool:
     """Whether this CPU has AVX-VNNI (Intel since Alder Lake and Sapphire Rapids, AMD since Zen 5):
-    the int4 product's multiply-adds in one instruction each (cpu_kernels.cpp, dot_pairs), the
-    same bits as AVX2's two."""
+    the quantized products' multiply-adds in one instruction each (cpu_kernels.cpp, dot_pairs),
+    the same bits as AVX2's two."""
     cpuinfo = Path("/proc/cpuinfo")
     return cpuinfo.exists() and "avx_vnni" in cpuinfo.read_text().split()
 

@@ -192,8 +192,8 @@ def test_cpu_int4_kernel_layer():
 
 
 @needs_cpu_kernels
-@pytest.mark.skipif(not cpu_kernels.has_avx_vnni(), reason="no AVX-VNNI here: the int4 kernel "
-                    "built here is the AVX2 form already")
+@pytest.mark.skipif(not cpu_kernels.has_avx_vnni(), reason="no AVX-VNNI here: the kernels built "
+                    "here are the AVX2 form already")
 def test_kernels_with_and_without_avx_vnni_give_the_same_bits(tmp_path):
     """The int4 and int8 kernels as this CPU builds them (with AVX-VNNI) and as a compiler without
     AVX-VNNI (GCC before 11: here g++ behind a script that refuses -mavxvnni, in a fresh process
