@@ -442,9 +442,11 @@ at::Tensor paged_attention_cpu(const at::Tensor& q_, const at::Tensor& k_, const
   auto y = at::empty({N, nh, hd}, q.options());
   const float* qp = q.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  // Threads split the (token, KV head) pairs, each at least some 64K multiply-adds (below that,
-  // starting one costs more than it saves); a pair is one thread's, so no bit depends on them.
-  const int64_t grain = std::max<int64_t>(1, 65536 * N * nkv / std::max<int64_t>(work, 1));
+  // Threads split the (token, KV head) pairs, each at least some 16K multiply-adds (below that,
+  // starting one costs more than it saves; at 64K a decode step's 3 KV heads stayed on one thread
+  // up to about 200 tokens of context: SmolLM2-135M's 30 layers at 100 tokens, two threads, 0.55
+  // to 0.80 ms against 0.63 to 0.99); a pair is one thread's, so no bit depends on them.
+  const int64_t grain = std::max<int64_t>(1, 16384 * N * nkv / std::max<int64_t>(work, 1));
   at::parallel_for(0, N * nkv, grain, [&](int64_t w0, int64_t w1) {
     std::vector<float> sc;
     for (int64_t w = w0; w < w1; w++) {
