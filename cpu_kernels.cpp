@@ -138,9 +138,13 @@ void tiles(const int16_t* p, const float* d, const float* sum, int64_t K, const 
     __m256 acc[R];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
-      __m256i isum[4][R];  // the block's integer sums (exact: their order changes no bit)
+      // the block's integer sums, C a row (exact: their order changes no bit). One row takes 4,
+      // so that 4 chains of multiply-adds run at once; more rows take 2 each (their rows' chains
+      // run beside them, and 4 each would not fit the registers)
+      constexpr int C = R == 1 ? 4 : 2;
+      __m256i isum[C][R];
       for (int r = 0; r < R; r++)
-        for (int c = 0; c < 4; c++) isum[c][r] = _mm256_setzero_si256();
+        for (int c = 0; c < C; c++) isum[c][r] = _mm256_setzero_si256();
       // Ask for the weights 4 KB ahead: the hardware's prefetcher stops at each 4 KB page, and
       // one core then waits on memory (measured: SmolLM2-135M's 120 int4 layers, one thread,
       // cold in cache, in 0.5x the time of the same loop without these two lines).
@@ -159,21 +163,18 @@ void tiles(const int16_t* p, const float* d, const float* sum, int64_t K, const 
           std::memcpy(&p23, pu + 2, 4);
           std::memcpy(&p45, pu + 4, 4);
           std::memcpy(&p67, pu + 6, 4);
-          // one row takes 4 sums, so that 4 chains of multiply-adds run at once; more rows
-          // take 2 each (their rows' chains run beside them, and 4 each would not fit the
-          // registers)
           isum[0][r] = dot_pairs(isum[0][r], q0, _mm256_set1_epi32(p01));
           isum[1][r] = dot_pairs(isum[1][r], q1, _mm256_set1_epi32(p23));
-          isum[R == 1 ? 2 : 0][r] = dot_pairs(isum[R == 1 ? 2 : 0][r], q2, _mm256_set1_epi32(p45));
-          isum[R == 1 ? 3 : 1][r] = dot_pairs(isum[R == 1 ? 3 : 1][r], q3, _mm256_set1_epi32(p67));
+          isum[2 % C][r] = dot_pairs(isum[2 % C][r], q2, _mm256_set1_epi32(p45));
+          isum[3 % C][r] = dot_pairs(isum[3 % C][r], q3, _mm256_set1_epi32(p67));
         }
       }
       __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(smt + g * 2 * TILE)));
       __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(smt + g * 2 * TILE + TILE)));
       for (int r = 0; r < R; r++) {
         __m256 sd = _mm256_mul_ps(s, _mm256_set1_ps(d[r * G + g]));
-        const __m256i i = _mm256_add_epi32(_mm256_add_epi32(isum[0][r], isum[1][r]),
-                                           _mm256_add_epi32(isum[2][r], isum[3][r]));
+        __m256i i = _mm256_add_epi32(isum[0][r], isum[1][r]);
+        if constexpr (C == 4) i = _mm256_add_epi32(i, _mm256_add_epi32(isum[2][r], isum[3][r]));
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), sd, acc[r]);
         acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(sum[r * G + g]), acc[r]);
       }
