@@ -183,6 +183,88 @@ void tiles(const int16_t* p, const float* d, const float* sum, int64_t K, const 
   }
 }
 
+#ifdef __AVX512BW__
+// More than one row of x (a verification) with AVX-512, which cpu_kernels.py builds where the CPU
+// has it. Past one row the product is bound by arithmetic, not by the weights' bytes, so here one
+// 64-byte load takes two units (u, u + 1) of the tile, and a permutation of its 32-bit lanes puts
+// them side by side: lane 2 i holds unit u's pair of output i, lane 2 i + 1 unit u + 1's. Each
+// row's two pairs of p for those (pairs2 lays them side by side) are one 64-bit broadcast, so one
+// multiply-add does the work of two of `tiles`, and the unpacking is halved too. At the end of a
+// block each output's two lanes are added: the same int32 sums, so the same bits, as `tiles`
+// (tests/test_quantize.py compares the builds). One row stays on `tiles`: it waits on memory, and
+// its decode step was no faster with 512-bit registers.
+inline __m512i dot_pairs512(__m512i acc, __m512i a, __m512i b) {
+#ifdef __AVX512VNNI__
+  return _mm512_dpwssd_epi32(acc, a, b);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
+#endif
+}
+
+// Rows of p as pairs (int32) in tiles512's order: per block, units (2 v, 2 v + 1), pair j, unit.
+std::vector<int32_t> pairs2(const int16_t* p, int64_t M, int64_t K) {
+  std::vector<int32_t> out(M * K / 2);
+  int32_t* o = out.data();
+  for (int64_t r = 0; r < M; r++)
+    for (int64_t g = 0; g < K / BLOCK; g++)
+      for (int v = 0; v < 2; v++)
+        for (int j = 0; j < 4; j++)
+          for (int h = 0; h < 2; h++)
+            std::memcpy(o++, p + r * K + g * BLOCK + (2 * v + h) * 8 + 2 * j, 4);
+  return out;
+}
+
+template <int R>
+void tiles512(const int32_t* p2, const float* d, const float* sum, int64_t K,
+              const uint8_t* packed, const uint16_t* sm, float* y, int64_t N, int64_t t0,
+              int64_t t1) {
+  const int64_t G = K / BLOCK;
+  const __m512i low4 = _mm512_set1_epi16(0x000F);
+  const __m512i mix = _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
+  for (int64_t t = t0; t < t1; t++) {
+    const uint8_t* wt = packed + t * G * 4 * 32;
+    const uint16_t* smt = sm + t * G * 2 * TILE;
+    __m256 acc[R];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+      constexpr int C = R == 1 ? 4 : 2;
+      __m512i isum[C][R];
+      for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) isum[c][r] = _mm512_setzero_si512();
+      _mm_prefetch((const char*)(wt + g * 128 + PREFETCH), _MM_HINT_T0);
+      _mm_prefetch((const char*)(wt + g * 128 + PREFETCH + 64), _MM_HINT_T0);
+      for (int v = 0; v < 2; v++) {
+        __m512i w = _mm512_permutexvar_epi32(mix, _mm512_loadu_si512(wt + (g * 4 + 2 * v) * 32));
+        __m512i q0 = _mm512_and_si512(w, low4);
+        __m512i q1 = _mm512_and_si512(_mm512_srli_epi16(w, 4), low4);
+        __m512i q2 = _mm512_and_si512(_mm512_srli_epi16(w, 8), low4);
+        __m512i q3 = _mm512_srli_epi16(w, 12);
+        for (int r = 0; r < R; r++) {
+          int64_t pj[4];  // pair j of units 2 v and 2 v + 1, as one int64 each
+          std::memcpy(pj, p2 + r * K / 2 + (g * 2 + v) * 8, 32);
+          isum[0][r] = dot_pairs512(isum[0][r], q0, _mm512_set1_epi64(pj[0]));
+          isum[1][r] = dot_pairs512(isum[1][r], q1, _mm512_set1_epi64(pj[1]));
+          isum[2 % C][r] = dot_pairs512(isum[2 % C][r], q2, _mm512_set1_epi64(pj[2]));
+          isum[3 % C][r] = dot_pairs512(isum[3 % C][r], q3, _mm512_set1_epi64(pj[3]));
+        }
+      }
+      __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(smt + g * 2 * TILE)));
+      __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(smt + g * 2 * TILE + TILE)));
+      for (int r = 0; r < R; r++) {
+        __m256 sd = _mm256_mul_ps(s, _mm256_set1_ps(d[r * G + g]));
+        __m512i i2 = _mm512_add_epi32(isum[0][r], isum[1][r]);
+        if constexpr (C == 4) i2 = _mm512_add_epi32(i2, _mm512_add_epi32(isum[2][r], isum[3][r]));
+        // lane 2 i + lane 2 i + 1 into the low half of each 64 bits, then those halves: output i
+        __m256i i = _mm512_cvtepi64_epi32(_mm512_add_epi32(i2, _mm512_srli_epi64(i2, 32)));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), sd, acc[r]);
+        acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(sum[r * G + g]), acc[r]);
+      }
+    }
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(y + r * N + t * TILE, acc[r]);
+  }
+}
+#endif
+
 at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sm) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "int4_mm: x must be a contiguous float32 [M, K]");
@@ -202,9 +284,18 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tens
   // Threads split the tiles (each output is one thread's), so their number cannot change a bit;
   // each takes at least 64 KB of weights: below that, starting one costs more than it saves.
   const int64_t grain = std::max<int64_t>(1, 65536 / (TILE * K / 2));
+#ifdef __AVX512BW__
+  const std::vector<int32_t> p2 = pairs2(pp, M, K);
+#endif
   at::parallel_for(0, T, grain, [&](int64_t t0, int64_t t1) {
     in_pieces<MT>(M, [&](auto R, int64_t r) {
-      tiles<R()>(pp + r * K, d + r * G, sum + r * G, K, w, smp, yp + r * N, N, t0, t1);
+#ifdef __AVX512BW__
+      if constexpr (R() > 1)
+        tiles512<R()>(p2.data() + r * K / 2, d + r * G, sum + r * G, K, w, smp, yp + r * N, N,
+                      t0, t1);
+      else
+#endif
+        tiles<R()>(pp + r * K, d + r * G, sum + r * G, K, w, smp, yp + r * N, N, t0, t1);
     });
   });
   return y;
@@ -266,6 +357,62 @@ void rows8(const int16_t* p, const float* d, const float* sum, int64_t K, const 
   }
 }
 
+#ifdef __AVX512BW__
+// More than one row of x with AVX-512: rows8<R, 2> with a block of an output's 32 weights in one
+// register (one multiply-add for a row in place of two), and the two outputs side by side in the
+// float sums: after the block's multiply-adds, a 512-bit register holds lane l of output o's sum
+// at 8 o + l, added as rows8 adds it (lane l: pairs l and l + 8), so every bit is rows8's.
+// a and b as the low and high halves of one register, and the high half back (AVX-512 F alone)
+__m512 halves(__m256 a, __m256 b) {
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(a)),
+                                             _mm256_castps_pd(b), 1));
+}
+__m256 high(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
+
+template <int R>
+void rows8x2_512(const int16_t* p, const float* d, const float* sum, int64_t K, const int8_t* q,
+                 const float* s, const float* mn, int64_t group, float* y, int64_t N, int64_t n0,
+                 int64_t n1) {
+  const int64_t G = K / BLOCK, per = group / BLOCK, S = K / group;
+  for (int64_t n = n0; n < n1; n += 2) {
+    __m512 acc[R];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < G; b++) {
+      __m512i w[2];
+      for (int o = 0; o < 2; o++) {
+        const int8_t* qb = q + (n + o) * K + b * BLOCK;
+        _mm_prefetch((const char*)(qb + PREFETCH), _MM_HINT_T0);
+        w[o] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)qb));
+      }
+      const __m512 sb = halves(_mm256_set1_ps(s[n * S + b / per]),
+                               _mm256_set1_ps(s[(n + 1) * S + b / per]));
+      for (int r = 0; r < R; r++) {
+        const __m512i pb = _mm512_loadu_si512(p + r * K + b * BLOCK);
+        const __m512i i0 = dot_pairs512(_mm512_setzero_si512(), w[0], pb);
+        const __m512i i1 = dot_pairs512(_mm512_setzero_si512(), w[1], pb);
+        const __m512i i = _mm512_add_epi32(_mm512_shuffle_i64x2(i0, i1, _MM_SHUFFLE(1, 0, 1, 0)),
+                                           _mm512_shuffle_i64x2(i0, i1, _MM_SHUFFLE(3, 2, 3, 2)));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i),
+                                 _mm512_mul_ps(sb, _mm512_set1_ps(d[r * G + b])), acc[r]);
+      }
+    }
+    for (int r = 0; r < R; r++) {
+      float t[2] = {sum8(_mm512_castps512_ps256(acc[r])), sum8(high(acc[r]))};
+      for (int o = 0; o < 2; o++) {
+        if (mn != nullptr) {
+          for (int64_t h = 0; h < S; h++) {
+            float xs = 0;
+            for (int64_t b = h * per; b < (h + 1) * per; b++) xs += sum[r * G + b];
+            t[o] += mn[(n + o) * S + h] * xs;
+          }
+        }
+        y[r * N + n + o] = t[o];
+      }
+    }
+  }
+}
+#endif
+
 at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
                    const std::optional<at::Tensor>& mins) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
@@ -300,7 +447,13 @@ at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s
       // last few one by one
       constexpr int NO = R() == 1 ? 4 : 2;
       const int64_t split = n0 + (n1 - n0) / NO * NO;
-      run(std::integral_constant<int, NO>{}, n0, split);
+#ifdef __AVX512BW__
+      if constexpr (R() > 1)
+        rows8x2_512<R()>(pp + r * K, d + r * G, sum + r * G, K, qp, sp, mp, K / S, yp + r * N, N,
+                         n0, split);
+      else
+#endif
+        run(std::integral_constant<int, NO>{}, n0, split);
       run(std::integral_constant<int, 1>{}, split, n1);
     });
   });

@@ -22,12 +22,19 @@ CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ss
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-std=c++20", "-shared", "-fPIC"]
 
 
-def has_avx_vnni() -> bool:
-    """Whether this CPU has AVX-VNNI (Intel since Alder Lake and Sapphire Rapids, AMD since Zen 5):
-    the quantized products' multiply-adds in one instruction each (cpu_kernels.cpp, dot_pairs),
-    the same bits as AVX2's two."""
+# The instructions beyond AVX2 that cpu_kernels.cpp takes where the CPU has them: /proc/cpuinfo's
+# name for each, and the compiler's flags. AVX-VNNI multiplies and adds 16-bit pairs in one
+# instruction (dot_pairs); AVX-512 (BW for its 16-bit integers) the int4 product two units of the
+# weights at a time (tiles512), with its own VNNI. Every form gives the same bits.
+EXTRA_FLAGS = {"avx_vnni": ["-mavxvnni"], "avx512bw": ["-mavx512f", "-mavx512bw"],
+               "avx512_vnni": ["-mavx512vnni"]}
+
+
+def cpu_flags() -> tuple[str, ...]:
+    """The EXTRA_FLAGS of the instructions this CPU has."""
     cpuinfo = Path("/proc/cpuinfo")
-    return cpuinfo.exists() and "avx_vnni" in cpuinfo.read_text().split()
+    have = set(cpuinfo.read_text().split()) if cpuinfo.exists() else set()
+    return tuple(flag for name, flags in EXTRA_FLAGS.items() if name in have for flag in flags)
 
 
 # available()'s answer once found (a process loads the library once), and the lock that makes
@@ -42,14 +49,15 @@ def available() -> bool:
     with LOCK:
         if "ok" not in LOADED:
             LOADED["ok"] = (torch.backends.cpu.get_cpu_capability() in KERNEL_CPUS
-                            and build_and_load(SOURCE, vnni=has_avx_vnni()))
+                            and build_and_load(SOURCE, cpu_flags()))
         return LOADED["ok"]
 
 
-def build_and_load(source: Path, vnni: bool = False) -> bool:
-    """available()'s work: compile `source` into CACHE_DIR unless it is there, and load it. vnni:
-    with AVX-VNNI; a compiler that does not know it (GCC before 11) builds the AVX2 form instead."""
-    cmd = [os.environ.get("CXX", "g++"), *FLAGS, *(["-mavxvnni"] if vnni else []),
+def build_and_load(source: Path, extra: tuple[str, ...] = ()) -> bool:
+    """available()'s work: compile `source` with FLAGS and `extra` (cpu_flags()) into CACHE_DIR
+    unless it is there, and load it. A compiler that does not know an extra flag (GCC before 11
+    and -mavxvnni) builds the AVX2 form instead."""
+    cmd = [os.environ.get("CXX", "g++"), *FLAGS, *extra,
            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}",
            *(f"-I{p}" for p in cpp_extension.include_paths()), str(source),
            *(f"-L{p}" for p in cpp_extension.library_paths()), "-ltorch", "-ltorch_cpu", "-lc10"]
@@ -63,8 +71,8 @@ def build_and_load(source: Path, vnni: bool = False) -> bool:
             os.replace(tmp, lib)
         except (OSError, subprocess.CalledProcessError) as e:
             tmp.unlink(missing_ok=True)
-            if vnni:
-                return build_and_load(source, vnni=False)
+            if extra:
+                return build_and_load(source)
             why = (getattr(e, "stderr", None) or str(e)).strip().splitlines()
             warnings.warn(f"{source.name} did not build ({why[-1] if why else cmd[0] + ' failed'}):"
                           f" quantized layers use torch's int4 kernel and compiled int8 products,"

@@ -191,15 +191,24 @@ def test_cpu_int4_kernel_layer():
     rows_are_independent(kernel, x, y)
 
 
+# The forms of cpu_kernels.cpp that other CPUs build, each by the extra flags it takes (None: the
+# AVX2 form, which a compiler that refuses the extra flags falls back to)
+KERNEL_FORMS = {"avx2": None, "avx-vnni": ("-mavxvnni",),
+                "avx-512 without vnni": ("-mavx512f", "-mavx512bw")}
+
+
 @needs_cpu_kernels
-@pytest.mark.skipif(not cpu_kernels.has_avx_vnni(), reason="no AVX-VNNI here: the kernels built "
-                    "here are the AVX2 form already")
-def test_kernels_with_and_without_avx_vnni_give_the_same_bits(tmp_path):
-    """The int4 and int8 kernels as this CPU builds them (with AVX-VNNI) and as a compiler without
-    AVX-VNNI (GCC before 11: here g++ behind a script that refuses -mavxvnni, in a fresh process
-    and cache) builds them, the AVX2 form other CPUs run, with no warning: the same integer sums,
-    so the same bits, for 1 to 5 rows (each number of rows takes its own code; 42 int8 outputs
-    leave a tail after the 4 or 2 at a time)."""
+@pytest.mark.parametrize("form", KERNEL_FORMS)
+def test_kernel_forms_give_the_same_bits(tmp_path, form):
+    """The int4 and int8 kernels as this CPU builds them (cpu_kernels.cpu_flags()) and as a CPU
+    with fewer instructions builds them, in a fresh process and cache, with no warning: the same
+    integer sums, so the same bits, for 1 to 5 rows (each number of rows takes its own code; 42
+    int8 outputs leave a tail after the 4 or 2 at a time). The AVX2 form is built as a compiler
+    without the extras (GCC before 11 and AVX-VNNI) builds it: g++ behind a script that refuses
+    them."""
+    extra, here = KERNEL_FORMS[form], cpu_kernels.cpu_flags()
+    if extra is not None and (not set(extra) <= set(here) or extra == here) or not here:
+        pytest.skip(f"this CPU ({' '.join(here) or 'AVX2'}) builds no {form} form beside its own")
     g = torch.Generator().manual_seed(8)
     inputs = dict(x=3 * torch.randn(5, 192, generator=g),
                   packed=torch.randint(0, 256, (40, 6, 4, 32), dtype=torch.uint8, generator=g),
@@ -209,32 +218,37 @@ def test_kernels_with_and_without_avx_vnni_give_the_same_bits(tmp_path):
                   m8=0.01 * torch.randn(42, 6, generator=g))
     torch.save(inputs, tmp_path / "inputs.pt")
     cxx = tmp_path / "old-g++"
+    refused = " ".join(f for flags in cpu_kernels.EXTRA_FLAGS.values() for f in flags)
     cxx.write_text("#!/bin/sh\n"
-                   'for a in "$@"; do [ "$a" = -mavxvnni ] && { echo "unrecognized -mavxvnni" >&2;'
-                   f' exit 1; }}; done\nexec {os.environ.get("CXX", "g++")} "$@"\n')
+                   f'for a in "$@"; do for f in {refused}; do [ "$a" = $f ] && '
+                   '{ echo "unrecognized $f" >&2; exit 1; }; done; done\n'
+                   f'exec {os.environ.get("CXX", "g++")} "$@"\n')
     cxx.chmod(0o755)
     repo = str(Path(cpu_kernels.__file__).parent)
+    build = ("cpu_kernels.available()" if extra is None else
+             f"cpu_kernels.build_and_load(cpu_kernels.SOURCE, {extra!r})")
     code = (f"import sys, warnings, torch; sys.path.insert(0, {repo!r})\n"
             "import cpu_kernels\n"
             "warnings.simplefilter('error')\n"
-            "assert cpu_kernels.has_avx_vnni() and cpu_kernels.available()\n"
+            f"assert {build}\n"
             f"a = torch.load({str(tmp_path / 'inputs.pt')!r})\n"
             "x = lambda m: a['x'][:m].contiguous()\n"
             "torch.save([[torch.ops.ssd.int4_mm(x(m), a['packed'], a['sm']),\n"
             "             torch.ops.ssd.int8_mm(x(m), a['q8'], a['s8'], a['m8'])]\n"
-            f"            for m in range(1, 6)], {str(tmp_path / 'avx2.pt')!r})\n")
-    env = {**os.environ, "CXX": str(cxx), "XDG_CACHE_HOME": str(tmp_path / "cache")}
+            f"            for m in range(1, 6)], {str(tmp_path / 'other.pt')!r})\n")
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"),
+           **({"CXX": str(cxx)} if extra is None else {})}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr
-    assert len(list((tmp_path / "cache" / "ssd").glob("*.so"))) == 1  # the AVX2 build alone
-    avx2 = torch.load(tmp_path / "avx2.pt")
+    assert len(list((tmp_path / "cache" / "ssd").glob("*.so"))) == 1  # that form's build alone
+    other = torch.load(tmp_path / "other.pt")
     a = inputs
     for m in range(1, 6):
         x = a["x"][:m].contiguous()
-        assert torch.equal(torch.ops.ssd.int4_mm(x, a["packed"], a["sm"]), avx2[m - 1][0]), m
-        assert torch.equal(torch.ops.ssd.int8_mm(x, a["q8"], a["s8"], a["m8"]), avx2[m - 1][1]), m
-    assert min(y.abs().mean() for y in avx2[4]) > 0.1  # of order 1, not zeros any two builds share
+        assert torch.equal(torch.ops.ssd.int4_mm(x, a["packed"], a["sm"]), other[m - 1][0]), m
+        assert torch.equal(torch.ops.ssd.int8_mm(x, a["q8"], a["s8"], a["m8"]), other[m - 1][1]), m
+    assert min(y.abs().mean() for y in other[4]) > 0.1  # of order 1, not zeros any two builds share
 
 
 @needs_cpu_kernels
