@@ -101,6 +101,13 @@ __m128 sum4(const __m256* a) {
   return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
+// The lane sums of 8 registers at once, each again in sum8's order.
+__m256 sum8x8(const __m256* a) {
+  const __m256 lo = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 hi = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
+}
+
 // ---------------------------------------------------------------------------------------------
 // int4, q in 0..15 with a float16 scale and min per block. The layout (quantize.int4_to_cpu_kernel
 // writes it): the outputs in tiles of 8 (one AVX2 register of 8 int32 sums), and per tile, block
@@ -503,12 +510,32 @@ void attend(const float* q, int64_t hd, const float* pool, const int64_t* blocks
             int64_t nkv, int64_t h, int64_t L, float* sc, float* y) {
   const int64_t slot = 2 * nkv * hd, Lp = (L + 7) / 8 * 8;  // floats a slot
   const float scale = 1 / std::sqrt((float)hd);
-  // scores, key by key: the G heads' dot products side by side (G independent sums)
+  // scores: 8 keys at a time (where head_dim is a multiple of 8), each head's 8 dot products in 8
+  // registers of lane sums, added across their lanes by sum8x8; the keys left one by one, the G
+  // heads' sums side by side. A score is added in the same order either way.
   for (int64_t j0 = 0; j0 < L; j0 += bs) {
     const float* kb = pool + blocks[j0 / bs] * bs * slot + h * hd;
-    for (int64_t j = j0; j < std::min(L, j0 + bs); j++) {
+    const int64_t end = std::min(L, j0 + bs);
+    int64_t j = j0;
+    for (; hd % 8 == 0 && j + 8 <= end; j += 8) {
       const float* key = kb + (j - j0) * slot;
-      for (int64_t c = 0; c < hd; c += 16)  // the keys 8 slots on, one cache line at a time
+      for (int k = 0; k < 8; k++)  // the keys 8 slots on, one cache line at a time
+        for (int64_t c = 0; c < hd; c += 16)
+          _mm_prefetch((const char*)(key + (8 + k) * slot + c), _MM_HINT_T0);
+      for (int e = 0; e < G; e++) {
+        __m256 acc[8];
+        for (int k = 0; k < 8; k++) acc[k] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < hd; i += 8) {
+          const __m256 q8 = _mm256_loadu_ps(q + e * hd + i);
+          for (int k = 0; k < 8; k++)
+            acc[k] = _mm256_fmadd_ps(q8, _mm256_loadu_ps(key + k * slot + i), acc[k]);
+        }
+        _mm256_storeu_ps(sc + e * Lp + j, _mm256_mul_ps(sum8x8(acc), _mm256_set1_ps(scale)));
+      }
+    }
+    for (; j < end; j++) {
+      const float* key = kb + (j - j0) * slot;
+      for (int64_t c = 0; c < hd; c += 16)
         _mm_prefetch((const char*)(key + 8 * slot + c), _MM_HINT_T0);
       __m256 acc[G];
       for (int e = 0; e < G; e++) acc[e] = _mm256_setzero_ps();
@@ -544,22 +571,34 @@ void attend(const float* q, int64_t hd, const float* pool, const int64_t* blocks
     const float inv = 1 / sum8(sum);
     for (int64_t j = 0; j < L; j++) s[j] *= inv;
   }
-  std::memset(y, 0, G * hd * sizeof(float));
-  for (int64_t j0 = 0; j0 < L; j0 += bs) {  // y = the probabilities times the values
-    const float* vb = pool + blocks[j0 / bs] * bs * slot + (nkv + h) * hd;
-    for (int64_t j = j0; j < std::min(L, j0 + bs); j++) {
-      const float* value = vb + (j - j0) * slot;
-      for (int64_t c = 0; c < hd; c += 16)
-        _mm_prefetch((const char*)(value + 8 * slot + c), _MM_HINT_T0);
-      for (int e = 0; e < G; e++) {
-        const __m256 pe = _mm256_set1_ps(sc[e * Lp + j]);
-        float* ye = y + e * hd;
-        int64_t i = 0;
-        for (; i + 8 <= hd; i += 8)
-          _mm256_storeu_ps(ye + i, _mm256_fmadd_ps(pe, _mm256_loadu_ps(value + i),
-                                                   _mm256_loadu_ps(ye + i)));
-        for (; i < hd; i++) ye[i] += sc[e * Lp + j] * value[i];
+  // y = the probabilities times the values: a head at a time, 64 of its outputs in 8 registers
+  // while the keys go by (each output summed over the keys in order)
+  const int64_t vec = hd / 8 * 8;
+  for (int e = 0; e < G; e++) {
+    float* ye = y + e * hd;
+    for (int64_t c0 = 0; c0 < vec; c0 += 64) {
+      const int n8 = (int)std::min<int64_t>(8, (vec - c0) / 8);
+      __m256 acc[8];
+      for (int c = 0; c < 8; c++) acc[c] = _mm256_setzero_ps();
+      for (int64_t j0 = 0; j0 < L; j0 += bs) {
+        const float* vb = pool + blocks[j0 / bs] * bs * slot + (nkv + h) * hd + c0;
+        for (int64_t j = j0; j < std::min(L, j0 + bs); j++) {
+          const float* value = vb + (j - j0) * slot;
+          if (e == 0)
+            for (int64_t c = 0; c < std::min<int64_t>(64, hd - c0); c += 16)
+              _mm_prefetch((const char*)(value + 8 * slot + c), _MM_HINT_T0);
+          const __m256 pe = _mm256_set1_ps(sc[e * Lp + j]);
+          for (int c = 0; c < n8; c++)
+            acc[c] = _mm256_fmadd_ps(pe, _mm256_loadu_ps(value + 8 * c), acc[c]);
+        }
       }
+      for (int c = 0; c < n8; c++) _mm256_storeu_ps(ye + c0 + 8 * c, acc[c]);
+    }
+    for (int64_t i = vec; i < hd; i++) {  // the outputs past the last 8
+      float t = 0;
+      for (int64_t j = 0; j < L; j++)
+        t += sc[e * Lp + j] * pool[(blocks[j / bs] * bs + j % bs) * slot + (nkv + h) * hd + i];
+      ye[i] = t;
     }
   }
 }
