@@ -259,11 +259,14 @@ def test_one_host_to_device_copy_per_forward(llama, monkeypatch):
 
 
 @needs_cpu_kernels
-@pytest.mark.parametrize("nh,nkv,hd,block_size", [(9, 3, 64, 16), (4, 4, 20, 3), (8, 2, 16, 1)])
+@pytest.mark.parametrize("nh,nkv,hd,block_size",
+                         [(9, 3, 64, 16), (4, 4, 20, 3), (8, 2, 16, 1), (4, 2, 136, 16)])
 def test_cpu_attention_kernel_equals_the_reference(nh, nkv, hd, block_size):
     """kv_cache.paged_attention_cpu (cpu_kernels.cpp) against paged_attention (gather + SDPA): a
     ragged batch over three sequences, one a fork sharing another's blocks, GQA groups of 3, 1
-    and 4, a head size that is no multiple of 8 (the vector loop's tail). Equal to float rounding,
+    and 4, a head size that is no multiple of 8 (the vector loop's tail) and one of over 64 (the
+    outputs in registers 64 at a time), blocks of 16 keys (scores 8 keys at a time) and of fewer
+    than 8 (one by one). Equal to float rounding,
     and the same K/V written into the pool. Each token's output is bit for bit the same alone, in
     the batch and on 2 threads. A negative control: attending one key fewer moves it 100x more."""
     from types import SimpleNamespace
