@@ -198,17 +198,18 @@ KERNEL_FORMS = {"avx2": None, "avx-vnni": ("-mavxvnni",),
 
 
 @needs_cpu_kernels
-@pytest.mark.parametrize("form", KERNEL_FORMS)
-def test_kernel_forms_give_the_same_bits(tmp_path, form):
-    """The int4 and int8 kernels as this CPU builds them (cpu_kernels.cpu_flags()) and as a CPU
-    with fewer instructions builds them, in a fresh process and cache, with no warning: the same
-    integer sums, so the same bits, for 1 to 5 rows (each number of rows takes its own code; 42
-    int8 outputs leave a tail after the 4 or 2 at a time). The AVX2 form is built as a compiler
-    without the extras (GCC before 11 and AVX-VNNI) builds it: g++ behind a script that refuses
-    them."""
-    extra, here = KERNEL_FORMS[form], cpu_kernels.cpu_flags()
-    if extra is not None and (not set(extra) <= set(here) or extra == here) or not here:
-        pytest.skip(f"this CPU ({' '.join(here) or 'AVX2'}) builds no {form} form beside its own")
+def test_kernel_forms_give_the_same_bits(tmp_path):
+    """The int4 and int8 kernels as this CPU builds them (cpu_kernels.cpu_flags()) and as CPUs
+    with fewer instructions build them (KERNEL_FORMS this CPU can run, each in a fresh process and
+    cache, built side by side), with no warning: the same integer sums, so the same bits, for 1 to
+    5 rows (each number of rows takes its own code; 42 int8 outputs leave a tail after the 4 or 2
+    at a time). The AVX2 form is built as a compiler without the extras (GCC before 11 and
+    AVX-VNNI) builds it: g++ behind a script that refuses them."""
+    here = cpu_kernels.cpu_flags()
+    forms = {name: extra for name, extra in KERNEL_FORMS.items()
+             if here and (extra is None or set(extra) <= set(here) and extra != here)}
+    if not forms:
+        pytest.skip(f"this CPU ({' '.join(here) or 'AVX2'}) builds no form beside its own")
     g = torch.Generator().manual_seed(8)
     inputs = dict(x=3 * torch.randn(5, 192, generator=g),
                   packed=torch.randint(0, 256, (40, 6, 4, 32), dtype=torch.uint8, generator=g),
@@ -225,30 +226,36 @@ def test_kernel_forms_give_the_same_bits(tmp_path, form):
                    f'exec {os.environ.get("CXX", "g++")} "$@"\n')
     cxx.chmod(0o755)
     repo = str(Path(cpu_kernels.__file__).parent)
-    build = ("cpu_kernels.available()" if extra is None else
-             f"cpu_kernels.build_and_load(cpu_kernels.SOURCE, {extra!r})")
-    code = (f"import sys, warnings, torch; sys.path.insert(0, {repo!r})\n"
-            "import cpu_kernels\n"
-            "warnings.simplefilter('error')\n"
-            f"assert {build}\n"
-            f"a = torch.load({str(tmp_path / 'inputs.pt')!r})\n"
-            "x = lambda m: a['x'][:m].contiguous()\n"
-            "torch.save([[torch.ops.ssd.int4_mm(x(m), a['packed'], a['sm']),\n"
-            "             torch.ops.ssd.int8_mm(x(m), a['q8'], a['s8'], a['m8'])]\n"
-            f"            for m in range(1, 6)], {str(tmp_path / 'other.pt')!r})\n")
-    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"),
-           **({"CXX": str(cxx)} if extra is None else {})}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr
-    assert len(list((tmp_path / "cache" / "ssd").glob("*.so"))) == 1  # that form's build alone
-    other = torch.load(tmp_path / "other.pt")
-    a = inputs
-    for m in range(1, 6):
-        x = a["x"][:m].contiguous()
-        assert torch.equal(torch.ops.ssd.int4_mm(x, a["packed"], a["sm"]), other[m - 1][0]), m
-        assert torch.equal(torch.ops.ssd.int8_mm(x, a["q8"], a["s8"], a["m8"]), other[m - 1][1]), m
-    assert min(y.abs().mean() for y in other[4]) > 0.1  # of order 1, not zeros any two builds share
+    runs = {}
+    for i, (name, extra) in enumerate(forms.items()):
+        build = ("cpu_kernels.available()" if extra is None else
+                 f"cpu_kernels.build_and_load(cpu_kernels.SOURCE, {extra!r})")
+        code = (f"import sys, warnings, torch; sys.path.insert(0, {repo!r})\n"
+                "import cpu_kernels\n"
+                "warnings.simplefilter('error')\n"
+                f"assert {build}\n"
+                f"a = torch.load({str(tmp_path / 'inputs.pt')!r})\n"
+                "x = lambda m: a['x'][:m].contiguous()\n"
+                "torch.save([[torch.ops.ssd.int4_mm(x(m), a['packed'], a['sm']),\n"
+                "             torch.ops.ssd.int8_mm(x(m), a['q8'], a['s8'], a['m8'])]\n"
+                f"            for m in range(1, 6)], {str(tmp_path / f'{i}.pt')!r})\n")
+        env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / f"cache{i}"),
+               **({"CXX": str(cxx)} if extra is None else {})}
+        runs[name] = (i, subprocess.Popen([sys.executable, "-c", code], env=env, text=True,
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    for name, (i, run) in runs.items():
+        _, err = run.communicate(timeout=600)
+        assert run.returncode == 0, (name, err)
+        assert len(list((tmp_path / f"cache{i}" / "ssd").glob("*.so"))) == 1, name  # that form's
+        other = torch.load(tmp_path / f"{i}.pt")
+        a = inputs
+        for m in range(1, 6):
+            x = a["x"][:m].contiguous()
+            assert torch.equal(torch.ops.ssd.int4_mm(x, a["packed"], a["sm"]),
+                               other[m - 1][0]), (name, m)
+            assert torch.equal(torch.ops.ssd.int8_mm(x, a["q8"], a["s8"], a["m8"]),
+                               other[m - 1][1]), (name, m)
+        assert min(y.abs().mean() for y in other[4]) > 0.1  # of order 1, not zeros builds share
 
 
 @needs_cpu_kernels
