@@ -566,3 +566,21 @@ def test_law_negative_control_the_float_targets_law(int4_pair, int4_runs):
     emp = empirical_law(int4_runs["sd"].tokens, 3)
     assert tv(emp, float_law) > tv_bound(float_law, N_QLAW), (tv(emp, float_law),
                                                              tv(law, float_law))
+
+
+def test_step_floor_compares_each_step_with_the_floor_measured_beside_it():
+    """scripts/step_floor.py on the tiny target: the weights it counts are the model's as stored,
+    each row's floor is those bytes at that row's read speed and its ratio the step over it, at
+    each thread count asked for (eager and small here: the script's arithmetic, not a speed)."""
+    from scripts import step_floor
+    threads = torch.get_num_threads()
+    out = step_floor.main(["--target", "tiny", "--threads", "1,2", "--rounds", "2", "--steps", "3",
+                           "--gib", "0.02", "--no-compile"])
+    assert torch.get_num_threads() == threads  # given back
+    weights = weight_bytes(load_model("tiny", tokenizer=False)[0])
+    assert out["weight_mib"] * 2**20 == weights
+    assert [(r["threads"], r["round"]) for r in out["rows"]] == [(1, 0), (2, 0), (1, 1), (2, 1)]
+    for r in out["rows"]:
+        assert r["floor_ms"] == pytest.approx(weights / (r["read_gb_s"] * 1e9) * 1e3)
+        assert r["ratio"] == pytest.approx(r["step_ms"] / r["floor_ms"]) and r["step_ms"] > 0
+    assert set(out["median_ratio"]) == {1, 2}

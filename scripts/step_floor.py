@@ -1,0 +1,102 @@
+"""A CPU decode step against its bandwidth floor: the time a step needs at least, reading the
+model's weights once at the speed this machine reads memory, beside the time it takes.
+
+The speed is `x.sum()` over a float32 tensor far larger than the caches (1 GiB by default): the
+fastest of 3 sums. The step is the compiled 1-token forward after 100 tokens of context (the
+engine's decode path), the median of `--steps`. The two are measured in turn at each thread count,
+`--rounds` times in one process, because this kind of machine's speed drifts from minute to
+minute: each ratio compares a step with the floor measured beside it. The floor counts the
+weights alone; the step also reads its K and V (100 tokens: 2.3 MB for SmolLM2-135M, 2% of its
+94 MiB of weights).
+
+    python scripts/step_floor.py --target smollm2-135m --quant auto --threads 1,2
+"""
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from checkpoint import load_model  # noqa: E402
+from quantize import weight_bytes  # noqa: E402
+
+CONTEXT = 100  # tokens in the cache before the timed steps
+
+
+def read_speed(x: torch.Tensor, tries: int = 3) -> float:
+    """Bytes a second that x.sum() reads x at: the fastest of `tries`."""
+    best = float("inf")
+    for _ in range(tries):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return x.nbytes / best
+
+
+def step_seconds(model, cache, seq, steps: int) -> float:
+    """The median time of a 1-token forward at CONTEXT tokens (each step's token dropped again)."""
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        model.forward_cached(cache, [seq], torch.tensor([5]), [1])
+        times.append(time.perf_counter() - t0)
+        cache.truncate(seq, CONTEXT)
+    return statistics.median(times)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", default="smollm2-135m")
+    ap.add_argument("--quant", default="auto", help="none, int8, int4 or auto (a file's own)")
+    ap.add_argument("--threads", default="1,2", help="thread counts, comma-separated")
+    ap.add_argument("--rounds", type=int, default=5, help="floor-then-step measurements a count")
+    ap.add_argument("--steps", type=int, default=60, help="timed steps a round")
+    ap.add_argument("--gib", type=float, default=1.0, help="size of the tensor summed, GiB")
+    ap.add_argument("--no-compile", action="store_true", help="eager steps (no torch.compile)")
+    a = ap.parse_args(argv)
+    model, _ = load_model(a.target, quant=a.quant, tokenizer=False)
+    model.use_graphs(True, compile=not a.no_compile)
+    weights = weight_bytes(model)
+    cache = model.new_cache(CONTEXT + 16)
+    seq = cache.new_seq()
+    big = torch.ones(int(a.gib * 2**30) // 4)
+    rows, threads = [], torch.get_num_threads()
+    with torch.no_grad():
+        model.prefill(cache, [seq], [list(range(100, 100 + CONTEXT))])
+        step_seconds(model, cache, seq, 5)  # the first steps compile
+        try:
+            for r in range(a.rounds):
+                for th in (int(t) for t in a.threads.split(",")):
+                    torch.set_num_threads(th)
+                    speed = read_speed(big)
+                    step = step_seconds(model, cache, seq, a.steps)
+                    rows.append(dict(threads=th, round=r, read_gb_s=speed / 1e9,
+                                     floor_ms=weights / speed * 1e3, step_ms=step * 1e3,
+                                     ratio=step * speed / weights))
+        finally:
+            torch.set_num_threads(threads)
+    out = dict(target=a.target, quant=a.quant, weight_mib=weights / 2**20, context=CONTEXT,
+               compiled=not a.no_compile, rows=rows, median_ratio={})
+    print(f"{a.target} ({a.quant}): {weights / 2**20:.1f} MiB of weights, 1-token step at "
+          f"{CONTEXT} tokens of context")
+    print("threads  read GB/s  floor ms  step ms  step / floor")
+    for row in rows:
+        print(f"{row['threads']:7d}  {row['read_gb_s']:9.1f}  {row['floor_ms']:8.2f}  "
+              f"{row['step_ms']:7.2f}  {row['ratio']:12.2f}")
+    for th in sorted({row["threads"] for row in rows}):
+        ratios = [row["ratio"] for row in rows if row["threads"] == th]
+        out["median_ratio"][th] = statistics.median(ratios)
+        print(f"{th} thread(s): step / floor median {statistics.median(ratios):.2f} "
+              f"[{min(ratios):.2f}-{max(ratios):.2f}] over {len(ratios)} rounds")
+    print(json.dumps(out))
+    return out
+
+
+if __name__ == "__main__":
+    main()
