@@ -221,7 +221,7 @@ std::vector<int32_t> pairs2(const int16_t* p, int64_t M, int64_t K) {
   return out;
 }
 
-template <int R>
+template <int R>  // R > 1
 void tiles512(const int32_t* p2, const float* d, const float* sum, int64_t K,
               const uint8_t* packed, const uint16_t* sm, float* y, int64_t N, int64_t t0,
               int64_t t1) {
@@ -234,10 +234,8 @@ void tiles512(const int32_t* p2, const float* d, const float* sum, int64_t K,
     __m256 acc[R];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
-      constexpr int C = R == 1 ? 4 : 2;
-      __m512i isum[C][R];
-      for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) isum[c][r] = _mm512_setzero_si512();
+      __m512i isum[2][R];  // two sums a row, as `tiles` keeps for more than one row
+      for (int r = 0; r < R; r++) isum[0][r] = isum[1][r] = _mm512_setzero_si512();
       _mm_prefetch((const char*)(wt + g * 128 + PREFETCH), _MM_HINT_T0);
       _mm_prefetch((const char*)(wt + g * 128 + PREFETCH + 64), _MM_HINT_T0);
       for (int v = 0; v < 2; v++) {
@@ -251,8 +249,8 @@ void tiles512(const int32_t* p2, const float* d, const float* sum, int64_t K,
           std::memcpy(pj, p2 + r * K / 2 + (g * 2 + v) * 8, 32);
           isum[0][r] = dot_pairs512(isum[0][r], q0, _mm512_set1_epi64(pj[0]));
           isum[1][r] = dot_pairs512(isum[1][r], q1, _mm512_set1_epi64(pj[1]));
-          isum[2 % C][r] = dot_pairs512(isum[2 % C][r], q2, _mm512_set1_epi64(pj[2]));
-          isum[3 % C][r] = dot_pairs512(isum[3 % C][r], q3, _mm512_set1_epi64(pj[3]));
+          isum[0][r] = dot_pairs512(isum[0][r], q2, _mm512_set1_epi64(pj[2]));
+          isum[1][r] = dot_pairs512(isum[1][r], q3, _mm512_set1_epi64(pj[3]));
         }
       }
       __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(smt + g * 2 * TILE)));
@@ -260,7 +258,6 @@ void tiles512(const int32_t* p2, const float* d, const float* sum, int64_t K,
       for (int r = 0; r < R; r++) {
         __m256 sd = _mm256_mul_ps(s, _mm256_set1_ps(d[r * G + g]));
         __m512i i2 = _mm512_add_epi32(isum[0][r], isum[1][r]);
-        if constexpr (C == 4) i2 = _mm512_add_epi32(i2, _mm512_add_epi32(isum[2][r], isum[3][r]));
         // lane 2 i + lane 2 i + 1 into the low half of each 64 bits, then those halves: output i
         __m256i i = _mm512_cvtepi64_epi32(_mm512_add_epi32(i2, _mm512_srli_epi64(i2, 32)));
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), sd, acc[r]);
@@ -315,6 +312,22 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tens
 // the embedding that reads them back. A block of 32 weights of one output becomes two registers
 // of 16 16-bit integers, which madd multiplies by the block's 32 values of p, read as they lie.
 
+// Outputs [n, n + no) of one row of x: their sums t, plus the min's term where the layer has mins
+// (per group h: m * x summed over it, from the row's block sums), into the row's y.
+void store_outputs(float* t, int no, int64_t n, const float* sum, const float* mn, int64_t S,
+                   int64_t per, float* y) {
+  for (int o = 0; o < no; o++) {
+    if (mn != nullptr) {
+      for (int64_t h = 0; h < S; h++) {
+        float xs = 0;
+        for (int64_t b = h * per; b < (h + 1) * per; b++) xs += sum[b];
+        t[o] += mn[(n + o) * S + h] * xs;
+      }
+    }
+    y[n + o] = t[o];
+  }
+}
+
 // Rows [0, R) of x (R <= MT) times outputs [n0, n1), NO outputs at a time (n1 - n0 a multiple of
 // NO): y[r, n]. One row of x takes 4 outputs at a time: 4 independent sums keep the core busy
 // while the weights stream in (the head's 1-row product, one thread: 2.5 ms against 3.5 one by
@@ -350,25 +363,12 @@ void rows8(const int16_t* p, const float* d, const float* sum, int64_t K, const 
       float t[NO];
       if constexpr (NO == 4) _mm_storeu_ps(t, sum4(acc[r]));
       else for (int o = 0; o < NO; o++) t[o] = sum8(acc[r][o]);
-      for (int o = 0; o < NO; o++) {
-        if (mn != nullptr) {
-          for (int64_t h = 0; h < S; h++) {  // the min's term, per group: m * (x summed over it)
-            float xs = 0;
-            for (int64_t b = h * per; b < (h + 1) * per; b++) xs += sum[r * G + b];
-            t[o] += mn[(n + o) * S + h] * xs;
-          }
-        }
-        y[r * N + n + o] = t[o];
-      }
+      store_outputs(t, NO, n, sum + r * G, mn, S, per, y + r * N);
     }
   }
 }
 
 #ifdef __AVX512BW__
-// More than one row of x with AVX-512: rows8<R, 2> with a block of an output's 32 weights in one
-// register (one multiply-add for a row in place of two), and the two outputs side by side in the
-// float sums: after the block's multiply-adds, a 512-bit register holds lane l of output o's sum
-// at 8 o + l, added as rows8 adds it (lane l: pairs l and l + 8), so every bit is rows8's.
 // a and b as the low and high halves of one register, and the high half back (AVX-512 F alone)
 __m512 halves(__m256 a, __m256 b) {
   return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(a)),
@@ -376,7 +376,11 @@ __m512 halves(__m256 a, __m256 b) {
 }
 __m256 high(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
 
-template <int R>
+// More than one row of x with AVX-512: rows8<R, 2> with a block of an output's 32 weights in one
+// register (one multiply-add for a row in place of two), and the two outputs side by side in the
+// float sums: after the block's multiply-adds, a 512-bit register holds lane l of output o's sum
+// at 8 o + l, added as rows8 adds it (lane l: pairs l and l + 8), so every bit is rows8's.
+template <int R>  // R > 1
 void rows8x2_512(const int16_t* p, const float* d, const float* sum, int64_t K, const int8_t* q,
                  const float* s, const float* mn, int64_t group, float* y, int64_t N, int64_t n0,
                  int64_t n1) {
@@ -405,16 +409,7 @@ void rows8x2_512(const int16_t* p, const float* d, const float* sum, int64_t K, 
     }
     for (int r = 0; r < R; r++) {
       float t[2] = {sum8(_mm512_castps512_ps256(acc[r])), sum8(high(acc[r]))};
-      for (int o = 0; o < 2; o++) {
-        if (mn != nullptr) {
-          for (int64_t h = 0; h < S; h++) {
-            float xs = 0;
-            for (int64_t b = h * per; b < (h + 1) * per; b++) xs += sum[r * G + b];
-            t[o] += mn[(n + o) * S + h] * xs;
-          }
-        }
-        y[r * N + n + o] = t[o];
-      }
+      store_outputs(t, 2, n, sum + r * G, mn, S, per, y + r * N);
     }
   }
 }
