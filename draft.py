@@ -521,11 +521,15 @@ class Speculator(Drafter):
 
     def stats(self) -> dict:
         st = self.spec_cache.stats
-        return {"hits": st.hits, "misses": st.misses, "cache_hit_rate": st.hit_rate,
-                "hits_per_depth": list(st.hits_per_depth),
-                "lookups_per_depth": list(st.lookups_per_depth),
-                "draft_capture_seconds": self.capture_seconds(),
-                "branches_completed": self.completed, **self.policy.stats()}
+        s = {"hits": st.hits, "misses": st.misses, "cache_hit_rate": st.hit_rate,
+             "hits_per_depth": list(st.hits_per_depth),
+             "lookups_per_depth": list(st.lookups_per_depth),
+             "draft_capture_seconds": self.capture_seconds(),
+             "branches_completed": self.completed, **self.policy.stats()}
+        # the draft's graph captures and compiles happen inside its busy time; decode time leaves
+        # them out (set-up, decode.Captures), so busy time does too
+        s["draft_busy_seconds"] = max(0.0, s["draft_busy_seconds"] - s["draft_capture_seconds"])
+        return s
 
     # -- continuous batching (scheduler.py)
 
