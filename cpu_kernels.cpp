@@ -133,6 +133,13 @@ inline __m256i dot_pairs(__m256i acc, __m256i a, __m256i b) {
 #endif
 }
 
+// acc + one block of a row of x for the tile's 8 outputs: the integer sums i times s d (the
+// weights' and the row's scales), plus m times the row's sum of x over the block.
+inline __m256 add_block(__m256 acc, __m256i i, __m256 s, __m256 m, float d, float xsum) {
+  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), _mm256_mul_ps(s, _mm256_set1_ps(d)), acc);
+  return _mm256_fmadd_ps(m, _mm256_set1_ps(xsum), acc);
+}
+
 // Rows [0, R) of x (R <= MT) times the outputs of tiles [t0, t1): y[r, 8 t + i].
 template <int R>
 void tiles(const int16_t* p, const float* d, const float* sum, int64_t K, const uint8_t* packed,
@@ -179,11 +186,9 @@ void tiles(const int16_t* p, const float* d, const float* sum, int64_t K, const 
       __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(smt + g * 2 * TILE)));
       __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(smt + g * 2 * TILE + TILE)));
       for (int r = 0; r < R; r++) {
-        __m256 sd = _mm256_mul_ps(s, _mm256_set1_ps(d[r * G + g]));
         __m256i i = _mm256_add_epi32(isum[0][r], isum[1][r]);
         if constexpr (C == 4) i = _mm256_add_epi32(i, _mm256_add_epi32(isum[2][r], isum[3][r]));
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), sd, acc[r]);
-        acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(sum[r * G + g]), acc[r]);
+        acc[r] = add_block(acc[r], i, s, m, d[r * G + g], sum[r * G + g]);
       }
     }
     for (int r = 0; r < R; r++) _mm256_storeu_ps(y + r * N + t * TILE, acc[r]);
@@ -200,7 +205,7 @@ void tiles(const int16_t* p, const float* d, const float* sum, int64_t K, const 
 // block each output's two lanes are added: the same int32 sums, so the same bits, as `tiles`
 // (tests/test_quantize.py compares the builds). One row stays on `tiles`: it waits on memory, and
 // its decode step was no faster with 512-bit registers.
-inline __m512i dot_pairs512(__m512i acc, __m512i a, __m512i b) {
+inline __m512i dot_pairs(__m512i acc, __m512i a, __m512i b) {  // dot_pairs, 512 bits
 #ifdef __AVX512VNNI__
   return _mm512_dpwssd_epi32(acc, a, b);
 #else
@@ -247,21 +252,19 @@ void tiles512(const int32_t* p2, const float* d, const float* sum, int64_t K,
         for (int r = 0; r < R; r++) {
           int64_t pj[4];  // pair j of units 2 v and 2 v + 1, as one int64 each
           std::memcpy(pj, p2 + r * K / 2 + (g * 2 + v) * 8, 32);
-          isum[0][r] = dot_pairs512(isum[0][r], q0, _mm512_set1_epi64(pj[0]));
-          isum[1][r] = dot_pairs512(isum[1][r], q1, _mm512_set1_epi64(pj[1]));
-          isum[0][r] = dot_pairs512(isum[0][r], q2, _mm512_set1_epi64(pj[2]));
-          isum[1][r] = dot_pairs512(isum[1][r], q3, _mm512_set1_epi64(pj[3]));
+          isum[0][r] = dot_pairs(isum[0][r], q0, _mm512_set1_epi64(pj[0]));
+          isum[1][r] = dot_pairs(isum[1][r], q1, _mm512_set1_epi64(pj[1]));
+          isum[0][r] = dot_pairs(isum[0][r], q2, _mm512_set1_epi64(pj[2]));
+          isum[1][r] = dot_pairs(isum[1][r], q3, _mm512_set1_epi64(pj[3]));
         }
       }
       __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(smt + g * 2 * TILE)));
       __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(smt + g * 2 * TILE + TILE)));
       for (int r = 0; r < R; r++) {
-        __m256 sd = _mm256_mul_ps(s, _mm256_set1_ps(d[r * G + g]));
         __m512i i2 = _mm512_add_epi32(isum[0][r], isum[1][r]);
         // lane 2 i + lane 2 i + 1 into the low half of each 64 bits, then those halves: output i
         __m256i i = _mm512_cvtepi64_epi32(_mm512_add_epi32(i2, _mm512_srli_epi64(i2, 32)));
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), sd, acc[r]);
-        acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(sum[r * G + g]), acc[r]);
+        acc[r] = add_block(acc[r], i, s, m, d[r * G + g], sum[r * G + g]);
       }
     }
     for (int r = 0; r < R; r++) _mm256_storeu_ps(y + r * N + t * TILE, acc[r]);
@@ -289,7 +292,7 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tens
   // each takes at least 64 KB of weights: below that, starting one costs more than it saves.
   const int64_t grain = std::max<int64_t>(1, 65536 / (TILE * K / 2));
 #ifdef __AVX512BW__
-  const std::vector<int32_t> p2 = pairs2(pp, M, K);
+  const std::vector<int32_t> p2 = M > 1 ? pairs2(pp, M, K) : std::vector<int32_t>();  // tiles512's
 #endif
   at::parallel_for(0, T, grain, [&](int64_t t0, int64_t t1) {
     in_pieces<MT>(M, [&](auto R, int64_t r) {
@@ -399,8 +402,8 @@ void rows8x2_512(const int16_t* p, const float* d, const float* sum, int64_t K, 
                                _mm256_set1_ps(s[(n + 1) * S + b / per]));
       for (int r = 0; r < R; r++) {
         const __m512i pb = _mm512_loadu_si512(p + r * K + b * BLOCK);
-        const __m512i i0 = dot_pairs512(_mm512_setzero_si512(), w[0], pb);
-        const __m512i i1 = dot_pairs512(_mm512_setzero_si512(), w[1], pb);
+        const __m512i i0 = dot_pairs(_mm512_setzero_si512(), w[0], pb);
+        const __m512i i1 = dot_pairs(_mm512_setzero_si512(), w[1], pb);
         const __m512i i = _mm512_add_epi32(_mm512_shuffle_i64x2(i0, i1, _MM_SHUFFLE(1, 0, 1, 0)),
                                            _mm512_shuffle_i64x2(i0, i1, _MM_SHUFFLE(3, 2, 3, 2)));
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i),
