@@ -420,8 +420,15 @@ def check_step(a, name, fields):
 def check_quant_step(a, name, fields, quant):
     """A quantized model's decode step and verification (K + 1 tokens), eager and on the engine's
     default path (CUDA graphs of compiled layers; the CPU: eager), against the bandwidth floor of
-    its quantized bytes; the two paths' logits compared on the same step."""
-    model = random_quant_model(fields, a.device, quant)
+    its quantized bytes; the two paths' logits compared on the same step. In bfloat16 on a GPU; on
+    the CPU as load_model runs a quantized model there, in float32 through cpu_kernels.cpp's
+    products (pack_layers), where bfloat16 would compile a product for every shape and row count:
+    25 s of CI."""
+    on_cpu = torch.device(a.device).type == "cpu"
+    model = random_quant_model(fields, a.device, quant,
+                               dtype=torch.float32 if on_cpu else torch.bfloat16)
+    if on_cpu:
+        pack_layers(model, a.device)
     ctx = 64 if a.quick else 1024
     cache = model.new_cache(ctx + K + 8 + 16, block_size=16)
     seq = cache.new_seq()
