@@ -336,6 +336,16 @@ void store_outputs(float* t, int no, int64_t n, const float* sum, const float* m
   }
 }
 
+// Ask for the weights of outputs [n, n + no) PREFETCH bytes ahead of their block b, in the order
+// they lie: their rows are no * K bytes one after another, which the loops below read at no * 32
+// bytes a block, so the requests run along them at that pace. (Requests at each output's own
+// row, in the order the loops read, left the product waiting on memory: on a 2-core EPYC the
+// head's 1-row product took 3.2-3.7 ms against 1.5-1.7, 3 rows 3.4 against 3.0.)
+inline void prefetch_rows(const int8_t* q, int64_t n, int64_t K, int64_t b, int no) {
+  for (int64_t l = 0; l < no * BLOCK; l += 64)
+    _mm_prefetch((const char*)(q + n * K + b * no * BLOCK + l + PREFETCH), _MM_HINT_T0);
+}
+
 // Rows [0, R) of x (R <= MT) times outputs [n0, n1), NO outputs at a time (n1 - n0 a multiple of
 // NO): y[r, n]. One row of x takes 4 outputs at a time: 4 independent sums keep the core busy
 // while the weights stream in (the head's 1-row product, one thread: 2.5 ms against 3.5 one by
@@ -352,9 +362,9 @@ void rows8(const int16_t* p, const float* d, const float* sum, int64_t K, const 
     for (int r = 0; r < R; r++)
       for (int o = 0; o < NO; o++) acc[r][o] = _mm256_setzero_ps();
     for (int64_t b = 0; b < G; b++) {
+      prefetch_rows(q, n, K, b, NO);
       for (int o = 0; o < NO; o++) {
         const int8_t* qb = q + (n + o) * K + b * BLOCK;
-        _mm_prefetch((const char*)(qb + PREFETCH), _MM_HINT_T0);
         __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)qb));
         __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(qb + 16)));
         const float sb = s[(n + o) * S + b / per];
@@ -398,9 +408,9 @@ void rows8x2_512(const int16_t* p, const float* d, const float* sum, int64_t K, 
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < G; b++) {
       __m512i w[2];
+      prefetch_rows(q, n, K, b, 2);
       for (int o = 0; o < 2; o++) {
         const int8_t* qb = q + (n + o) * K + b * BLOCK;
-        _mm_prefetch((const char*)(qb + PREFETCH), _MM_HINT_T0);
         w[o] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)qb));
       }
       const __m512 sb = halves(_mm256_set1_ps(s[n * S + b / per]),
