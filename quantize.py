@@ -49,6 +49,7 @@ The quantized model is an approximation of the float one (tests/test_quantize.py
 docs/models.md measure how close); speculative decoding stays exact with respect to the model as
 loaded, since the draft proposes and the quantized target decides.
 """
+import mmap
 import types
 
 import torch
@@ -566,7 +567,63 @@ def pack_layers(model: nn.Module, device, cuda: bool = False) -> int:
             and m.in_features % BLOCK == 0 and m.group % BLOCK == 0] if kernel == "cpu" else []
     for m in int8:
         m.kernel = "cpu"
+    if kernel == "cpu":
+        into_huge_pages(model)
     return len(int4) + len(int8)
+
+
+# A decode step reads every weight once. In 4 KB pages each page is a miss of the CPU's address
+# cache (its TLB holds a few thousand pages: 12 MB) and costs a walk of the page tables; in 2 MB
+# pages (Linux's transparent huge pages, which it gives to memory marked MADV_HUGEPAGE before its
+# first write) SmolLM2-135M's 94 MB of weights are 47 pages. Measured on a 2-core EPYC, the
+# model's int4 weights moved against left where they were, in one process, blocks of steps
+# alternated, both load orders (the second model loaded ran faster by itself): a 1-token step in
+# 0.90-0.95x the time on one thread, 0.95-0.98x on two, a 2-token verification 0.96x on two.
+SLAB = 32 << 20  # bytes: weights are copied into slabs of this size (or one tensor's, if larger)
+HUGE = 2 << 20   # bytes of a huge page
+
+
+def into_huge_pages(model: nn.Module) -> int:
+    """Copy the quantized layers' stored tensors side by side into slabs of memory that Linux
+    backs with 2 MB pages, and point every layer that held one (a tied embedding shares the head's)
+    at its copy: the same values, read through fewer pages. A slab at a time, so loading peaks at
+    one slab (or the largest tensor) more than before. Elsewhere than Linux nothing moves.
+    Returns the bytes moved."""
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        return 0
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    names = ("packed", "scales_and_zeros", "qweight", "scales", "mins")
+    moved, slab, free = {}, None, 0  # moved: id(tensor) -> its copy
+    for m in layers:
+        for name in names:
+            t = getattr(m, name)
+            if t is None or t.device.type != "cpu" or id(t) in moved:
+                continue
+            size = -(-t.nbytes // 64) * 64  # each tensor starts on a cache line
+            if size > free:
+                slab, free = huge_page_slab(max(SLAB, size)), max(SLAB, size)
+            start = slab.numel() - free
+            copy = slab[start:start + t.nbytes].view(t.dtype).view(t.shape)
+            moved[id(t)] = copy.copy_(t)
+            free -= size
+    for m in layers:
+        for name in names:
+            t = getattr(m, name)
+            if t is not None and id(t) in moved:
+                setattr(m, name, moved[id(t)])
+    return sum(t.nbytes for t in moved.values())
+
+
+def huge_page_slab(size: int) -> torch.Tensor:
+    """A uint8 tensor [size] at a 2 MB boundary of fresh anonymous memory marked MADV_HUGEPAGE
+    (its pages are made on first write, so the mark comes first). It keeps its memory alive."""
+    size = -(-size // HUGE) * HUGE
+    # private: Python's anonymous mmap is shared by default, which Linux gives no huge pages
+    memory = mmap.mmap(-1, size + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    whole = torch.frombuffer(memory, dtype=torch.uint8)
+    start = -whole.data_ptr() % HUGE
+    memory.madvise(mmap.MADV_HUGEPAGE, start, size)
+    return whole[start:start + size]
 
 
 def warm_up(model: nn.Module, rows) -> int:

@@ -5,6 +5,7 @@ quantized model: greedy SD / SSD emit the quantized AR's tokens, and at T > 0 th
 the quantized target's (with a negative control).
 """
 
+import mmap
 import os
 import subprocess
 import sys
@@ -388,6 +389,26 @@ def test_gguf_file_in_the_int4_kernel():
     assert (a - b).abs().max() < bound[0] and (a - b).abs().mean() < bound[1]
     assert torch.equal(a.argmax(-1), b.argmax(-1))
     assert pack_layers(model, "meta") == 0  # not on another device
+
+
+def test_weights_in_huge_pages(monkeypatch):
+    """pack_layers copies the quantized tensors side by side into slabs marked for 2 MB pages
+    (quantize.into_huge_pages, Linux): every layer reads its copy, the tied embedding still the
+    head's, and the logits are bit for bit those of the model left where it loaded."""
+    if not hasattr(mmap, "MADV_HUGEPAGE") or not cpu_kernels.available():
+        pytest.skip("huge pages are asked for on Linux, where the CPU kernels run")
+    smollm2()  # skips where the file is not installed
+    model, _ = load_model("smollm2-135m", tokenizer=False)
+    monkeypatch.setattr(quantize, "into_huge_pages", lambda model: 0)
+    plain, _ = load_model("smollm2-135m", tokenizer=False)
+    assert model.model.embed_tokens.qweight is model.lm_head.qweight  # still tied
+    stored = [t for m in model.modules() if isinstance(m, QuantLinear) for t in m.stored()]
+    slabs = {t.untyped_storage().data_ptr() for t in stored}
+    assert len(stored) > 240 and len(slabs) <= -(-weight_bytes(model) // quantize.SLAB) + 1
+    assert all(t.data_ptr() % 64 == 0 for t in stored)
+    ids = torch.tensor([[1, 504, 3250, 314, 253, 2434, 2136, 30]])
+    with torch.no_grad():
+        assert torch.equal(model(ids), plain(ids))
 
 
 def test_gguf_file_requantized_to_int8():
