@@ -578,9 +578,9 @@ def pack_layers(model: nn.Module, device, cuda: bool = False) -> int:
 # cache (its TLB holds a few thousand pages: 12 MB) and costs a walk of the page tables; in 2 MB
 # pages (Linux's transparent huge pages, which it gives to memory marked MADV_HUGEPAGE before its
 # first write) SmolLM2-135M's 94 MB of weights are 47 pages. Measured on a 2-core EPYC, the
-# model's int4 weights moved against left where they were, in one process, blocks of steps
-# alternated, both load orders (the second model loaded ran faster by itself): a 1-token step in
-# 0.90-0.95x the time on one thread, 0.95-0.98x on two, a 2-token verification 0.96x on two.
+# compiled model moved against left where it loaded, in one process, blocks of steps alternated,
+# both load orders (the second model loaded ran faster by itself): a 1-token step in 0.86-0.90x
+# the time on one thread, 0.95x on two; a 2- or 3-token verification 0.94x on two.
 SLAB = 32 << 20  # bytes: weights are copied into slabs of this size (or one tensor's, if larger)
 HUGE = 2 << 20   # bytes of a huge page
 
