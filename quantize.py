@@ -637,7 +637,10 @@ def huge_page_slab(size: int) -> torch.Tensor:
     memory = mmap.mmap(-1, size + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     whole = torch.frombuffer(memory, dtype=torch.uint8)
     start = -whole.data_ptr() % HUGE
-    memory.madvise(mmap.MADV_HUGEPAGE, start, size)
+    try:
+        memory.madvise(mmap.MADV_HUGEPAGE, start, size)
+    except OSError:  # a kernel built without huge pages (EINVAL): 4 KB pages, as before
+        pass
     return whole[start:start + size]
 
 

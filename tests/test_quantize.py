@@ -411,6 +411,21 @@ def test_weights_in_huge_pages(monkeypatch):
         assert torch.equal(model(ids), plain(ids))
 
 
+def test_huge_page_slab_without_huge_pages(monkeypatch):
+    """A kernel built without huge pages refuses the advice (EINVAL): the slab is still memory
+    of the size asked for, 2 MB-aligned, in 4 KB pages, and loading goes on."""
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        pytest.skip("huge pages are asked for on Linux only")
+
+    class Refusing(mmap.mmap):
+        def madvise(self, *args):
+            raise OSError(22, "Invalid argument")
+    monkeypatch.setattr(quantize.mmap, "mmap", Refusing)
+    slab = quantize.huge_page_slab(3 << 20)
+    assert slab.numel() == 4 << 20 and slab.data_ptr() % quantize.HUGE == 0
+    assert int(slab.fill_(1).sum()) == 4 << 20
+
+
 def test_gguf_file_requantized_to_int8():
     """quant int8 on a Q4 file: every tensor dequantised, then quantized into int8: close to the
     file's model (each weight within half an int8 step) and the same greedy tokens here."""
