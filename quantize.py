@@ -631,8 +631,11 @@ def release_freed_memory():
 
 def huge_page_slab(size: int) -> torch.Tensor:
     """A uint8 tensor [size] at a 2 MB boundary of fresh anonymous memory marked MADV_HUGEPAGE
-    (its pages are made on first write, so the mark comes first). It keeps its memory alive."""
+    (its pages are made on first write, so the mark comes first). It keeps its memory alive.
+    Elsewhere than Linux, plain memory of that size."""
     size = -(-size // HUGE) * HUGE
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.empty(size, dtype=torch.uint8)
     # private: Python's anonymous mmap is shared by default, which Linux gives no huge pages
     memory = mmap.mmap(-1, size + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     whole = torch.frombuffer(memory, dtype=torch.uint8)

@@ -15,7 +15,6 @@ weights alone; the step also reads its K and V (100 tokens: 2.3 MB for SmolLM2-1
 """
 import argparse
 import json
-import mmap
 import statistics
 import sys
 import time
@@ -69,8 +68,7 @@ def main(argv=None) -> dict:
     cache = model.new_cache(CONTEXT + 16)
     seq = cache.new_seq()
     size = int(a.gib * 2**30) // HUGE * HUGE
-    big = (huge_page_slab(size).view(torch.float32).fill_(1) if hasattr(mmap, "MADV_HUGEPAGE")
-           else torch.ones(size // 4))
+    big = huge_page_slab(size).view(torch.float32).fill_(1)
     rows, threads = [], torch.get_num_threads()
     with torch.no_grad():
         model.prefill(cache, [seq], [list(range(100, 100 + CONTEXT))])
