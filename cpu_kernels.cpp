@@ -46,19 +46,42 @@ constexpr int64_t TILE = 8;    // outputs per int4 tile
 constexpr int MT = 4;          // rows of x multiplied together (each weight unpacked once for them)
 constexpr int64_t PREFETCH = 4096;  // bytes of weights read ahead
 
+// The sum of v's 8 lanes, added as ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)), as sum4 adds.
+float sum8(__m256 v) {
+  const __m256 pairs = _mm256_hadd_ps(v, v), h = _mm256_hadd_ps(pairs, pairs);
+  return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+}
+
+// The largest of v's 8 lanes.
+float max8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
 // One row of x as 16-bit integers: p [K], and per block d (its scale) and sum (of x itself).
+// A block's 32 inputs are 4 registers: |x|'s largest, the sum (the 4 added lane by lane, then
+// across the lanes) and p, rounded to the nearest integer (ties to even) as the CPU converts.
+// (Element by element this took 3% of a SmolLM2-135M decode step, in 150 calls.)
 void quantize_row(const float* x, int64_t K, int16_t* p, float* d, float* sum) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
   for (int64_t g = 0; g < K / BLOCK; g++) {
-    const float* xg = x + g * BLOCK;
-    float amax = 0, s = 0;
-    for (int k = 0; k < BLOCK; k++) {
-      amax = std::fmax(amax, std::fabs(xg[k]));
-      s += xg[k];
+    __m256 v[4], amax = _mm256_setzero_ps();
+    for (int i = 0; i < 4; i++) {
+      v[i] = _mm256_loadu_ps(x + g * BLOCK + 8 * i);
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
     }
-    d[g] = amax / 32767;
-    float inv = amax > 0 ? 32767 / amax : 0;
-    for (int k = 0; k < BLOCK; k++) p[g * BLOCK + k] = (int16_t)std::nearbyint(xg[k] * inv);
-    sum[g] = s;
+    const float a = max8(amax);
+    d[g] = a / 32767;
+    sum[g] = sum8(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
+    const __m256 inv = _mm256_set1_ps(a > 0 ? 32767 / a : 0);
+    for (int i = 0; i < 4; i += 2) {  // 16 inputs: two registers of 8 int32, packed to 16 bits
+      const __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+      const __m256i hi = _mm256_cvtps_epi32(_mm256_mul_ps(v[i + 1], inv));
+      // packs interleaves the two registers' 128-bit halves: lo0 hi0 lo1 hi1 -> lo0 lo1 hi0 hi1
+      const __m256i p16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8);
+      _mm256_storeu_si256((__m256i*)(p + g * BLOCK + 8 * i), p16);
+    }
   }
 }
 
@@ -86,12 +109,6 @@ void in_pieces(int64_t n, Run run) {
       ((size == C + 1 ? run(std::integral_constant<int, C + 1>{}, i) : void()), ...);
     }(std::make_integer_sequence<int, Max>{});
   }
-}
-
-// The sum of v's 8 lanes, added as ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)), as sum4 adds.
-float sum8(__m256 v) {
-  const __m256 pairs = _mm256_hadd_ps(v, v), h = _mm256_hadd_ps(pairs, pairs);
-  return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
 }
 
 // The lane sums of 4 registers at once (two horizontal adds, then the halves), each added in
@@ -172,9 +189,18 @@ void tiles(const int16_t* p, const float* d, const float* sum, int64_t K, const 
       for (int u = 0; u < 4; u++) {
         __m256i w = _mm256_loadu_si256((const __m256i*)(wt + (g * 4 + u) * 32));
         __m256i q0 = _mm256_and_si256(w, low4);  // q of inputs 8u + 0, 1 for each output
-        __m256i q1 = _mm256_and_si256(_mm256_srli_epi16(w, 4), low4);  // 8u + 2, 3
-        __m256i q2 = _mm256_and_si256(_mm256_srli_epi16(w, 8), low4);  // 8u + 4, 5
-        __m256i q3 = _mm256_srli_epi16(w, 12);                         // 8u + 6, 7
+        __m256i q1, q2;                          // 8u + 2, 3 and 8u + 4, 5
+        // One row: 16 q1 and 256 q2, masked where they lie, without a shift (this product is
+        // bound by its instructions). Their block sums, 16 and 256 times q's, stay exact in
+        // int32 (8 products a lane: 256 * 15 * 32767 * 8 < 2^31) and are divided back below.
+        if constexpr (C == 4) {
+          q1 = _mm256_and_si256(w, _mm256_slli_epi16(low4, 4));
+          q2 = _mm256_and_si256(w, _mm256_slli_epi16(low4, 8));
+        } else {
+          q1 = _mm256_and_si256(_mm256_srli_epi16(w, 4), low4);
+          q2 = _mm256_and_si256(_mm256_srli_epi16(w, 8), low4);
+        }
+        __m256i q3 = _mm256_srli_epi16(w, 12);  // 8u + 6, 7
         for (int r = 0; r < R; r++) {
           int32_t p01, p23, p45, p67;  // pairs of p, as one int32 each
           const int16_t* pu = p + r * K + g * BLOCK + u * 8;
@@ -191,8 +217,12 @@ void tiles(const int16_t* p, const float* d, const float* sum, int64_t K, const 
       __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(smt + g * 2 * TILE)));
       __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(smt + g * 2 * TILE + TILE)));
       for (int r = 0; r < R; r++) {
-        __m256i i = _mm256_add_epi32(isum[0][r], isum[1][r]);
-        if constexpr (C == 4) i = _mm256_add_epi32(i, _mm256_add_epi32(isum[2][r], isum[3][r]));
+        __m256i i;
+        if constexpr (C == 4)  // the masked sums are 16 and 256 times theirs, exactly
+          i = _mm256_add_epi32(_mm256_add_epi32(isum[0][r], _mm256_srai_epi32(isum[1][r], 4)),
+                               _mm256_add_epi32(_mm256_srai_epi32(isum[2][r], 8), isum[3][r]));
+        else
+          i = _mm256_add_epi32(isum[0][r], isum[1][r]);
         acc[r] = add_block(acc[r], i, s, m, d[r * G + g], sum[r * G + g]);
       }
     }
@@ -644,6 +674,21 @@ at::Tensor paged_attention_cpu(const at::Tensor& q_, const at::Tensor& k_, const
     std::memcpy(s, k.data_ptr<float>() + i * nkv * hd, nkv * hd * sizeof(float));
     std::memcpy(s + nkv * hd, v.data_ptr<float>() + i * nkv * hd, nkv * hd * sizeof(float));
     work += (ps[i] + 1) * nh * hd;
+  }
+  // Then ask for every slot that each sequence's last new token reads (the others read fewer of
+  // the same), all heads' K and V, as they lie: whole blocks, one after another, which the
+  // hardware streams in, where each head's passes below read 256 bytes of every 1.5 KB
+  // (SmolLM2-135M, one thread, 30 layers: 0.50 ms against 0.70 at 100 tokens of context, 4.9
+  // against 6.4 at 1000).
+  for (int64_t i = 0; i < N; i++) {
+    if (i + 1 < N && rw[i + 1] == rw[i]) continue;
+    const int64_t L = ps[i] + 1, per_block = bs * 2 * nkv * hd;
+    const int64_t* blocks = tb + rw[i] * width;
+    for (int64_t j0 = 0; j0 < L; j0 += bs) {
+      const char* b = (const char*)(pool + blocks[j0 / bs] * per_block);
+      const int64_t bytes = std::min(bs, L - j0) * 2 * nkv * hd * (int64_t)sizeof(float);
+      for (int64_t c = 0; c < bytes; c += 64) _mm_prefetch(b + c, _MM_HINT_T0);
+    }
   }
   auto y = at::empty({N, nh, hd}, q.options());
   const float* qp = q.data_ptr<float>();

@@ -131,6 +131,6 @@ def symbolic_sizes(tokens, meta):
         mark(t, 0)          # [N] or [b]
     for d in (0, 1):        # [b, max_blocks]
         mark(meta.block_table, d)
-    for d in (0, 2, 3):     # [b, 1, g * T, max_blocks * block_size]
+    for d in (0, 2, 3) if meta.mask is not None else ():  # [b, 1, g * T, max_blocks * bs]
         mark(meta.mask, d)
 

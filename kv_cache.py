@@ -61,8 +61,9 @@ class AttnMeta:
     block_table: torch.Tensor  # [b, max_blocks] (padded with block 0; padding is masked out)
     query_index: torch.Tensor  # [N] row * T + i: each new token's place in the padded [b, T]
     rows: torch.Tensor         # [N] each new token's row of block_table: query_index // T
-    mask: torch.Tensor         # [b, 1, g * T, max_blocks * block_size]: 0 where a query may look,
-                               #   -inf elsewhere; g = query heads per KV head (see paged_attention)
+    mask: torch.Tensor | None  # [b, 1, g * T, max_blocks * block_size]: 0 where a query may look,
+                               #   -inf elsewhere; g = query heads per KV head (see paged_attention);
+                               #   None where the CPU kernel attends (cpu_kernel)
     T: int                     # most new tokens of any sequence in this batch
     last: torch.Tensor         # [b] index in [N] of each sequence's last new token
     ragged: bool               # rows with fewer than T new tokens (else the padded [b, T] is [N])
@@ -335,17 +336,22 @@ class PagedKVCache:
         N = (ints.numel() - b - b * max_blocks - b * T) // 3
         slots, positions, query_index, last, table, qpos = ints.split(
             [N, N, N, b, b * max_blocks, b * T])
-        keys = torch.arange(max_blocks * self.block_size, device=ints.device)
-        # causal within and across rounds; the rows repeat g times, one copy per query head of a
-        # KV head: [b, 1, g * T, L]
+        cpu_kernel = self.cpu_kernel and not prompt
+        return AttnMeta(slots, positions, table.view(b, max_blocks), query_index,
+                        query_index // T, None if cpu_kernel else self.mask(qpos, b, T, max_blocks),
+                        T, last, ragged=N != b * T, cpu_kernel=cpu_kernel)
+
+    def mask(self, qpos: torch.Tensor, b: int, T: int, max_blocks: int) -> torch.Tensor:
+        """SDPA's mask (paged_attention) for queries at positions qpos [b * T]: causal within and
+        across rounds, the rows repeated g times, one copy per query head of a KV head -> additive
+        float [b, 1, g * T, L], built once per forward (SDPA would convert a bool mask per layer).
+        The CPU kernel reads the positions themselves, so its forwards build none (their eight
+        small ops took 0.1 ms of a 6 ms decode step)."""
+        keys = torch.arange(max_blocks * self.block_size, device=qpos.device)
         qpos = qpos.view(b, 1, 1, T).expand(b, 1, self.group, T).reshape(b, 1, -1, 1)
         allowed = keys.view(1, 1, 1, -1) <= qpos
-        # additive float mask, built once per forward (SDPA would convert a bool mask per layer)
-        mask = torch.zeros(allowed.shape, dtype=self.kv.dtype, device=ints.device)
-        mask.masked_fill_(~allowed, float("-inf"))
-        return AttnMeta(slots, positions, table.view(b, max_blocks), query_index,
-                        query_index // T, mask, T,
-                        last, ragged=N != b * T, cpu_kernel=self.cpu_kernel and not prompt)
+        mask = torch.zeros(allowed.shape, dtype=self.kv.dtype, device=qpos.device)
+        return mask.masked_fill_(~allowed, float("-inf"))
 
 
 def bucket(n: int) -> int:
@@ -362,6 +368,9 @@ def paged_attention(q, k, v, kv_layer, meta: AttnMeta):
     read one KV head become g * T queries of that head, so SDPA sees as many heads in q as in K/V
     and needs no `enable_gqa` (with which, and a mask, CUDA falls back to the math kernel that
     materialises every score); the mask is built for that layout (PagedKVCache.prepare)."""
+    if meta.mask is None:
+        raise ValueError("this forward's plan was made for the CPU kernel, which needs no mask: "
+                         "attend with paged_attention_cpu, or plan on a cache with cpu_kernel off")
     nb, bs, _, nkv, hd = kv_layer.shape
     # one write of the new tokens' K and V, [N, 2, nkv, hd], into their slots
     kv_layer.view(nb * bs, 2, nkv, hd)[meta.slots] = torch.stack((k, v), 1).to(kv_layer.dtype)

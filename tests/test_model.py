@@ -274,6 +274,7 @@ def test_cpu_attention_kernel_equals_the_reference(nh, nkv, hd, block_size):
                           head_dim=hd)
     g = torch.Generator().manual_seed(nh + hd)
     caches = [PagedKVCache(cfg, 256, block_size) for _ in range(2)]  # reference, kernel
+    caches[0].cpu_kernel = False  # its plans carry SDPA's mask (the kernel's need none)
     for cache in caches:
         a, b = cache.new_seq(), cache.new_seq()
         cache.append(a, 37), cache.append(b, 5)
