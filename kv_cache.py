@@ -62,7 +62,7 @@ class AttnMeta:
     query_index: torch.Tensor  # [N] row * T + i: each new token's place in the padded [b, T]
     rows: torch.Tensor         # [N] each new token's row of block_table: query_index // T
     mask: torch.Tensor | None  # [b, 1, g * T, max_blocks * block_size]: 0 where a query may look,
-                               #   -inf elsewhere; g = query heads per KV head (see paged_attention);
+                               #   -inf elsewhere; g = query heads per KV head (paged_attention).
                                #   None where the CPU kernel attends (cpu_kernel)
     T: int                     # most new tokens of any sequence in this batch
     last: torch.Tensor         # [b] index in [N] of each sequence's last new token

@@ -272,12 +272,15 @@ def compiled_halves(tag: str):
 
 
 def compiled_body(tag: str):
-    """The CPU's compiled step: Transformer.body (embedding and every layer) through torch.compile
-    as one graph, the paged attention inside it an operator called as it is (kv_cache.py). On the
-    CPU nothing replays a step, so compiled halves still pay Python, dispatch and torch.compile's
-    guards twice a layer (SmolLM2-135M in int4, one thread: a step 25.8 ms, eager 24.7); one graph
-    pays them once a step (19 ms). The LM head stays out: fused with the final norm, Inductor
-    computed the int8 head's 1-row product 1.6x slower than its own compiled product does.
+    """The CPU's compiled step: Transformer.logits (embedding, every layer, the final norm and the
+    LM head) through torch.compile as one graph, the paged attention inside it an operator called
+    as it is (kv_cache.py). On the CPU nothing replays a step, so compiled halves still pay Python,
+    dispatch and torch.compile's guards twice a layer (SmolLM2-135M in int4, one thread: a step
+    25.8 ms, eager 24.7); one graph pays them once a step (19 ms). With the head in it too, the
+    final norm and the head's call no longer run eagerly after the graph (the same model, two
+    copies interleaved in one process, both load orders: a step in 0.93-0.98x the time on one
+    thread, 0.94-0.95x on two; the same logits, bit for bit). A quantized head's product stays
+    an operator of its own there (QuantLinear.product).
     Its first graph takes the sizes that vary as symbolic (graphs.symbolic_sizes), so a model
     compiles about three: one row of one token, one row of more, several rows. A row's logits agree
     across them to float rounding, not bit for bit as on the eager path: Inductor fuses each graph
@@ -294,7 +297,7 @@ def compiled_body(tag: str):
     define_paged_attention_op()
     options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
                "size_asserts": False, "cpp_wrapper": True}
-    return torch.compile(renamed(Transformer.body, tag), fullgraph=True, options=options)
+    return torch.compile(renamed(Transformer.logits, tag), fullgraph=True, options=options)
 
 
 # A draft's own vocabulary (ModelConfig.token_ids): ids in as rows, logits out over the vocabulary
@@ -529,12 +532,19 @@ class Transformer(nn.Module):
             halves=None, body=None):
         """The device's part of a cached forward, given its plan's metadata: tokens [N] -> float32
         logits [N, V] ([b, V] if last_only). It reads no host values (a CUDA graph can hold it).
-        halves: every layer's compiled halves (Block.forward); body: `body` compiled whole
-        (compiled_body)."""
-        x = (body or Transformer.body)(self, cache, tokens, meta, halves)
+        halves: every layer's compiled halves (Block.forward); body: `logits` compiled whole, the
+        head in it (compiled_body)."""
+        if body is not None:
+            logits = body(self, cache, tokens, meta, halves)
+            return logits[meta.last] if last_only else logits
+        x = Transformer.body(self, cache, tokens, meta, halves)
         if last_only:
             x = x[meta.last]
         return self.head(x)
+
+    def logits(self, cache: PagedKVCache, tokens, meta: AttnMeta, halves=None):
+        """body, then head: tokens [N] -> float32 logits [N, V] (what compiled_body compiles)."""
+        return self.head(Transformer.body(self, cache, tokens, meta, halves))
 
     def body(self, cache: PagedKVCache, tokens, meta: AttnMeta, halves=None):
         """Embedding and layers: tokens [N] -> hidden states [N, hidden]."""
