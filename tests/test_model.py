@@ -288,6 +288,11 @@ def test_cpu_attention_kernel_equals_the_reference(nh, nkv, hd, block_size):
         got = paged_attention_cpu(q, k, v, caches[1].kv[0], meta)
     assert got.shape == want.shape and max_diff(got, want) < 1e-5
     assert torch.equal(caches[1].kv, caches[0].kv)  # the new tokens' K and V in the same slots
+    # the kernel's plan carries no SDPA mask, and the SDPA path refuses it rather than attend
+    # without one
+    assert meta.mask is None and caches[0].prepare([0], [1]).mask is not None
+    with pytest.raises(ValueError, match="made for the CPU kernel"):
+        paged_attention(q, k, v, caches[1].kv[0], meta)
     for i in range(6):  # token i alone (its K/V already written: writing them again is the same)
         row = lambda t: t[i:i + 1]
         alone = replace(meta, slots=row(meta.slots), rows=row(meta.rows),

@@ -99,6 +99,29 @@ def test_compiled_layer_equals_the_eager_one_for_every_row_bucket():
     assert sorted(k[5] for k in keys) == [threads, threads + 1], keys
 
 
+def test_a_compiled_step_traces_a_layers_one_row_product_but_not_a_heads():
+    """Inside a compiled step a layer's 1-row product is traced with the step's other work, while
+    an LM head's (out_dtype: float32 logits) stays the quant_product operator: traced with the
+    final norm, the head's product made a step 1.18x slower. A layer marked as a head changes
+    which the graph holds (the negative control)."""
+    ops = []
+
+    def backend(gm, example_inputs):  # the graph Dynamo hands Inductor, its operators noted
+        ops.append({str(n.target) for n in gm.graph.nodes if n.op == "call_function"})
+        return gm.forward
+
+    w = torch.randn(48, 64, generator=torch.Generator().manual_seed(4))
+    for head in (False, True):
+        layer = QuantLinear(64, 48, 8, 32, compiled=True)
+        layer.rows(0, 48).copy_(w)
+        if head:
+            layer.out_dtype = torch.float32
+        torch._dynamo.reset()
+        with torch.no_grad():
+            torch.compile(lambda x: layer(x), backend=backend, fullgraph=True)(torch.randn(1, 64))
+        assert any("quant_product" in op for op in ops[-1]) == head, ops[-1]
+
+
 def test_torchs_int4_kernel_layer():
     """An int4 layer moved into torch's int4 kernel (pack): its weight is ours with the scale and
     zero rounded to bfloat16, its products are bfloat16 x by that weight (to the output's bfloat16
