@@ -325,10 +325,11 @@ class PagedKVCache:
 
     def meta(self, ints: torch.Tensor, b: int, T: int, max_blocks: int,
              prompt: bool = False) -> AttnMeta:
-        """The device's half: split the plan's int64 tensor (already on the device) and build the
-        attention mask. No host values are read, so a CUDA graph can hold this. Attention runs in
-        cpu_kernels.cpp's op where the cache allows it (cpu_kernel), except for a prefill's
-        pieces (prompt; a piece of up to 16 tokens that takes the static path is a step there):
+        """The device's half: split the plan's int64 tensor (already on the device) and, for SDPA,
+        build the attention mask. No host values are read, so a CUDA graph can hold this.
+        Attention runs in cpu_kernels.cpp's op where the cache allows it (cpu_kernel), except for
+        a prefill's pieces (prompt; a piece of up to 16 tokens that takes the static path is a
+        step there):
         SDPA, which multiplies blocks of queries by blocks of keys, is the faster for them
         (SmolLM2-135M in int4, one thread, 64 new tokens after 200: 303 ms against 342).
         The decode loops' forwards (steps, verifications, branches) all take the kernel, so
