@@ -586,6 +586,7 @@ def pack_layers(model: nn.Module, device, cuda: bool = False) -> int:
 # the time on one thread, 0.95x on two; a 2- or 3-token verification 0.94x on two.
 SLAB = 32 << 20  # bytes: weights are copied into slabs of this size (or one tensor's, if larger)
 HUGE = 2 << 20   # bytes of a huge page
+HUGE_PAGES = hasattr(mmap, "MADV_HUGEPAGE")  # whether memory can be asked for in them (Linux)
 
 
 def into_huge_pages(model: nn.Module) -> int:
@@ -594,7 +595,7 @@ def into_huge_pages(model: nn.Module) -> int:
     at its copy: the same values, read through fewer pages. A slab at a time, so loading peaks at
     about one slab (or the largest tensor) more than before. Elsewhere than Linux nothing moves.
     Returns the bytes moved."""
-    if not hasattr(mmap, "MADV_HUGEPAGE"):
+    if not HUGE_PAGES:  # a copy into plain memory would gain nothing
         return 0
     layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
     names = ("packed", "scales_and_zeros", "qweight", "scales", "mins")
@@ -637,7 +638,7 @@ def huge_page_slab(size: int) -> torch.Tensor:
     (its pages are made on first write, so the mark comes first). It keeps its memory alive.
     Elsewhere than Linux, plain memory of that size."""
     size = -(-size // HUGE) * HUGE
-    if not hasattr(mmap, "MADV_HUGEPAGE"):
+    if not HUGE_PAGES:
         return torch.empty(size, dtype=torch.uint8)
     # private: Python's anonymous mmap is shared by default, which Linux gives no huge pages
     memory = mmap.mmap(-1, size + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from checkpoint import load_model  # noqa: E402
-from quantize import HUGE, huge_page_slab, weight_bytes  # noqa: E402
+from quantize import huge_page_slab, weight_bytes  # noqa: E402
 
 CONTEXT = 100  # tokens in the cache before the timed steps
 
@@ -67,8 +67,7 @@ def main(argv=None) -> dict:
     weights = weight_bytes(model)
     cache = model.new_cache(CONTEXT + 16)
     seq = cache.new_seq()
-    size = int(a.gib * 2**30) // HUGE * HUGE
-    big = huge_page_slab(size).view(torch.float32).fill_(1)
+    big = huge_page_slab(int(a.gib * 2**30)).view(torch.float32).fill_(1)  # whole 2 MB pages
     rows, threads = [], torch.get_num_threads()
     with torch.no_grad():
         model.prefill(cache, [seq], [list(range(100, 100 + CONTEXT))])
