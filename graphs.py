@@ -30,7 +30,7 @@ class Bucket:
     cache: PagedKVCache     # held: a graph reads its pool's address
     ints: torch.Tensor      # the plan's int64 layout, on the device (PagedKVCache.plan)
     tokens: torch.Tensor    # [rows * T] input tokens; padding rows keep token 0
-    logits: torch.Tensor | None = None  # the captured run's output [rows * T, V]
+    logits: object = None   # the captured run's output: [rows * T, V], or (logits, features)
     graph: object = None    # torch.cuda.CUDAGraph once captured
     ran: set = field(default_factory=set)  # the thread counts a compiled CPU body ran it at
 
@@ -62,7 +62,8 @@ class StaticSteps:
         return uniform and counts[0] <= self.MAX_T and len(counts) <= self.MAX_ROWS
 
     def step(self, model, cache: PagedKVCache, seq_ids: list[int], tokens, T: int):
-        """One padded step -> float32 logits [b * T, V] of the real rows."""
+        """One padded step -> float32 logits [b * T, V] of the real rows (with the model's
+        feature_layers, (logits, features [b * T, layers, hidden]))."""
         b = len(seq_ids)
         host, shape = cache.plan(seq_ids, [T] * b, pad=True)  # shape: (rows, T, blocks)
         key = (id(cache), *shape)
@@ -82,12 +83,12 @@ class StaticSteps:
         if not self.capture:
             threads = torch.get_num_threads()  # compiled code is made for a thread count
             if self.body is None or threads in bk.ran:
-                return run()[:b * T]
+                return real_rows(run(), b * T)
             # a bucket's first run on the CPU at this thread count compiles, or checks that a
             # compiled graph serves it: set-up, timed apart as captures are (one step's work is
             # counted with it)
             start = time.perf_counter()
-            logits = run()[:b * T]
+            logits = real_rows(run(), b * T)
             bk.ran.add(threads)
             self.captures += 1
             self.capture_seconds += time.perf_counter() - start
@@ -95,7 +96,7 @@ class StaticSteps:
         if bk.graph is None:
             self.capture_graph(bk, run)
         bk.graph.replay()
-        return bk.logits[:b * T].clone()  # the next replay overwrites bk.logits
+        return real_rows(bk.logits, b * T, clone=True)  # the next replay overwrites bk.logits
 
     def capture_graph(self, bk: Bucket, run):
         # one eager run first, on a side stream (as torch.cuda.graphs asks): cuBLAS and the caching
@@ -118,6 +119,13 @@ class StaticSteps:
         torch.cuda.synchronize()
         self.captures += 1
         self.capture_seconds += time.perf_counter() - start
+
+
+def real_rows(out, n: int, clone: bool = False):
+    """The first n rows (the real ones) of a step's output: logits, or (logits, features)."""
+    if isinstance(out, tuple):
+        return tuple(real_rows(x, n, clone) for x in out)
+    return out[:n].clone() if clone else out[:n]
 
 
 def symbolic_sizes(tokens, meta):

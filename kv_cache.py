@@ -210,11 +210,16 @@ class PagedKVCache:
             self.refcount[b] += 1
         if rem:
             b = self._alloc()
-            self.kv[:, b, :rem] = self.kv[:, src.blocks[n_full], :rem]
+            self.copy_block(b, src.blocks[n_full], rem)
             blocks = blocks + [b]
         new = self.new_seq()
         self.seqs[new] = Seq(blocks, length)
         return new
+
+    def copy_block(self, dst: int, src: int, n: int):
+        """Copy the first n slots of block src into block dst (a fork's partial block, a copy on
+        write); a cache that keeps more per slot (eagle.HeadCache) copies that too."""
+        self.kv[:, dst, :n] = self.kv[:, src, :n]
 
     def truncate(self, sid: int, length: int):
         """Roll back to the first `length` tokens; blocks that become empty are freed, last
@@ -260,7 +265,7 @@ class PagedKVCache:
         if s.length % bs and self.refcount[s.blocks[first]] > 1:
             # the partial last block is shared (a truncated fork of a longer one): copy on write
             old, new = s.blocks[first], self._alloc()
-            self.kv[:, new] = self.kv[:, old]
+            self.copy_block(new, old, bs)
             self._release(old)
             s.blocks[first] = new
         elif s.length % bs and s.blocks[first] in self.hash_of:

@@ -354,7 +354,18 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.static: StaticSteps | None = None  # set by use_graphs
         self.kv_pool: PagedKVCache | None = None  # the cache new_cache(reuse=True) hands back
+        self.feature_layers: list[int] | None = None  # set by want_features
         self.init_buffers()
+
+    def want_features(self, layers: list[int] | None):
+        """Make every cached forward also give the outputs of these layers at every position it
+        computes (an EAGLE draft reads them: eagle.py): forward_cached, run and prefill then return
+        (logits, features [N, len(layers), hidden]). None: logits alone, and nothing extra is
+        computed (AR, a draft model). Set it before use_graphs: a compiled step is traced with it."""
+        if layers is not None and not all(0 <= l < self.config.num_hidden_layers for l in layers):
+            raise ValueError(f"feature layers {layers}: this model has layers 0.."
+                             f"{self.config.num_hidden_layers - 1}")
+        self.feature_layers = None if layers is None else list(layers)
 
     def use_graphs(self, graphs: bool | None, compile: bool | None = None):
         """graphs=None: CUDA graphs where the model is on CUDA (and not tensor parallel), the
@@ -511,6 +522,18 @@ class Transformer(nn.Module):
             x = layer(x, cos, sin)
         return self.head(x)
 
+    def layer_states(self, tokens, layers: list[int]):
+        """Plain forward without a cache, up to the highest of `layers` only: tokens [B, T] -> the
+        residual stream after each listed layer, [B, T, len(layers), hidden] (the features an
+        EAGLE head reads: eagle.py)."""
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        cos, sin = rope_cos_sin(self.inv_freq, positions, self.dtype)
+        x, out = self.embed(tokens), {}
+        for l, layer in enumerate(self.model.layers[:max(layers) + 1]):
+            x = layer(x, cos, sin)
+            out[l] = x
+        return torch.stack([out[l] for l in layers], -2)
+
     def forward_cached(self, cache: PagedKVCache, seq_ids: list[int], tokens, counts: list[int],
                        last_only: bool = False, prompt: bool = False):
         """Ragged cached forward. tokens: LongTensor [N] (or a list), the new tokens of each
@@ -524,8 +547,11 @@ class Transformer(nn.Module):
         elif tokens.device != self.device:
             tokens = to_device(tokens, self.device)
         if self.static is not None and self.static.fits(counts):
-            logits = self.static.step(self, cache, seq_ids, tokens, counts[0])  # [b * T, V]
-            return logits.view(len(seq_ids), counts[0], -1)[:, -1] if last_only else logits
+            out = self.static.step(self, cache, seq_ids, tokens, counts[0])  # [b * T, V]
+            if not last_only:
+                return out
+            last = lambda x: x.view(len(seq_ids), counts[0], -1)[:, -1]  # noqa: E731
+            return (last(out[0]), out[1]) if self.feature_layers else last(out)
         return self.run(cache, tokens, cache.prepare(seq_ids, counts, prompt), last_only)
 
     def run(self, cache: PagedKVCache, tokens, meta: AttnMeta, last_only: bool = False,
@@ -533,25 +559,38 @@ class Transformer(nn.Module):
         """The device's part of a cached forward, given its plan's metadata: tokens [N] -> float32
         logits [N, V] ([b, V] if last_only). It reads no host values (a CUDA graph can hold it).
         halves: every layer's compiled halves (Block.forward); body: `logits` compiled whole, the
-        head in it (compiled_body)."""
+        head in it (compiled_body). With feature_layers: (logits, features [N, layers, hidden]),
+        the features of every token even when last_only."""
         if body is not None:
-            logits = body(self, cache, tokens, meta, halves)
-            return logits[meta.last] if last_only else logits
+            out = body(self, cache, tokens, meta, halves)
+            if not last_only:
+                return out
+            return (out[0][meta.last], out[1]) if self.feature_layers else out[meta.last]
         x = Transformer.body(self, cache, tokens, meta, halves)
-        if last_only:
-            x = x[meta.last]
-        return self.head(x)
+        x, features = x if self.feature_layers else (x, None)
+        logits = self.head(x[meta.last] if last_only else x)
+        return logits if features is None else (logits, features)
 
     def logits(self, cache: PagedKVCache, tokens, meta: AttnMeta, halves=None):
-        """body, then head: tokens [N] -> float32 logits [N, V] (what compiled_body compiles)."""
-        return self.head(Transformer.body(self, cache, tokens, meta, halves))
+        """body, then head: tokens [N] -> float32 logits [N, V] (what compiled_body compiles);
+        with feature_layers (logits, features)."""
+        x = Transformer.body(self, cache, tokens, meta, halves)
+        if self.feature_layers:
+            return self.head(x[0]), x[1]
+        return self.head(x)
 
     def body(self, cache: PagedKVCache, tokens, meta: AttnMeta, halves=None):
-        """Embedding and layers: tokens [N] -> hidden states [N, hidden]."""
+        """Embedding and layers: tokens [N] -> hidden states [N, hidden]; with feature_layers
+        (hidden states, the listed layers' outputs [N, len(feature_layers), hidden])."""
         cos, sin = rope_cos_sin(self.inv_freq, meta.positions, self.dtype)
         x = self.embed(tokens)  # [N, hidden]
+        kept = {}
         for l, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, cache.kv[l], meta, halves)
+            if self.feature_layers and l in self.feature_layers:
+                kept[l] = x
+        if self.feature_layers:
+            return x, torch.stack([kept[l] for l in self.feature_layers], -2)
         return x
 
     def prefill(self, cache: PagedKVCache, seq_ids: list[int], prompts: list[list[int]],
@@ -561,9 +600,12 @@ class Transformer(nn.Module):
         forward's mask and attention work stay [chunk x context]: one 16k-token prompt in one
         forward would build a 16k x 16k mask per query head of a KV head. With prefix caching on
         (kv_cache.py), an empty sequence first takes the blocks its prompt starts with from the
-        cache and feeds only the rest; its full blocks are registered once all are cached."""
+        cache and feeds only the rest; its full blocks are registered once all are cached.
+        With feature_layers: (logits, a list of each prompt's features [its tokens fed, layers,
+        hidden])."""
         fresh = [cache.length(s) == 0 for s in seq_ids]
         done = [cache.reuse_prefix(s, p) for s, p in zip(seq_ids, prompts)]
+        feats = [[] for _ in prompts]  # each prompt's pieces' features (feature_layers)
         pieces = {i: [p[s:s + chunk] for s in range(c, len(p), chunk)]
                   for i, (p, c) in enumerate(zip(prompts, done))}
         last = [None] * len(prompts)
@@ -578,6 +620,10 @@ class Transformer(nn.Module):
                                          [x for i in rows for x in pieces[i][0]],
                                          [len(pieces[i][0]) for i in rows], last_only=True,
                                          prompt=True)
+            if self.feature_layers:
+                logits, f = logits
+                for i, part in zip(rows, f.split([len(pieces[i][0]) for i in rows])):
+                    feats[i].append(part)
             for i, row_logits in zip(rows, logits):
                 pieces[i].pop(0)
                 if not pieces[i]:
@@ -586,4 +632,6 @@ class Transformer(nn.Module):
         for s, p, f in zip(seq_ids, prompts, fresh):
             if f:
                 cache.register(s, p)
+        if self.feature_layers:
+            return torch.stack(last), [torch.cat(f) for f in feats]
         return torch.stack(last)

@@ -176,6 +176,10 @@ class Verifier:
         self.last = None                   # [b] per row: r, the last bonus token, not yet cached
         self.temps: list[float] = []       # per row: its temperature
         self.gens: list = []               # per row: its generator (None once finished)
+        # with a model that gives features (Transformer.want_features: an EAGLE draft reads them),
+        # per row of the last add or verify: the features of the tokens its cache gained there
+        # ([m, layers, hidden]: a prompt's tokens, or r, x_1..x_n), in the rows' order
+        self.features: list | None = None
 
     def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
         """A static batch: the first rows of an empty verifier (`add` to an empty one)."""
@@ -193,6 +197,8 @@ class Verifier:
                 for s in seeds]
         new = [self.cache.new_seq() for _ in prompts]
         logits = self.model.prefill(self.cache, new, prompts)  # [b, V]
+        if self.model.feature_layers:
+            logits, self.features = logits
         b, V = logits.shape
         none = torch.zeros(b, 0, dtype=torch.long, device=logits.device)
         every = torch.ones(b, dtype=torch.bool, device=logits.device)  # nothing was sampled
@@ -217,12 +223,19 @@ class Verifier:
         q = None if q is None else to_device(q, dev)
         inp = torch.cat([self.last.index_select(0, idx)[:, None], tokens], 1)        # [b, W+1]
         logits = self.model.forward_cached(self.cache, seqs, inp.flatten(), [W + 1] * b)
+        features = None
+        if self.model.feature_layers:
+            logits, features = logits
         logits = logits.view(b, W + 1, -1)                                          # [b, W+1, V]
         n, t = accept_reject(logits, inp[:, 1:], q, deterministic,
                              row_temperatures([self.temps[r] for r in rows], dev),
                              [self.gens[r] for r in rows], lengths=lengths)
-        for s, L, n_r in zip(seqs, start, to_host(n)):
+        accepted = to_host(n)
+        for s, L, n_r in zip(seqs, start, accepted):
             self.cache.truncate(s, L + 1 + n_r)  # the rejected tokens never happened
+        if features is not None:  # r, x_1..x_n's
+            features = features.view(b, W + 1, *features.shape[1:])  # [b, W+1, layers, hidden]
+            self.features = [f[:n_r + 1] for f, n_r in zip(features, accepted)]
         self.last.index_copy_(0, idx, t)
         return n, t
 

@@ -1,0 +1,383 @@
+"""Train an EAGLE-3 head (eagle.py) for any target this engine loads: on a CPU in hours, resumable.
+
+    python scripts/train_eagle.py --target smollm2-135m --out checkpoints/smollm2-135m-eagle \\
+        --work-dir ~/.cache/ssd-eagle/data --prompts 4000 \\
+        --prompt-source templates:0.4,self:0.3,code:0.3 --template-set 0 --greedy-share 1
+
+Stages, each resumable from --work-dir (run the same command again after a kill; nothing done is
+redone):
+
+  1. data      the target's answers to chat, self-written and code prompts, and the held-out sets
+               (chat, self, HumanEval), made by scripts/distill_draft.py's own stages: every flag
+               this script does not know is one of distill_draft.py's data flags, and the same
+               work dir shares the answers (a distillation's answers are read back, not made again).
+  2. features  the target's three layers' outputs (eagle.default_layers, or --layers) at every
+               position of every prompt and answer, computed once in bf16 (work/features, a file
+               per 64 answers): one target forward per token, where training reads them for epochs.
+  3. train     training-time test (eagle.EagleHead.train_forward): --ttt steps, each on the head's
+               own outputs of the step before; at every step the KL from the target's top-k law (the
+               label distill_draft stored at each answer position) to the head's law over its own
+               rows, the target's mass outside them as one bucket. AdamW, warm-up then cosine.
+               Resumes from work/eagle.pt. Every --eval-every steps, on each held-out set: greedy
+               SD at K = --eval-k simulated exactly on the target's greedy answers (the head drafts
+               from the true prefix's features, then from itself, as in SD; accepted tokens are
+               the target's): per-token acceptance a = accepted / trials, tokens a round, and the
+               acceptance at each draft position. The head is exported to --out at each of them.
+  4. export    --out: config.json and model.safetensors (eagle.save), train.json with the command,
+               data, steps, time and metrics.
+
+The head starts from the target where the two share a space: its lm_head is the target's head rows
+of the draft's vocabulary, its final norm the target's; fc and the layer start random.
+"""
+import argparse
+import contextlib
+import hashlib
+import json
+import math
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # so `python scripts/train_eagle.py` imports the engine
+    sys.path.insert(0, str(REPO))
+
+import eagle  # noqa: E402  (after the path is set)
+from scripts import distill_draft as dd  # noqa: E402
+from scripts.prompt_sets import HUMANEVAL_SIZE, humaneval_installed  # noqa: E402
+from scripts.train_tiny import lr_at  # noqa: E402
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 epilog="Any other flag is a data flag of scripts/distill_draft.py "
+                                        "(--prompts, --prompt-source, --template-set, ...).")
+    ap.add_argument("--target", required=True, help="any model run.py loads (alias, dir, GGUF)")
+    ap.add_argument("--out", required=True, help="the head's directory")
+    ap.add_argument("--work-dir", required=True, help="resumable state, shared with distill_draft")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--layers", type=dd.int_list, default=None,
+                    help="the three target layers fused (default: eagle.default_layers)")
+    ap.add_argument("--vocab", type=int, default=8192, help="rows of the head's vocabulary")
+    ap.add_argument("--ttt", type=int, default=4, help="training-time test steps")
+    ap.add_argument("--steps", type=int, default=2000)
+    ap.add_argument("--batch-tokens", type=int, default=4096)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--warmup", type=int, default=50)
+    ap.add_argument("--eval-every", type=int, default=200)
+    ap.add_argument("--eval-k", type=int, default=4)
+    ap.add_argument("--save-every-s", type=float, default=120)
+    ap.add_argument("--bf16", action="store_true",
+                    help="bf16 autocast (fast on a GPU; on the 2-core EPYC its backward took 25x "
+                         "float32's, so float32 is the default)")
+    ap.add_argument("--seed", type=int, default=0)
+    args, data_argv = ap.parse_known_args(argv)
+    if args.ttt < 1 or args.eval_k < 1:
+        ap.error("--ttt and --eval-k: give at least 1")
+    return args, data_argv
+
+
+# --------------------------------------------------------------------------------------------------
+# 2. Features
+
+FEATURE_CHUNK = 64
+
+
+@torch.no_grad()
+def features(target, examples: list[dict], layers: list[int], work: Path, name: str,
+             batch_tokens: int) -> list[torch.Tensor]:
+    """The target's layers' outputs at every position of prompt + answer, [L, 3, H] bf16 each, in
+    chunk files named by the chunk's tokens and the layers (a changed set is computed anew)."""
+    folder = work / "features"
+    folder.mkdir(exist_ok=True)
+    out = []
+    for c in range(0, len(examples), FEATURE_CHUNK):
+        chunk = examples[c:c + FEATURE_CHUNK]
+        seqs = [ex["prompt"] + ex["answer"] for ex in chunk]
+        key = hashlib.md5(f"{layers} {seqs}".encode()).hexdigest()[:8]
+        path = folder / f"{name}_{c:05d}_{key}.pt"
+        if not path.exists():
+            part = [None] * len(seqs)
+            order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+            while order:  # batches of similar lengths, right-padded (causal: padding unseen)
+                n = max(1, batch_tokens // len(seqs[order[0]]))
+                rows, order = order[:n], order[n:]
+                L = max(len(seqs[i]) for i in rows)
+                x = torch.zeros(len(rows), L, dtype=torch.long)
+                for r, i in enumerate(rows):
+                    x[r, :len(seqs[i])] = torch.tensor(seqs[i])
+                h = target.layer_states(x.to(target.device), layers).to(torch.bfloat16).cpu()
+                for r, i in enumerate(rows):
+                    part[i] = h[r, :len(seqs[i])].clone()
+            torch.save(part, path.with_suffix(".tmp"))
+            os.replace(path.with_suffix(".tmp"), path)
+        out += torch.load(path)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# 3. Training-time test
+
+def collate(batch: list[int], examples, feats, steps: int, row_of, device):
+    """-> tokens [B, L], features [B, L, 3, H], and for each step j: (the flat entry indices
+    [N_j] into [B * L] whose prediction has a label, the label's top-k ids as the head's rows
+    [N_j, k] (-1 outside its vocabulary), their log-probs [N_j, k]). Step j's entry i predicts
+    x_{i+1+j}; answer token a (at sequence index P + a) has label row a."""
+    L = max(len(examples[i]["prompt"]) + len(examples[i]["answer"]) for i in batch)
+    x = torch.zeros(len(batch), L, dtype=torch.long)
+    f = torch.zeros(len(batch), L, *feats[batch[0]].shape[1:], dtype=torch.bfloat16)
+    labels = []
+    for j in range(steps):
+        where, ids, logp = [], [], []
+        for r, i in enumerate(batch):
+            ex = examples[i]
+            P, A = len(ex["prompt"]), len(ex["answer"])
+            a0 = max(0, j + 1 - P)  # entry i = P + a - 1 - j >= 0
+            if a0 >= A:
+                continue
+            where.append(r * L + torch.arange(P + a0 - 1 - j, P + A - 1 - j))
+            ids.append(ex["top_ids"][a0:].long())
+            logp.append(ex["top_logp"][a0:].float())
+        ids = row_of[torch.cat(ids)]
+        labels.append((torch.cat(where).to(device), ids.to(device), torch.cat(logp).to(device)))
+    for r, i in enumerate(batch):
+        seq = examples[i]["prompt"] + examples[i]["answer"]
+        x[r, :len(seq)] = torch.tensor(seq)
+        f[r, :len(seq)] = feats[i]
+    return x.to(device), f.to(device), labels
+
+
+def topk_kl(own_logits, rows, top_logp):
+    """KL(p || q) per position: p the target's law on its top-k tokens (rows -1: outside the
+    head's vocabulary) plus the rest of its mass as one bucket, q the head's law over its rows
+    coarsened the same way. -> [N]."""
+    logq = F.log_softmax(own_logits.float(), -1)
+    inside = rows >= 0
+    logq_top = logq.gather(-1, rows.clamp_min(0))
+    p_top = top_logp.exp() * inside
+    q_rest = (1 - (logq_top.exp() * inside).sum(-1)).clamp_min(1e-8)
+    p_rest = (1 - p_top.sum(-1)).clamp_min(1e-8)
+    top = torch.where(inside & (p_top > 0), p_top * (top_logp - logq_top), 0.0)
+    return top.sum(-1) + p_rest * (p_rest.log() - q_rest.log())
+
+
+def own_logits(head, h, where):
+    """The head's logits over its own rows at the labelled entries: h [B, L, H] -> [N, rows]."""
+    return head.lm_head(head.norm(h.flatten(0, 1)[where]))
+
+
+def batches(examples: list[dict], batch_tokens: int, rng: random.Random):
+    """Shuffled batches of example indices whose padded size stays within batch_tokens."""
+    order = list(range(len(examples)))
+    rng.shuffle(order)
+    batch, longest = [], 0
+    for i in order:
+        n = len(examples[i]["prompt"]) + len(examples[i]["answer"])
+        if batch and max(longest, n) * (len(batch) + 1) > batch_tokens:
+            yield batch
+            batch, longest = [], 0
+        batch.append(i)
+        longest = max(longest, n)
+    if batch:
+        yield batch
+
+
+def sd_rounds(agree: torch.Tensor, P: int, K: int) -> tuple[int, int, int, list, list]:
+    """Greedy SD at K over one answer, from the head's agreement agree [K, T] (agree[j, i]: step j
+    of a round drafted after entry i gives x_{i+1+j}; T entries have a token to predict). The
+    first round drafts after entry P, the prefill's token (the first answer token). -> (rounds,
+    accepted, trials, reached [K], accepted at each draft position [K])."""
+    T = agree.shape[1]
+    rounds = accepted = trials = 0
+    reached, hit = [0] * K, [0] * K
+    i = P
+    while i < T:
+        n = 0
+        while n < K and i + n < T and agree[n, i]:
+            reached[n] += 1
+            hit[n] += 1
+            n += 1
+        if n < K and i + n < T:  # a rejection was tried
+            reached[n] += 1
+            trials += 1
+        rounds, accepted, trials = rounds + 1, accepted + n, trials + n
+        i += n + 1
+    return rounds, accepted, trials, reached, hit
+
+
+@torch.no_grad()
+def evaluate(head, examples, feats, K: int, device, batch_tokens: int, bf16=False) -> dict:
+    """Greedy SD at K simulated on the target's greedy answers (sd_rounds): per-token acceptance,
+    tokens a round, the acceptance at each draft position; and step 0's top-1 agreement."""
+    head.eval()
+    tot = {"rounds": 0, "accepted": 0, "trials": 0, "agree": 0, "positions": 0, "emitted": 0}
+    reached, hit = [0] * K, [0] * K
+    token_of = head.token_of.to(device)
+    for batch in batches(examples, batch_tokens, random.Random(0)):
+        x, f, _ = collate(batch, examples, feats, 0, None, device)
+        with autocast(device, bf16):
+            outs = head.train_forward(x, f, K)
+            pred = torch.stack([token_of[head.lm_head(head.norm(h)).argmax(-1)] for h in outs])
+        for r, i in enumerate(batch):  # pred [K, B, T]
+            ex = examples[i]
+            P, L = len(ex["prompt"]), len(ex["prompt"]) + len(ex["answer"])
+            truth = x[r]  # entry i (0..L-2) at step j predicts x_{i+1+j}: L - 1 - j of them
+            agree = torch.stack([F.pad(pred[j, r, :max(L - 1 - j, 0)].eq(truth[1 + j:L]).cpu(),
+                                       (0, min(j, L - 1))) for j in range(K)])  # [K, L - 1]
+            ro, ac, tr, re, hi = sd_rounds(agree, P, K)
+            tot["rounds"] += ro
+            tot["accepted"] += ac
+            tot["trials"] += tr
+            tot["emitted"] += L - P - 1  # the rounds' tokens: the answer after the prefill's
+            reached = [a + b for a, b in zip(reached, re)]
+            hit = [a + b for a, b in zip(hit, hi)]
+            tot["agree"] += agree[0, P:].sum().item()  # the positions SD drafts
+            tot["positions"] += agree[0, P:].numel()
+    head.train()
+    return {"acceptance": tot["accepted"] / max(tot["trials"], 1),
+            "tokens_per_round": tot["emitted"] / max(tot["rounds"], 1),
+            "by_position": [round(h / max(r, 1), 3) for h, r in zip(hit, reached)],
+            "agreement": tot["agree"] / max(tot["positions"], 1), "K": K}
+
+
+def autocast(device, bf16: bool):
+    return dd.autocast(device) if bf16 else contextlib.nullcontext()
+
+
+def summary(metrics: dict) -> str:
+    return "; ".join(f"{k} a {m['acceptance']:.3f} tok/round {m['tokens_per_round']:.2f} "
+                     f"by position {m['by_position']}" for k, m in metrics.items())
+
+
+def new_head(target, layers: list[int], token_ids: list[int], seed: int):
+    """A head for the target: lm_head from the target's head rows, norm from its final norm."""
+    torch.manual_seed(seed)
+    head = eagle.head_for(target.config, layers, token_ids)
+    with torch.no_grad():
+        w = target.lm_head.weight if not target.config.tie_word_embeddings else \
+            target.model.embed_tokens.weight
+        head.lm_head.weight.copy_(w[torch.tensor(token_ids)].float())
+        head.norm.weight.copy_(target.model.norm.weight.float())
+        head.fc.weight.mul_(0.5)
+    return head
+
+
+def train(head, train_ex, train_f, heldout, args, work: Path, out: Path, info: dict) -> dict:
+    opt = torch.optim.AdamW(head.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    state_path = work / "eagle.pt"
+    step, epoch, epoch_start, spent = 0, 0, 0, 0.0
+    if state_path.exists():
+        st = torch.load(state_path, map_location=args.device)
+        head.load_state_dict(st["model"])
+        opt.load_state_dict(st["opt"])
+        step, epoch, epoch_start, spent = st["step"], st["epoch"], st["epoch_start"], st["seconds"]
+        dd.log(work, f"eagle: resumed at step {step} (epoch {epoch}, {spent:.0f}s spent)")
+
+    def save():
+        tmp = state_path.with_suffix(".tmp")
+        torch.save({"model": head.state_dict(), "opt": opt.state_dict(), "step": step,
+                    "epoch": epoch, "epoch_start": epoch_start, "seconds": spent,
+                    "token_ids": head.token_of.tolist(), "layers": head.target_layers}, tmp)
+        os.replace(tmp, state_path)
+
+    def measure():
+        return {name: evaluate(head, ex, f, args.eval_k, args.device, args.batch_tokens, args.bf16)
+                for name, (ex, f) in heldout.items()}
+
+    row_of = torch.full((head.config.vocab_size,), -1, dtype=torch.long)
+    row_of[head.token_of.cpu()] = torch.arange(len(head.token_of))
+    metrics = {}
+    t_last = t_save = time.time()
+    while step < args.steps:
+        epoch_batches = list(batches(train_ex, args.batch_tokens, random.Random(args.seed + epoch)))
+        for batch in epoch_batches[step - epoch_start:]:
+            if step >= args.steps:
+                break
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
+            x, f, labels = collate(batch, train_ex, train_f, args.ttt, row_of, args.device)
+            with autocast(args.device, args.bf16):
+                outs = head.train_forward(x, f, args.ttt)
+                losses = [topk_kl(own_logits(head, h, where), rows, logp).mean()
+                          for h, (where, rows, logp) in zip(outs, labels)]
+            loss = sum(losses) / len(losses)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+            opt.step()
+            step += 1
+            now = time.time()
+            spent, t_last = spent + now - t_last, now
+            if step % 10 == 0:
+                dd.log(work, f"eagle step {step} loss {loss.item():.3f} by step "
+                             f"{[round(l.item(), 2) for l in losses]} ({spent:.0f}s)")
+            if step % args.eval_every == 0 or step == args.steps:
+                save()
+                metrics = measure()
+                dd.log(work, f"eagle step {step}/{args.steps} epoch {epoch}: {summary(metrics)}")
+                export(head, out, {**info, "steps_done": step, "train_seconds": round(spent),
+                                   "heldout": metrics})
+                t_last = t_save = time.time()
+            if now - t_save > args.save_every_s:
+                save()
+                t_save = time.time()
+        if step < args.steps:
+            epoch, epoch_start = epoch + 1, step
+            save()
+    if not metrics:
+        metrics = measure()
+    return {"heldout": metrics, "train_seconds": round(spent), "steps_done": step}
+
+
+def export(head, out: Path, info: dict):
+    eagle.save(head, out, {"target": info["target"], "eval_k": info["eval_k"]})
+    (out / "train.json").write_text(json.dumps(info, indent=1) + "\n")
+
+
+def main(argv=None):
+    args, data_argv = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    work, out = Path(args.work_dir).expanduser(), Path(args.out)
+    work.mkdir(parents=True, exist_ok=True)
+    command = ("python scripts/train_eagle.py " + " ".join(sys.argv[1:] if argv is None else argv)
+               ).replace(str(Path.home()), "~")
+    dd.log(work, command)
+    dargs = dd.parse_args(["--target", args.target, "--out", str(out), "--device", args.device,
+                           *data_argv])
+    if dargs.humaneval is None:
+        dargs.humaneval = HUMANEVAL_SIZE if humaneval_installed() else 0
+    target, tok = dd.load_target(dargs)
+    layers = args.layers or eagle.default_layers(target.config.num_hidden_layers)
+    heldout, _ = dd.heldout_sets(target, tok, dargs, work)
+    train_ex = dd.training_answers(target, tok, dargs, work, [])
+    t0 = time.time()
+    train_f = features(target, train_ex, layers, work, "train", args.batch_tokens)
+    held = {k: (ex, features(target, ex, layers, work, f"heldout-{k}", args.batch_tokens))
+            for k, ex in heldout.items()}
+    dd.log(work, f"features: {sum(len(f) for f in train_f)} training positions, layers {layers} "
+                 f"({time.time() - t0:.0f}s)")
+    state = work / "eagle.pt"
+    token_ids = torch.load(state)["token_ids"] if state.exists() else dd.draft_vocabulary(
+        train_ex, args.vocab + 1, target.config.vocab_size, set(target.config.eos_token_ids))
+    head = new_head(target, layers, token_ids, args.seed).to(args.device)
+    head.attach(target.model.embed_tokens)
+    head.train()
+    dd.log(work, f"eagle head: {sum(p.numel() for p in head.parameters()) / 1e6:.1f}M parameters,"
+                 f" layers {layers}, {len(token_ids)} rows")
+    info = {"command": command, "target": args.target, "layers": layers, "vocab": len(token_ids),
+            "ttt": args.ttt, "eval_k": args.eval_k, "train_answers": len(train_ex),
+            "train_tokens": sum(len(e["answer"]) for e in train_ex)}
+    result = train(head, train_ex, train_f, held, args, work, out, info)
+    export(head, out, {**info, **result})
+    dd.log(work, f"exported to {out}: {summary(result['heldout'])}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""scripts/train_eagle.py: an EAGLE-3 head trained end to end on a tiny random target (resumable,
+exported, loadable), and its evaluation's rounds against distill_draft's greedy SD count."""
+import json
+import random
+
+import torch
+
+import eagle
+from scripts import distill_draft as dd
+from scripts import train_eagle as te
+from test_distill_draft import tiny_target
+
+ARGS = ["--prompts", "10", "--heldout", "3", "--max-new-tokens", "10", "--gen-batch", "8",
+        "--batch-tokens", "256", "--topk", "8", "--self-heldout", "0", "--humaneval", "0",
+        "--layers", "0,1,1", "--vocab", "60", "--ttt", "2", "--eval-k", "3", "--steps", "4",
+        "--eval-every", "2", "--lr", "3e-3", "--warmup", "1"]
+
+
+def test_end_to_end_trains_exports_and_resumes(tmp_path):
+    target = tiny_target(tmp_path / "target")
+    out, work = tmp_path / "head", tmp_path / "work"
+    te.main(["--target", str(target), "--out", str(out), "--work-dir", str(work), *ARGS])
+    info = json.loads((out / "train.json").read_text())
+    assert info["steps_done"] == 4 and info["vocab"] == 60 and info["layers"] == [0, 1, 1]
+    chat = info["heldout"]["chat"]
+    assert 0 <= chat["acceptance"] <= 1 and 1 <= chat["tokens_per_round"] <= 4
+    head = eagle.load(out)
+    assert len(head.token_of) == 60 and head.target_layers == [0, 1, 1]
+    log = (work / "log.txt").read_text()
+    assert "eagle step 2/4" in log and "eagle step 4/4" in log
+    # the same command again: nothing answered or computed again, training resumes at its end
+    files = sorted(p.stat().st_mtime_ns for d in ("answers", "features")
+                   for p in (work / d).iterdir())
+    te.main(["--target", str(target), "--out", str(out), "--work-dir", str(work), *ARGS])
+    assert sorted(p.stat().st_mtime_ns for d in ("answers", "features")
+                  for p in (work / d).iterdir()) == files
+    assert "eagle: resumed at step 4" in (work / "log.txt").read_text()
+
+
+def test_training_lowers_the_loss(tmp_path):
+    """More steps on the same answers: the logged loss falls (the negative control is step 1's)."""
+    target = tiny_target(tmp_path / "target")
+    args = [a if a != "4" else "40" for a in ARGS]
+    args[args.index("--eval-every") + 1] = "40"
+    te.main(["--target", str(target), "--out", str(tmp_path / "h"), "--work-dir",
+             str(tmp_path / "w"), *args])
+    losses = [float(line.split(" loss ")[1].split()[0])
+              for line in (tmp_path / "w" / "log.txt").read_text().splitlines()
+              if "eagle step" in line and " loss " in line]
+    assert len(losses) == 4 and losses[-1] < 0.8 * losses[0], losses
+
+
+def test_sd_rounds_count_what_greedy_sd_takes():
+    """With a head whose step j agrees exactly where teacher forcing would at the position it
+    predicts, the rounds are distill_draft.greedy_sd_rounds' (which tests/test_distill_draft.py
+    checks against the engine's SD)."""
+    rng = random.Random(0)
+    for _ in range(200):
+        P, A, K = rng.randint(1, 6), rng.randint(2, 30), rng.randint(1, 5)
+        a = [rng.random() < 0.6 for _ in range(A)]  # answer token p agrees
+        T = P + A - 1  # entries with a token to predict
+        agree = torch.zeros(K, T, dtype=torch.bool)
+        for j in range(K):
+            for i in range(T):
+                p = i + j + 1 - P
+                agree[j, i] = 0 <= p < A and a[p]
+        rounds, accepted, trials, reached, hit = te.sd_rounds(agree, P, K)
+        assert rounds == dd.greedy_sd_rounds(a, K)
+        # every answer token after the first, once: a bonus token each round but the last, whose
+        # accepted run may end the answer
+        assert accepted + rounds in (A - 1, A)
+        assert sum(hit) == accepted and sum(reached) == trials
+
+
+def test_topk_kl_is_zero_for_the_same_law_and_counts_mass_outside_the_rows():
+    torch.manual_seed(0)
+    logits = torch.randn(5, 7)
+    logp = torch.log_softmax(logits, -1)
+    top = logp.topk(7, -1)
+    kl = te.topk_kl(logits, top.indices, top.values)
+    assert kl.abs().max() < 1e-5
+    # a head without the row of each position's top token (the target's 7 tokens, the head's 6):
+    # that mass can only fall in the rest bucket, where the head has none left
+    keep = torch.stack([r[r != t] for r, t in zip(torch.arange(7).expand(5, 7), top.indices[:, 0])])
+    own = logits.gather(-1, keep)  # [5, 6]: the head's rows are these tokens
+    row_of = torch.full((5, 7), -1)
+    row_of.scatter_(1, keep, torch.arange(6).expand(5, 6))
+    rows = row_of.gather(1, top.indices)
+    assert (rows[:, 0] == -1).all() and (rows[:, 1:] >= 0).all()
+    assert (te.topk_kl(own, rows, top.values) > 0.1).all()
+    # the same head with k covering only the head's rows: the missing token is in the rest bucket
+    # of p, and the KL still sees it
+    assert (te.topk_kl(own, rows[:, 1:], top.values[:, 1:]) > 0.1).all()
