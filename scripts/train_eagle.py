@@ -22,9 +22,10 @@ redone):
                SD at K = --eval-k simulated exactly on the target's greedy answers (the head drafts
                from the true prefix's features, then from itself, as in SD; accepted tokens are
                the target's): per-token acceptance a = accepted / trials, tokens a round, and the
-               acceptance at each draft position. The head is exported to --out at each of them.
-  4. export    --out: config.json and model.safetensors (eagle.save), train.json with the command,
-               data, steps, time and metrics.
+               acceptance at each draft position.
+  4. export    --out, at each evaluation whose mean held-out acceptance is the best so far:
+               config.json and model.safetensors (eagle.save), train.json with the command, data,
+               step, time and metrics.
 
 The head starts from the target where the two share a space: its lm_head is the target's head rows
 of the draft's vocabulary, its final norm the target's; fc and the layer start random.
@@ -271,18 +272,19 @@ def new_head(target, layers: list[int], token_ids: list[int], seed: int):
 def train(head, train_ex, train_f, heldout, args, work: Path, out: Path, info: dict) -> dict:
     opt = torch.optim.AdamW(head.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     state_path = work / "eagle.pt"
-    step, epoch, epoch_start, spent = 0, 0, 0, 0.0
+    step, epoch, epoch_start, spent, best = 0, 0, 0, 0.0, -1.0
     if state_path.exists():
         st = torch.load(state_path, map_location=args.device)
         head.load_state_dict(st["model"])
         opt.load_state_dict(st["opt"])
         step, epoch, epoch_start, spent = st["step"], st["epoch"], st["epoch_start"], st["seconds"]
+        best = st.get("best", -1.0)
         dd.log(work, f"eagle: resumed at step {step} (epoch {epoch}, {spent:.0f}s spent)")
 
     def save():
         tmp = state_path.with_suffix(".tmp")
         torch.save({"model": head.state_dict(), "opt": opt.state_dict(), "step": step,
-                    "epoch": epoch, "epoch_start": epoch_start, "seconds": spent,
+                    "epoch": epoch, "epoch_start": epoch_start, "seconds": spent, "best": best,
                     "token_ids": head.token_of.tolist(), "layers": head.target_layers}, tmp)
         os.replace(tmp, state_path)
 
@@ -318,11 +320,16 @@ def train(head, train_ex, train_f, heldout, args, work: Path, out: Path, info: d
                 dd.log(work, f"eagle step {step} loss {loss.item():.3f} by step "
                              f"{[round(l.item(), 2) for l in losses]} ({spent:.0f}s)")
             if step % args.eval_every == 0 or step == args.steps:
-                save()
                 metrics = measure()
-                dd.log(work, f"eagle step {step}/{args.steps} epoch {epoch}: {summary(metrics)}")
-                export(head, out, {**info, "steps_done": step, "train_seconds": round(spent),
-                                   "heldout": metrics})
+                score = sum(m["acceptance"] for m in metrics.values()) / len(metrics)
+                kept = score > best
+                dd.log(work, f"eagle step {step}/{args.steps} epoch {epoch}: {summary(metrics)}"
+                             f"{' (best: exported)' if kept else ''}")
+                if kept:  # the best mean held-out acceptance so far is what --out holds
+                    best = score
+                    export(head, out, {**info, "steps_done": step, "train_seconds": round(spent),
+                                       "heldout": metrics})
+                save()
                 t_last = t_save = time.time()
             if now - t_save > args.save_every_s:
                 save()
@@ -330,9 +337,7 @@ def train(head, train_ex, train_f, heldout, args, work: Path, out: Path, info: d
         if step < args.steps:
             epoch, epoch_start = epoch + 1, step
             save()
-    if not metrics:
-        metrics = measure()
-    return {"heldout": metrics, "train_seconds": round(spent), "steps_done": step}
+    return step
 
 
 def export(head, out: Path, info: dict):
@@ -374,9 +379,10 @@ def main(argv=None):
     info = {"command": command, "target": args.target, "layers": layers, "vocab": len(token_ids),
             "ttt": args.ttt, "eval_k": args.eval_k, "train_answers": len(train_ex),
             "train_tokens": sum(len(e["answer"]) for e in train_ex)}
-    result = train(head, train_ex, train_f, held, args, work, out, info)
-    export(head, out, {**info, **result})
-    dd.log(work, f"exported to {out}: {summary(result['heldout'])}")
+    step = train(head, train_ex, train_f, held, args, work, out, info)
+    kept = json.loads((out / "train.json").read_text())
+    dd.log(work, f"trained to step {step}; {out} holds step {kept['steps_done']}'s head: "
+                 f"{summary(kept['heldout'])}")
 
 
 if __name__ == "__main__":
