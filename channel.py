@@ -236,9 +236,9 @@ def wait_for(signal_, alive, what, timeout=None, spin=0.0):
 # The two sides
 
 class SpeculatorProcess:
-    """The verifier's handle on the speculator's process: the Speculator's methods across the
-    channel. Starts the process and waits until its draft is loaded; close() stops it and raises its
-    error."""
+    """The verifier's handle on the speculator's process: speculator.Speculator's methods across
+    the channel. Starts the process and waits until its draft is loaded; close() stops it and raises
+    its error."""
 
     def __init__(self, cfg: DraftConfig, b: int, V: int, threads: int | None, pin: bool,
                  spin: float = 0.0, per_row: bool = False):
@@ -336,7 +336,7 @@ def speculator_main(cfg: DraftConfig, threads, ch: Channel, inbox, errors):
             torch.cuda.set_device(check_device(cfg.device))
         ch.pin_here()
         # pre-speculation stops when the outcome arrives: the verifier must not wait for branches
-        # it will not use (draft.Speculator.respond completes the one that hit)
+        # it will not use (speculator.Speculator.respond completes the one that hit)
         spec = load_draft(cfg, arrived=lambda step: bool(ch.posted[0]))
         ch.loaded.release()
         parent = mp.parent_process()

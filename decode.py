@@ -1,11 +1,11 @@
 """The decode loops, one round per function: start reading here.
 
-    sd_round    the draft proposes up to K tokens, the target verifies them in one forward
-                (accept/reject plus a bonus token), the draft follows the outcome. AR is the same
-                round with K = 0.
+    sd_round    the draft (draft.Drafter) proposes up to K tokens, the target verifies them in
+                one forward (accept/reject plus a bonus token), the draft follows the outcome. AR
+                is the same round with K = 0.
     ssd_round   the previous round's outcome arrives (cache hit: proposals ready; miss: fallback),
-                the speculator pre-speculates the next round for guessed outcomes, the target
-                verifies.
+                the speculator (speculator.Speculator) pre-speculates the next round for guessed
+                outcomes, the target verifies.
 
 `SDRounds` and `SSDRounds` run these rounds over a batch whose rows join (`join`: their prompts
 prefilled, their first token emitted) and leave (`leave`: their KV freed) between rounds;
@@ -14,8 +14,8 @@ two-process form the speculator is channel.SpeculatorProcess: the same methods, 
 channel in another process, so `pre_speculate` there overlaps `verify` here.
 
 Reading order (the same in the README and docs/design.md; tests/test_docs.py keeps it so):
-    a round     decode.py, draft.py, verify.py, spec_cache.py, spec_policy.py, saguaro_sample.py,
-                fallback.py
+    a round     decode.py, draft.py, speculator.py, verify.py, spec_cache.py, spec_policy.py,
+                saguaro_sample.py, fallback.py
     around it   channel.py, scheduler.py, tp.py, engine.py, run.py
     the model   config.py, model.py, kv_cache.py, graphs.py, devices.py, quantize.py,
                 cpu_kernels.py, cpu_linear.py, checkpoint.py, gguf_format.py
@@ -134,10 +134,10 @@ class SDRounds:
 # Speculative speculative decoding
 
 def ssd_round(verifier, speculator, rows, n, t, round_s):
-    """One SSD round for `rows`, given the previous round's outcome (n, t) and the seconds the
-    verifier spent on that round (verification and bookkeeping: the time pre-speculation had).
-    Returns the proposals, the new outcome (n, t), the seconds the verifier waited for the
-    speculator, and the time this verification started.
+    """One SSD round for `rows` (speculator: a speculator.Speculator, or its process), given the
+    previous round's outcome (n, t) and the seconds the verifier spent on that round (verification
+    and bookkeeping: the time pre-speculation had). Returns the proposals, the new outcome (n, t),
+    the seconds the verifier waited for the speculator, and the time this verification started.
 
     In two processes (channel.SpeculatorProcess) the same three steps overlap:
         verifier:     post (n, t) | wait | verify round k+1 ..................| post (n, t) ...

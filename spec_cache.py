@@ -11,9 +11,9 @@ Read top to bottom:
 4. `AcceptanceTracker`: running estimates of the acceptance rate a and the power-law exponent r,
    to refresh the geometric fan-out from measurements after a warm-up.
 
-Pure math and plain Python containers: an entry's KV state is the caller's (draft.py) business;
-what the speculator measures and decides from it (the budget B, the gate, b*, which fan-out a row
-gets) is spec_policy.py's.
+Pure math and plain Python containers: an entry's KV state is the caller's (speculator.py)
+business; what the speculator measures and decides from it (the budget B, the gate, b*, which
+fan-out a row gets) is spec_policy.py's.
 """
 import math
 import numbers
@@ -245,8 +245,8 @@ class CacheStats:
 
 class SpecCache:
     """One round's speculation cache: outcome (row, n, t) -> the caller's entry. row is the row's
-    index in the batch (draft.Speculator.rows), which stays the same while a hit replaces its KV
-    sequence.
+    index in the batch (speculator.Speculator.rows), which stays the same while a hit replaces its
+    KV sequence.
 
     `get` hands a hit's entry over and removes it, so `clear` returns exactly the unclaimed entries
     (the caller frees their KV branches). K (optional) bounds n and sizes the per-depth counters."""

@@ -1,5 +1,5 @@
 """What the speculator measures, and the choices it makes from that: beside the algorithm
-(draft.Speculator), not inside it.
+(speculator.Speculator), not inside it.
 
 Read top to bottom:
 1. `recent_median`, `next_budget`: the budget B, adapted so that pre-speculation fits within one
@@ -129,7 +129,7 @@ class PreSpecGate:
 # The speculator's policy
 
 class SpecPolicy:
-    """What draft.Speculator measures and decides besides the algorithm (the module docstring).
+    """What speculator.Speculator measures and decides besides the algorithm (the module docstring).
     spec: the speculator's draft.DraftSettings (K: the most draft tokens per round)."""
 
     def __init__(self, spec):

@@ -677,8 +677,8 @@ class HostToDevice(TorchDispatchMode):
     blocking); one that never reaches it was made on the device or indexes a device tensor, which
     on a GPU is a synchronous copy: implicit() names them."""
 
-    MODULES = ("devices", "kv_cache", "graphs", "model", "decode", "draft", "verify", "spec_cache",
-               "fallback", "channel", "tp")
+    MODULES = ("devices", "kv_cache", "graphs", "model", "decode", "draft", "speculator", "verify",
+               "spec_cache", "fallback", "channel", "tp")
 
     def __init__(self):
         super().__init__()
@@ -758,9 +758,10 @@ def count_host_syncs(device):
         return
     import decode
     import draft
+    import speculator
     import verify
     counter = SyncCounter(crossings=HostToDevice())
-    modules = (decode, draft, verify)
+    modules = (decode, draft, speculator, verify)
     saved = [m.to_host for m in modules]
 
     def counted(real):

@@ -34,8 +34,9 @@ import torch
 import kv_cache
 from checkpoint import load_model
 from decode import Output, SDRounds, SSDRounds
-from draft import DraftConfig, DraftSettings, in_row_order, load_draft
+from draft import DraftConfig, DraftSettings, load_draft
 from scheduler import KVBudget, Request, Scheduler, cache_tokens
+from speculator import in_row_order
 from test_generate import empirical_law, exact_law, make_small_vocab_pair, tv, tv_bound
 from verify import Verifier
 

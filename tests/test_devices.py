@@ -19,6 +19,7 @@ import decode
 import draft
 import devices
 import run
+import speculator
 import tp
 import verify
 from conftest import make_checkpoint, one_line
@@ -203,7 +204,7 @@ def slow_device(monkeypatch):
         return out
     monkeypatch.setattr(Transformer, "prefill", prefill)
     monkeypatch.setattr(decode, "sync", wait(decode.sync))
-    for m in (decode, draft, verify):
+    for m in (decode, draft, speculator, verify):
         monkeypatch.setattr(m, "to_host", wait(m.to_host))
 
 

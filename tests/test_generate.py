@@ -193,8 +193,9 @@ def host_reads(monkeypatch):
     """Log the shape of every read through devices.to_host, the decode loop's one device-to-host crossing."""
     import decode
     import draft
+    import speculator
     log = []
-    for module in (decode, draft, verify):
+    for module in (decode, draft, speculator, verify):
         real = module.to_host
         monkeypatch.setattr(module, "to_host", lambda x, real=real: log.append(tuple(x.shape)) or real(x))
     return log

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import draft as draft_module
+import speculator as speculator_module
 import spec_policy
 from fallback import critical_batch_size, default_critical_batch_size
 from conftest import make_checkpoint
@@ -155,11 +156,11 @@ def test_fixed_budget_repeats_tokens_in_one_process_and_two(ckpts):
 def arrive_at(monkeypatch, j):
     """Force the verifier's outcome to arrive before pre-speculation step j, every round (the hook the
     two-process speculator reads the channel through)."""
-    init = draft_module.Speculator.__init__
+    init = speculator_module.Speculator.__init__
 
     def arriving(self, *args, **kw):
         init(self, *args, **{**kw, "arrived": lambda step: step >= j})
-    monkeypatch.setattr(draft_module.Speculator, "__init__", arriving)
+    monkeypatch.setattr(speculator_module.Speculator, "__init__", arriving)
 
 
 @pytest.mark.parametrize("j", range(4))  # K = 3: steps 0..2; j = 3 never stops (the reference)
@@ -222,7 +223,7 @@ def test_greedy_with_skipped_pre_speculation(ckpts, monkeypatch, K, fallback):
 def test_branches_hold_k_tokens_and_leave_x_K_to_the_next_round(ckpts, monkeypatch):
     """Pre-speculation drafts K steps per branch: a branch for guess (j, t) holds the committed tokens,
     x_1..x_j, then t, x'_1..x'_{K-1} (K tokens); x'_K is fed only if the branch hits, in the next round."""
-    orig, extra = draft_module.Speculator.pre_speculate, []
+    orig, extra = speculator_module.Speculator.pre_speculate, []
 
     def checked(self, rows):
         orig(self, rows)
@@ -231,7 +232,7 @@ def test_branches_hold_k_tokens_and_leave_x_K_to_the_next_round(ckpts, monkeypat
             r, j, _ = owner[m]
             extra.append(self.cache.length(seq) - (len(self.rows[r].history) + j))
 
-    monkeypatch.setattr(draft_module.Speculator, "pre_speculate", checked)
+    monkeypatch.setattr(speculator_module.Speculator, "pre_speculate", checked)
     res = gen(PROMPTS, ckpts["target"], ckpts["copy"], mode="ssd", k=3, max_new_tokens=NEW, parallel=False)
     assert res.tokens == ckpts["ref"] and res.stats["hits"] > 0
     assert extra and set(extra) == {3}, extra
@@ -286,7 +287,7 @@ def test_auto_fallback_reads_its_measurements(ckpts):
     policy.b_star = policy.measured_b_star(p_hit)
     assert policy.b_star == 1 and policy.backup_for(1) == "ngram"
     policy.b_star = b_star
-    fixed = draft_module.Speculator(spec.model, draft_module.DraftSettings(K=3, fallback="random"), 0.0, 0, 64)
+    fixed = speculator_module.Speculator(spec.model, draft_module.DraftSettings(K=3, fallback="random"), 0.0, 0, 64)
     assert fixed.policy.backup_for(1) == "random"  # a fixed policy is never overridden
 
 
