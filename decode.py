@@ -46,7 +46,9 @@ def sd_round(verifier, drafter, rows):
     n, t = verifier.verify(rows, p.tokens, p.q, p.deterministic, p.lengths)
     # verify reads n on the host: the device is done; a graph it captured is not verification
     verify_s = time.perf_counter() - start - captures.take()
-    drafter.commit(rows, n, t)  # 3. the draft follows: its cache keeps the accepted prefix
+    # 3. the draft follows: its cache keeps the accepted prefix (an EAGLE head also reads the
+    #    target's features of the tokens just verified)
+    drafter.commit(rows, n, t, verifier.features)
     return p, n, t, verify_s
 
 
@@ -62,7 +64,7 @@ class NoDraft:
                          torch.ones(b, dtype=torch.bool, device="cpu"),
                          torch.zeros(b, dtype=torch.bool, device="cpu"), [0] * b)
 
-    def commit(self, rows, n, t):
+    def commit(self, rows, n, t, features=None):
         pass
 
     def leave(self, rows):
@@ -97,7 +99,8 @@ class SDRounds:
         q0 = self.drafter.add(prompts, first=new[0], temps=temps, seeds=seeds)
         t0 = self.verifier.add(prompts, temps=temps, seeds=seeds)
         wait_for_devices(q0, t0)
-        self.drafter.commit(new, torch.zeros_like(t0), t0)  # n = 0, on t0's device
+        # n = 0, on t0's device; the features of the prompts' tokens (an EAGLE head's)
+        self.drafter.commit(new, torch.zeros_like(t0), t0, self.verifier.features)
         self.out.first(new, t0)
         self.rows += new
         self.captures.take()  # a prefill's captures are not decoding's

@@ -232,15 +232,21 @@ class Drafter:
         on from the rows here, or from `first` (a speculator started anew after one died never saw
         the rows before it). temps, seeds: each row's (saguaro_sample.row_settings). Returns the
         draft's next-token probabilities [len(prompts), V] for them."""
+        new = self.new_rows(prompts, first=first, temps=temps, seeds=seeds)
+        logits = self.model.prefill(self.cache, [row.seq for row in new], prompts)
+        self.rows += new
+        return guess_probs_from_logits(logits, row_temperatures([r.temperature for r in new],
+                                                                logits.device))
+
+    def new_rows(self, prompts, *, first=None, temps=None, seeds=None) -> list[Row]:
+        """The joining rows, each with an empty sequence in the cache (add's arguments); rows
+        before `first` that this side never saw are None."""
         if first is not None:
             self.rows += [None] * (first - len(self.rows))
         temps, seeds = row_settings(len(prompts), temps, seeds, self.temperature, self.seeds)
-        new = [Row(self.cache.new_seq(), list(p), temperature=T, seed=s,
-                   gen=torch.Generator(device=self.model.device))
-               for p, T, s in zip(prompts, temps, seeds)]
-        logits = self.model.prefill(self.cache, [row.seq for row in new], prompts)
-        self.rows += new
-        return guess_probs_from_logits(logits, row_temperatures(temps, logits.device))
+        return [Row(self.cache.new_seq(), list(p), temperature=T, seed=s,
+                    gen=torch.Generator(device=self.model.device))
+                for p, T, s in zip(prompts, temps, seeds)]
 
     def unfed(self, row: Row) -> list[int]:
         """The tokens the row's KV cache lacks (Row.unfed), the next forward's first input."""
@@ -284,10 +290,11 @@ class Drafter:
                          torch.tensor(greedy_rows, device="cpu"),
                          torch.zeros(len(rows), dtype=torch.bool, device="cpu"), lengths)
 
-    def commit(self, rows, n, t):
+    def commit(self, rows, n, t, features=None):
         """Follow the outcome (n accepted, bonus t): the committed sequence grows by x_1..x_n, t.
         The cache keeps the committed prefix it holds; the committed tokens it lacks (t, and the
-        last proposal when all were accepted, since drafting never fed it) are unfed."""
+        last proposal when all were accepted, since drafting never fed it) are unfed. features:
+        the target's (Verifier.features), which only a draft that reads them uses (eagle.py)."""
         for r, (n_r, t_r) in zip(rows, to_host(torch.stack([n, t], 1))):
             row = self.rows[r]
             self.keep_prefix(row, len(row.history) + n_r)  # history, x_1..x_n

@@ -361,7 +361,8 @@ class Transformer(nn.Module):
         """Make every cached forward also give the outputs of these layers at every position it
         computes (an EAGLE draft reads them: eagle.py): forward_cached, run and prefill then return
         (logits, features [N, len(layers), hidden]). None: logits alone, and nothing extra is
-        computed (AR, a draft model). Set it before use_graphs: a compiled step is traced with it."""
+        computed (AR, a draft model). Set it before use_graphs: a compiled step is traced with
+        it."""
         if layers is not None and not all(0 <= l < self.config.num_hidden_layers for l in layers):
             raise ValueError(f"feature layers {layers}: this model has layers 0.."
                              f"{self.config.num_hidden_layers - 1}")

@@ -295,6 +295,12 @@ class TPVerifier:
     def leave(self, rows, *, tokens=None):
         return self.call("leave", rows, tokens=tokens) if len(rows) else None
 
+    @property
+    def features(self):
+        """Rank 0's Verifier.features: each layer's output is whole on every rank (all-reduced),
+        so rank 0 alone gives an EAGLE draft the features (want_features on its model only)."""
+        return self.verifier.features
+
     def used_blocks(self) -> int:
         return self.verifier.used_blocks()  # rank 0's: every rank's cache is laid out the same
 

@@ -1,8 +1,10 @@
-"""The EAGLE-3 head (eagle.py): what training sees is what drafting sees, and its checkpoint round-trips.
+"""The EAGLE-3 head (eagle.py): what training sees is what drafting sees, SD with it is exact, its
+checkpoint round-trips.
 
-Training-time test (EagleHead.train_forward) claims that its step j at entry i computes exactly what
-the head computes at its j-th draft step from position i, through its paged KV cache (EagleHead.step),
-with the target's features on the verified prefix and its own outputs past it. The test runs both.
+Training-time test (EagleHead.train_forward) claims that its step j at entry i computes exactly
+what the head computes at its j-th draft step after position i, through its paged KV cache
+(EagleHead.step), with the target's features on the verified prefix and its own outputs past it.
+The tests run both, and SD rounds whose draft reads the verifier's features.
 """
 import pytest
 import torch
@@ -110,3 +112,90 @@ def test_save_load_round_trip(target, tmp_path):
     assert sd.keys() == sd2.keys()
     for k in sd:
         torch.testing.assert_close(sd[k], sd2[k])
+
+
+def sd_with_head(target, head, prompts, K, max_new):
+    """Greedy SD with an EAGLE head, the rounds as decode.sd_round runs them (the outcome and the
+    target's features handed to the draft). -> each row's tokens."""
+    from draft import DraftSettings
+    from verify import Verifier
+    target.want_features(head.target_layers)
+    verifier = Verifier(target, 0.0, 0, 512)
+    drafter = eagle.EagleDrafter(eagle.EagleModel(head), DraftSettings(K=K), 0.0, 0, 512)
+    rows = list(range(len(prompts)))
+    drafter.add(prompts)
+    t0 = verifier.add(prompts)
+    drafter.commit(rows, torch.zeros_like(t0), t0, verifier.features)
+    out = [[t] for t in t0.tolist()]
+    while min(len(o) for o in out) < max_new:
+        p = drafter.draft(rows)
+        n, t = verifier.verify(rows, p.tokens, p.q, p.deterministic, p.lengths)
+        drafter.commit(rows, n, t, verifier.features)
+        for r, (n_r, t_r) in enumerate(zip(n.tolist(), t.tolist())):
+            out[r] += p.tokens[r, :n_r].tolist() + [t_r]
+    target.want_features(None)
+    return [o[:max_new] for o in out]
+
+
+def greedy(target, prompt, max_new):
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(max_new):
+            ids.append(target(torch.tensor([ids]))[0, -1].argmax().item())
+    return ids[len(prompt):]
+
+
+def test_sd_with_an_eagle_head_emits_the_targets_greedy_tokens(target):
+    head = random_head(target)
+    torch.manual_seed(5)
+    prompts = [torch.randint(3, 100, (n,)).tolist() for n in (7, 12)]
+    out = sd_with_head(target, head, prompts, K=3, max_new=20)
+    for prompt, tokens in zip(prompts, out):
+        assert tokens == greedy(target, prompt, 20)
+
+
+def test_each_round_drafts_what_a_fresh_head_drafts_from_the_targets_features(target):
+    """After every outcome the head's cache is what a fresh forward over the committed tokens with
+    the target's features gives: its laws at each draft step are training-time test's from the
+    last committed position. Outcomes are forced (n of the proposals accepted, a random bonus), so
+    that drafted tokens are accepted, and their entries, computed from the head's own states while
+    drafting, must be corrected to the target's: a cache that kept them fails (checked by hand)."""
+    from draft import DraftSettings
+    head = random_head(target, vocab=100)
+    torch.manual_seed(6)
+    history = torch.randint(3, 100, (9,)).tolist()
+    K, rng = 3, torch.Generator().manual_seed(0)
+    drafter = eagle.EagleDrafter(eagle.EagleModel(head), DraftSettings(K=K), 0.0, 0, 512)
+    steps = []  # the logits of each draft step
+    forward = drafter.model.forward_cached
+    drafter.model.forward_cached = lambda *a, **kw: steps.append(forward(*a, **kw)) or steps[-1]
+
+    def features(seq):
+        with torch.no_grad():
+            return target.layer_states(torch.tensor([seq]), head.target_layers)[0]
+
+    drafter.add([history])
+    t0 = 50
+    drafter.commit([0], torch.tensor([0]), torch.tensor([t0]), [features(history)])
+    history = history + [t0]
+    accepted = 0
+    for _ in range(8):
+        steps.clear()
+        proposed = drafter.draft([0]).tokens[0].tolist()
+        m = len(history) - 1  # drafting after entry m (the last bonus token)
+        seq = history + proposed[:-1]
+        with torch.no_grad():
+            f = features(seq)
+            f[m:] = 0  # not verified: never read by the chain
+            ttt = head.train_forward(torch.tensor([seq]), f[None], K)
+        for j in range(K):
+            torch.testing.assert_close(steps[j][0], head.logits(ttt[j][0, m]), atol=1e-4,
+                                       rtol=1e-4)
+        n = int(torch.randint(1, K + 1, (1,), generator=rng))
+        t = int(torch.randint(3, 100, (1,), generator=rng))
+        verified = history[-1:] + proposed[:n]  # r, x_1..x_n: the target's cache gains them
+        f = features(history + proposed[:n])[-len(verified):]
+        drafter.commit([0], torch.tensor([n]), torch.tensor([t]), [f])
+        history += proposed[:n] + [t]
+        accepted += n
+    assert accepted >= 8
