@@ -16,6 +16,7 @@ channel in another process, so `pre_speculate` there overlaps `verify` here.
 Reading order (the same in the README and docs/design.md; tests/test_docs.py keeps it so):
     a round     decode.py, draft.py, speculator.py, verify.py, spec_cache.py, spec_policy.py,
                 saguaro_sample.py, fallback.py
+    drafts      eagle.py
     around it   channel.py, scheduler.py, tp.py, engine.py, run.py
     the model   config.py, model.py, kv_cache.py, graphs.py, devices.py, quantize.py,
                 cpu_kernels.py, cpu_linear.py, checkpoint.py, gguf_format.py

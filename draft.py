@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fallback import POLICIES
-from checkpoint import load_model
+from checkpoint import load_config, load_model, load_tokenizer, resolve
 from cpu_linear import ROWS, use_forms
 from devices import device_index, to_host
 from kv_cache import PagedKVCache
@@ -353,15 +353,66 @@ class DraftConfig:
     prefix_caching: bool = False  # its cache's (kv_cache.py)
 
 
-def load_draft(c: DraftConfig, *, arrived=None) -> Drafter:
-    """Load the draft model: a Drafter for SD, a speculator.Speculator for SSD (arrived: its)."""
-    model, _ = load_model(c.name, device=c.device, dtype=c.dtype, tokenizer=False,
-                          vocab_size=c.vocab_size, quant=c.quant)
-    use_forms(model, ROWS)  # the CPU's product forms for any rows a round drafts (cpu_linear.py)
-    warm_up(model, range(1, c.spec.K + 2))  # quantized products: a step to a catch-up (K + 1)
-    model.use_graphs(c.graphs, c.compile)
-    kw = dict(block_size=c.block_size, prefix_caching=c.prefix_caching)
-    if not c.ssd:
-        return Drafter(model, c.spec, c.temperature, c.seed, c.kv_tokens, **kw)
-    from speculator import Speculator  # it imports this file: imported here, there is no cycle
-    return Speculator(model, c.spec, c.temperature, c.seed, c.kv_tokens, arrived=arrived, **kw)
+def load_draft(c: DraftConfig, *, arrived=None, target=None) -> Drafter:
+    """The draft side c describes, built by its kind (draft_kind): a Drafter for SD, a
+    speculator.Speculator for SSD (arrived: its). target: the target model where the draft needs
+    parts of it (an EAGLE head reads tokens through the target's embedding)."""
+    return draft_kind(c.name).build(c, arrived=arrived, target=target)
+
+
+# --------------------------------------------------------------------------------------------------
+# What a draft is: one object per kind that the engine, the speculator's process and bench ask
+# (which target features it reads, whether it pairs with a target, how its draft side is built).
+# A new kind of draft is a class with these three members, and a line in draft_kind.
+
+def draft_kind(name: str):
+    """The kind of the draft `name` names: an EAGLE head's directory (eagle.EagleDraft), else a
+    checkpoint of a small language model (CheckpointDraft)."""
+    import eagle  # eagle.py builds on this file's Drafter
+    return eagle.EagleDraft(name) if eagle.is_head(resolve(name)) else CheckpointDraft(name)
+
+
+@dataclass(frozen=True)
+class CheckpointDraft:
+    """A draft that is a language model of its own (HF directory, GGUF file, alias): it reads
+    tokens only."""
+    name: str
+    feature_layers = None  # it reads none of the target's hidden states
+
+    def check(self, target, cfg, tok):
+        """It must speak the target's tokens: where both come with a tokenizer, the same token
+        behind every id (a draft of another family with a vocabulary of the same size would be
+        accepted less, silently), and the same vocabulary size unless the tokenizers agree
+        (embeddings padded to other sizes: the draft's law is then read over the target's
+        vocabulary, config.ModelConfig.padded_rows). target: its name or model; cfg, tok: its
+        config and tokenizer."""
+        V_draft = load_config(self.name).vocab_size
+        same = not isinstance(target, Transformer) and resolve(self.name) == resolve(target)
+        draft_tok = None if tok is None or same else load_tokenizer(self.name)
+        if V_draft != cfg.vocab_size and draft_tok is None:
+            raise ValueError(f"draft vocabulary ({V_draft}) differs from the target's "
+                             f"({cfg.vocab_size}) and no pair of tokenizers says they share "
+                             f"tokens: pick a draft from the same model family")
+        if draft_tok is None:
+            return  # a bare checkpoint (ids in, ids out): nothing more to compare
+        ids = range(max(cfg.vocab_size, V_draft))
+        for i, a, b in zip(ids, tok.convert_ids_to_tokens(ids),
+                           draft_tok.convert_ids_to_tokens(ids)):
+            if a != b:
+                raise ValueError(f"the draft's tokenizer differs from the target's (token {i} is "
+                                 f"{b!r} for the draft, {a!r} for the target): pick a draft made "
+                                 f"with the target's tokenizer (scripts/distill_draft.py makes "
+                                 f"one)")
+
+    def build(self, c: DraftConfig, *, arrived=None, target=None) -> Drafter:
+        model, _ = load_model(c.name, device=c.device, dtype=c.dtype, tokenizer=False,
+                              vocab_size=c.vocab_size, quant=c.quant)
+        use_forms(model, ROWS)  # the CPU's product forms for any rows a round drafts
+        warm_up(model, range(1, c.spec.K + 2))  # quantized products: a step to a catch-up (K + 1)
+        model.use_graphs(c.graphs, c.compile)
+        kw = dict(block_size=c.block_size, prefix_caching=c.prefix_caching)
+        if not c.ssd:
+            return Drafter(model, c.spec, c.temperature, c.seed, c.kv_tokens, **kw)
+        from speculator import Speculator  # it imports this file: imported here, no cycle
+        return Speculator(model, c.spec, c.temperature, c.seed, c.kv_tokens, arrived=arrived,
+                          **kw)

@@ -38,12 +38,14 @@ scripts/train_eagle.py trains on the target's answers to this repository's promp
 """
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from checkpoint import resolve
 from config import ModelConfig
 from devices import to_device, to_host
 from draft import Drafter
@@ -421,3 +423,44 @@ class EagleDrafter(Drafter):
             start = len(row.history) - 1 - len(f)  # f covers start..len(history) - 2
             self.cache.truncate(row.seq, min(self.cache.length(row.seq), start + 1))
             self.cache.pend(row.seq, start, self.model.head.fuse(to_device(f, self.model.device)))
+
+
+# --------------------------------------------------------------------------------------------------
+# The kind of draft the engine dispatches on (draft.draft_kind)
+
+@dataclass(frozen=True)
+class EagleDraft:
+    """A draft that is an EAGLE-3 head (a directory `save` wrote): it reads the target's hidden
+    states at `feature_layers`, and tokens through the target's embedding."""
+    name: str
+
+    def config(self) -> dict:
+        return json.loads((resolve(self.name) / "config.json").read_text())
+
+    @property
+    def feature_layers(self) -> list[int]:
+        return self.config()["target_layers"]
+
+    def check(self, target, cfg, tok):
+        """The head reads this target's states and writes its tokens: the same width, the same
+        vocabulary, layers the target has."""
+        hf = self.config()
+        if (hf["hidden_size"], hf["vocab_size"]) != (cfg.hidden_size, cfg.vocab_size) or \
+                max(hf["target_layers"]) >= cfg.num_hidden_layers:
+            raise ValueError(f"the EAGLE head {self.name} reads a target of width "
+                             f"{hf['hidden_size']} with {hf['vocab_size']} tokens (layers "
+                             f"{hf['target_layers']}), this one is {cfg.hidden_size} wide with "
+                             f"{cfg.vocab_size} tokens and {cfg.num_hidden_layers} layers: train "
+                             f"a head for it (scripts/train_eagle.py)")
+
+    def build(self, c, *, arrived=None, target=None) -> Drafter:
+        if c.ssd:
+            raise ValueError("SSD with an EAGLE head is not implemented yet: run it in SD "
+                             "(--mode sd, mode='sd')")
+        if target is None or target.device != torch.device(c.device):
+            raise ValueError("an EAGLE head reads tokens through the target's embedding, so it "
+                             "runs on the target's device: give --draft-device the target's")
+        head = load(resolve(self.name), device=c.device, dtype=c.dtype)
+        head.attach(target.model.embed_tokens)
+        return EagleDrafter(EagleModel(head), c.spec, c.temperature, c.seed, c.kv_tokens,
+                            block_size=c.block_size, prefix_caching=c.prefix_caching)

@@ -22,7 +22,7 @@ from cpu_linear import ROWS, use_forms
 from quantize import check_quant, warm_up
 from decode import NoDraft, Output, SDRounds, SSDRounds
 from devices import check_device, resolve_dtype
-from draft import DraftConfig, DraftSettings, load_draft
+from draft import DraftConfig, DraftSettings, draft_kind, load_draft
 from model import Transformer
 from scheduler import KVBudget, Scheduler, cache_tokens
 from tp import TorchrunEnv, TorchrunWorld, TPVerifier, TPWorkers, torchrun_device, torchrun_env
@@ -64,7 +64,9 @@ class EngineConfig:
     compile: bool | None = None  # torch.compile the graphs' layers (Transformer.use_graphs)
     quant: str = "auto"        # the target's weights (checkpoint.load_model, quantize.py)
     draft_quant: str = "auto"  # the draft's
-    prefix_caching: bool = True  # both caches share prompts' full blocks (kv_cache.py)
+    # both caches share prompts' full blocks (kv_cache.py); None: on, but for a draft that reads
+    # the target's features (an EAGLE head), which needs them at every prompt token
+    prefix_caching: bool | None = None
     # CPU cores left to other work on this machine: serve.py leaves one to its HTTP side (the
     # event loop, and clients here): a target computing on every core stalls whenever they run
     reserve_cores: int = 0
@@ -78,6 +80,13 @@ class EngineConfig:
         check_quant(self.draft_quant, "draft_quant")
         if self.reserve_cores < 0:
             raise ValueError(f"reserve_cores={self.reserve_cores} must be >= 0")
+        reads_target = self.mode != "ar" and draft_kind(self.draft).feature_layers is not None
+        if self.prefix_caching and reads_target:
+            raise ValueError("prefix caching with an EAGLE draft is not implemented (the head "
+                             "needs the target's features at every prompt token): leave it off "
+                             "(--no-prefix-caching, prefix_caching=False)")
+        if self.prefix_caching is None:
+            self.prefix_caching = not reads_target
 
     @property
     def K(self) -> int:
@@ -307,9 +316,12 @@ def build_engine(cfg: EngineConfig, loaded: Loaded, kv_tokens: int, draft_kv: in
     holds kv_tokens, the draft's draft_kv (kv_sizes); forget: a server's scheduler, which keeps no
     finished row."""
     model, tok, where, started = loaded.model, loaded.tokenizer, loaded.where, loaded.started
-    if cfg.mode != "ar":
+    kind = draft_kind(cfg.draft) if cfg.mode != "ar" else None
+    if kind is not None:
         with LOADING:  # the draft's tokenizer
-            check_pair(cfg.target, cfg.draft, model.config, tok)
+            kind.check(cfg.target, model.config, tok)
+    # a draft that reads the target's hidden states (an EAGLE head) has every forward give them
+    model.want_features(kind.feature_layers if kind is not None else None)
     # the CPU's product forms for the verifier's rows (b <= max_batch sequences x K + 1 tokens, or
     # any width up to it when rows may stop early; those in cpu_linear.ROWS have a choice), chosen
     # before any decode clock starts
@@ -347,26 +359,10 @@ def load_engine(cfg: EngineConfig, max_batch: int) -> Engine:
 
 
 def check_pair(target, draft, cfg, tok):
-    """The draft must speak the target's tokens: where both come with a tokenizer, the same token
-    behind every id (a draft of another family with a vocabulary of the same size would be
-    accepted less, silently), and the same vocabulary size unless the tokenizers agree (embeddings
-    padded to other sizes: the draft's law is then read over the target's vocabulary,
-    config.ModelConfig.padded_rows)."""
-    V_draft = load_config(draft).vocab_size
-    same = not isinstance(target, Transformer) and resolve(draft) == resolve(target)
-    draft_tok = None if tok is None or same else load_tokenizer(draft)
-    if V_draft != cfg.vocab_size and draft_tok is None:
-        raise ValueError(f"draft vocabulary ({V_draft}) differs from the target's "
-                         f"({cfg.vocab_size}) and no pair of tokenizers says they share tokens: "
-                         f"pick a draft from the same model family")
-    if draft_tok is None:
-        return  # a bare checkpoint (ids in, ids out): nothing more to compare
-    ids = range(max(cfg.vocab_size, V_draft))
-    for i, a, b in zip(ids, tok.convert_ids_to_tokens(ids), draft_tok.convert_ids_to_tokens(ids)):
-        if a != b:
-            raise ValueError(f"the draft's tokenizer differs from the target's (token {i} is "
-                             f"{b!r} for the draft, {a!r} for the target): pick a draft made "
-                             f"with the target's tokenizer (scripts/distill_draft.py makes one)")
+    """The draft must pair with the target: its kind says how (draft.CheckpointDraft.check: the
+    same tokens; eagle.EagleDraft.check: the same width and vocabulary). target: its name or
+    model; cfg, tok: its config and tokenizer."""
+    draft_kind(draft).check(target, cfg, tok)
 
 
 def eos_ids(cfg, tok) -> list[int]:
@@ -383,7 +379,7 @@ def make_rounds(cfg: EngineConfig, verifier, dcfg: DraftConfig, out: Output, whe
     if cfg.mode == "ar":
         return SDRounds(verifier, NoDraft(), out)
     if cfg.mode == "sd":
-        return SDRounds(verifier, load_draft(dcfg), out)
+        return SDRounds(verifier, load_draft(dcfg, target=verifier.model), out)
     spin = (spin_seconds(where.cores, len(where.target_devices or [where.target_device]),
                          where.target_threads, where.draft_threads, where.target_device,
                          where.draft_device) if cfg.two_processes else 0.0)
@@ -392,7 +388,8 @@ def make_rounds(cfg: EngineConfig, verifier, dcfg: DraftConfig, out: Output, whe
             SpeculatorProcess, dcfg, max_batch, verifier.model.config.vocab_size,
             where.draft_threads, pin=any_cuda(where.target_device, where.draft_device), spin=spin,
             per_row=per_row)
-    started.speculator = started.respawn() if cfg.two_processes else load_draft(dcfg)
+    started.speculator = (started.respawn() if cfg.two_processes
+                          else load_draft(dcfg, target=verifier.model))
     return SSDRounds(verifier, started.speculator, out)
 
 

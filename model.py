@@ -366,7 +366,12 @@ class Transformer(nn.Module):
         if layers is not None and not all(0 <= l < self.config.num_hidden_layers for l in layers):
             raise ValueError(f"feature layers {layers}: this model has layers 0.."
                              f"{self.config.num_hidden_layers - 1}")
-        self.feature_layers = None if layers is None else list(layers)
+        layers = None if layers is None else list(layers)
+        if layers != self.feature_layers and self.static is not None:
+            compiled = self.static.compiled
+            self.feature_layers, self.static = layers, None
+            self.use_graphs(True, compiled)  # a step's outputs change: its graphs are made anew
+        self.feature_layers = layers
 
     def use_graphs(self, graphs: bool | None, compile: bool | None = None):
         """graphs=None: CUDA graphs where the model is on CUDA (and not tensor parallel), the

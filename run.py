@@ -59,7 +59,7 @@ def generate(prompts, target="tiny", draft="tiny-draft", mode="sd", max_new_toke
              dtype="auto", graphs: bool | None = None, pre_spec=None,
              tokenizer=None, torchrun: bool = False, fixed_budget=None,
              compile: bool | None = None, quant="auto", draft_quant="auto",
-             prefix_caching=True, confidence=None,
+             prefix_caching=None, confidence=None,
              draft_settings: DraftSettings | None = None) -> GenerateResult:
     """Generate up to max_new_tokens for each prompt (strings, or lists of token ids).
 
@@ -91,7 +91,8 @@ def generate(prompts, target="tiny", draft="tiny-draft", mode="sd", max_new_toke
     needs a C++ compiler and takes seconds per model, thread count and graph the first time
     (Inductor caches it on disk), reported as `capture_seconds`, not as decoding.
     prefix_caching: a prompt that starts with full KV blocks another prompt cached reuses them, on
-    the target's cache and the draft's (kv_cache.py); the tokens are the same either way.
+    the target's cache and the draft's (kv_cache.py); the tokens are the same either way. None: on,
+    except with an EAGLE head (eagle.py), where it is not implemented.
     stream(row, tokens_so_far) is called as tokens are accepted. tokenizer: the target's, when the
     caller has it already (the CLI streams with it; a GGUF file's takes seconds to build), so it is
     not built twice. target may also be a model load_model() gave (on its device, in its dtype; not
@@ -415,7 +416,7 @@ def generate_kwargs(a: argparse.Namespace) -> dict:
                 tp_timeout=a.tp_timeout, dtype=a.dtype, graphs=False if a.no_graphs else None,
                 quant=a.quant, draft_quant=a.draft_quant,
                 compile=False if a.no_compile else (True if a.compile else None),
-                prefix_caching=not a.no_prefix_caching,
+                prefix_caching=False if a.no_prefix_caching else None,
                 target_devices=a.target_devices.split(",") if a.target_devices else None)
 
 

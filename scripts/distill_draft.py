@@ -94,7 +94,7 @@ if str(REPO) not in sys.path:  # so `python scripts/distill_draft.py` imports th
 
 from checkpoint import load_model, resolve  # noqa: E402  (after the path is set)
 from model import vocab_maps  # noqa: E402
-from engine import check_pair  # noqa: E402  (the pairing run.py checks)
+from engine import check_pair  # noqa: E402  (the pairing run.py checks: the draft's kind)
 from run import encode as run_encode  # noqa: E402
 from scripts.prompt_sets import (HUMANEVAL_SIZE, code_prompts, humaneval_installed,  # noqa: E402
                                  humaneval_path, humaneval_prompts)

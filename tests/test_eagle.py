@@ -199,3 +199,45 @@ def test_each_round_drafts_what_a_fresh_head_drafts_from_the_targets_features(ta
         history += proposed[:n] + [t]
         accepted += n
     assert accepted >= 8
+
+
+def saved_head(target, path, seed=0):
+    head = random_head(target, seed=seed, vocab=min(200, target.config.vocab_size))
+    eagle.save(head, path, {"target": "test"}, dtype=torch.float32)
+    return path
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_generate_sd_with_a_head_emits_ar_tokens(tmp_path, compile):
+    """run.generate with an EAGLE head's directory as the draft: SD's greedy tokens are AR's, on
+    the eager path and on the CPU's compiled steps (their graphs give the features too)."""
+    from run import generate
+    target = load_model("tiny", tokenizer=False)[0]
+    head = saved_head(target, tmp_path / "head")
+    prompts = [[1, 400, 52, 9, 77], [1, 12, 13, 14, 15, 16, 17, 18]]
+    kw = dict(target=target, max_new_tokens=24, temperature=0.0, ignore_eos=True,
+              compile=compile, target_threads=1)
+    # SD first: a compiled AR run before it would make its verifications wrong, with any draft
+    # (test_graphs.py::test_compiled_sd_after_compiled_ar_on_one_model, a known bug)
+    sd = generate(prompts, draft=str(head), mode="sd", k=3, **kw)
+    ar = generate(prompts, draft="tiny-draft", mode="ar", **kw)
+    assert sd.tokens == ar.tokens
+    assert sd.stats["rounds"] < 2 * 23  # the head proposed: rounds are fewer than tokens twice
+    assert target.feature_layers is None  # the AR run asked for none
+
+
+def test_a_head_refuses_what_it_does_not_run_in_one_line(tmp_path):
+    from run import generate
+    target = load_model("tiny", tokenizer=False)[0]
+    head = saved_head(target, tmp_path / "head")
+    with pytest.raises(ValueError, match="SSD with an EAGLE head is not implemented"):
+        generate([[1, 2, 3]], target=target, draft=str(head), mode="ssd", parallel=False,
+                 max_new_tokens=4)
+    other = load_model(make_other(tmp_path), tokenizer=False)[0]
+    with pytest.raises(ValueError, match="train a head for it"):
+        generate([[1, 2, 3]], target=other, draft=str(head), mode="sd", max_new_tokens=4)
+
+
+def make_other(tmp_path):
+    from conftest import make_checkpoint
+    return make_checkpoint(tmp_path / "other", "llama")
