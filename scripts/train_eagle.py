@@ -261,8 +261,8 @@ def new_head(target, layers: list[int], token_ids: list[int], seed: int):
     torch.manual_seed(seed)
     head = eagle.head_for(target.config, layers, token_ids)
     with torch.no_grad():
-        w = target.lm_head.weight if not target.config.tie_word_embeddings else \
-            target.model.embed_tokens.weight
+        lm = target.lm_head  # nn.Linear, or a QuantLinear (the model as loaded: a GGUF's int8)
+        w = lm.weight if isinstance(lm, torch.nn.Linear) else lm.dequantize()
         head.lm_head.weight.copy_(w[torch.tensor(token_ids)].float())
         head.norm.weight.copy_(target.model.norm.weight.float())
         head.fc.weight.mul_(0.5)

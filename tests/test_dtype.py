@@ -49,8 +49,9 @@ torch.set_num_threads(1)
 # the shipped tiny target (run 2 of checkpoints/README.md): 0.084 between a 1-token decode and (K+1)-token
 # verifications; most of it comes from the bf16 activations inside the layers (rounding the logits to bf16 too, as
 # the head did before, gives 0.094; test_bf16_logits_are_float32_not_rounded pins the float32 head). On the first
-# tiny pair it was 0.019, and 0.029 between TP = 2 and TP = 1.
-DRIFT = 0.1
+# tiny pair it was 0.019, and 0.029 between TP = 2 and TP = 1. It depends on the CPU's bf16 GEMM kernels: 0.117
+# on the 2-core AMD EPYC (Zen 4) of 2026-12-06, where 0.1 failed at the commit that set it.
+DRIFT = 0.15
 MARGIN = 2 * DRIFT  # AR's top-2 logit margin below which two tokens are a tie
 
 # Code prompts: four written here and eight of bench.py's held-out ones. The shipped target's greedy paths meet a
