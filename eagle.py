@@ -289,17 +289,16 @@ class HeadCache(PagedKVCache):
         super().copy_block(dst, src, n)
         self.g[dst, :n] = self.g[src, :n]
 
-    def slot(self, sid: int, p: int) -> int:
-        """Position p of sequence sid -> its slot in the pool (block * block_size + offset)."""
-        return self.seqs[sid].blocks[p // self.block_size] * self.block_size + p % self.block_size
+    def slots(self, sid: int, start: int, n: int) -> list[int]:
+        """Positions start..start+n-1 of sequence sid -> their slots in the pool."""
+        bs, blocks = self.block_size, self.seqs[sid].blocks
+        return [blocks[p // bs] * bs + p % bs for p in range(start, start + n)]
 
     def pend(self, sid: int, start: int, g):
         """The target's g [n, H] for positions start..start+n-1 of sid: written where the entries
         exist (the correction of what the head guessed there), kept for the rest."""
         here = max(0, min(len(g), self.length(sid) - start))
-        flat = self.g.view(-1, self.g.shape[-1])
-        for i in range(here):
-            flat[self.slot(sid, start + i)] = g[i]
+        self.g.view(-1, self.g.shape[-1])[self.slots(sid, start, here)] = g[:here]
         if here < len(g):
             self.pending[sid] = (start + here, g[here:])
         else:
@@ -310,7 +309,7 @@ class HeadCache(PagedKVCache):
         slot L - 1 (zero before the first token), then the pending target g; None where a token
         would need the output of another in the same forward (a chain: fed one at a time)."""
         L = self.length(sid)
-        first = (self.g.view(-1, self.g.shape[-1])[self.slot(sid, L - 1)] if L > 0
+        first = (self.g.view(-1, self.g.shape[-1])[self.slots(sid, L - 1, 1)[0]] if L > 0
                  else self.g.new_zeros(self.g.shape[-1]))
         if count == 1:
             return first[None]
@@ -322,16 +321,16 @@ class HeadCache(PagedKVCache):
     def wrote(self, sid: int, start: int, h):
         """Entries start.. of sid were computed with outputs h [n, H]: g there is h, or the
         pending target g where the target has verified those positions."""
-        flat = self.g.view(-1, self.g.shape[-1])
-        p0, g = self.pending.get(sid, (start + len(h), h[:0]))
-        for i in range(len(h)):
-            p = start + i
-            flat[self.slot(sid, p)] = g[p - p0] if 0 <= p - p0 < len(g) else h[i]
-        end = start + len(h)
-        if sid in self.pending and p0 + len(g) <= end:
-            del self.pending[sid]
-        elif sid in self.pending and p0 < end:
-            self.pending[sid] = (end, g[end - p0:])
+        g, end = h, start + len(h)
+        p0, pend = self.pending.get(sid, (end, h[:0]))
+        if p0 < end:  # verified positions p0..: the target's g there, h elsewhere
+            k = min(len(pend), end - p0)
+            g = torch.cat([h[:p0 - start], pend[:k], h[p0 - start + k:]])
+            if k < len(pend):
+                self.pending[sid] = (end, pend[k:])
+            else:
+                del self.pending[sid]
+        self.g.view(-1, self.g.shape[-1])[self.slots(sid, start, len(h))] = g
 
     def truncate(self, sid: int, length: int):
         super().truncate(sid, length)
@@ -372,7 +371,7 @@ class EagleModel:
 
     @torch.no_grad()
     def forward_cached(self, cache: HeadCache, seq_ids: list[int], tokens, counts: list[int],
-                       last_only: bool = False, prompt: bool = False):
+                       last_only: bool = False):
         """tokens [N] (or a list): counts[i] new tokens of sequence seq_ids[i], back to back ->
         float32 logits [N, V] ([b, V] if last_only)."""
         tokens = torch.as_tensor(tokens, device=self.device)

@@ -125,19 +125,19 @@ def features(target, examples: list[dict], layers: list[int], work: Path, name: 
 # --------------------------------------------------------------------------------------------------
 # 3. Training-time test
 
-def collate(batch: list[int], examples, feats, steps: int, row_of, device):
-    """-> tokens [B, L], features [B, L, 3, H], and for each step j: (the flat entry indices
+def collate(batch: list[dict], steps: int, row_of, device):
+    """An example batch (each with its "features", main) -> tokens [B, L], features [B, L, 3, H],
+    and for each step j: (the flat entry indices
     [N_j] into [B * L] whose prediction has a label, the label's top-k ids as the head's rows
     [N_j, k] (-1 outside its vocabulary), their log-probs [N_j, k]). Step j's entry i predicts
     x_{i+1+j}; answer token a (at sequence index P + a) has label row a."""
-    L = max(len(examples[i]["prompt"]) + len(examples[i]["answer"]) for i in batch)
+    L = max(len(ex["prompt"]) + len(ex["answer"]) for ex in batch)
     x = torch.zeros(len(batch), L, dtype=torch.long)
-    f = torch.zeros(len(batch), L, *feats[batch[0]].shape[1:], dtype=torch.bfloat16)
+    f = torch.zeros(len(batch), L, *batch[0]["features"].shape[1:], dtype=torch.bfloat16)
     labels = []
     for j in range(steps):
         where, ids, logp = [], [], []
-        for r, i in enumerate(batch):
-            ex = examples[i]
+        for r, ex in enumerate(batch):
             P, A = len(ex["prompt"]), len(ex["answer"])
             a0 = max(0, j + 1 - P)  # entry i = P + a - 1 - j >= 0
             if a0 >= A:
@@ -147,10 +147,10 @@ def collate(batch: list[int], examples, feats, steps: int, row_of, device):
             logp.append(ex["top_logp"][a0:].float())
         ids = row_of[torch.cat(ids)]
         labels.append((torch.cat(where).to(device), ids.to(device), torch.cat(logp).to(device)))
-    for r, i in enumerate(batch):
-        seq = examples[i]["prompt"] + examples[i]["answer"]
+    for r, ex in enumerate(batch):
+        seq = ex["prompt"] + ex["answer"]
         x[r, :len(seq)] = torch.tensor(seq)
-        f[r, :len(seq)] = feats[i]
+        f[r, :len(seq)] = ex["features"]
     return x.to(device), f.to(device), labels
 
 
@@ -171,22 +171,6 @@ def topk_kl(own_logits, rows, top_logp):
 def own_logits(head, h, where):
     """The head's logits over its own rows at the labelled entries: h [B, L, H] -> [N, rows]."""
     return head.lm_head(head.norm(h.flatten(0, 1)[where]))
-
-
-def batches(examples: list[dict], batch_tokens: int, rng: random.Random):
-    """Shuffled batches of example indices whose padded size stays within batch_tokens."""
-    order = list(range(len(examples)))
-    rng.shuffle(order)
-    batch, longest = [], 0
-    for i in order:
-        n = len(examples[i]["prompt"]) + len(examples[i]["answer"])
-        if batch and max(longest, n) * (len(batch) + 1) > batch_tokens:
-            yield batch
-            batch, longest = [], 0
-        batch.append(i)
-        longest = max(longest, n)
-    if batch:
-        yield batch
 
 
 def sd_rounds(agree: torch.Tensor, P: int, K: int) -> tuple[int, int, int, list, list]:
@@ -213,20 +197,19 @@ def sd_rounds(agree: torch.Tensor, P: int, K: int) -> tuple[int, int, int, list,
 
 
 @torch.no_grad()
-def evaluate(head, examples, feats, K: int, device, batch_tokens: int, bf16=False) -> dict:
+def evaluate(head, examples, K: int, device, batch_tokens: int, bf16=False) -> dict:
     """Greedy SD at K simulated on the target's greedy answers (sd_rounds): per-token acceptance,
     tokens a round, the acceptance at each draft position; and step 0's top-1 agreement."""
     head.eval()
     tot = {"rounds": 0, "accepted": 0, "trials": 0, "agree": 0, "positions": 0, "emitted": 0}
     reached, hit = [0] * K, [0] * K
     token_of = head.token_of.to(device)
-    for batch in batches(examples, batch_tokens, random.Random(0)):
-        x, f, _ = collate(batch, examples, feats, 0, None, device)
+    for batch in dd.batches(examples, batch_tokens, random.Random(0)):
+        x, f, _ = collate(batch, 0, None, device)
         with autocast(device, bf16):
             outs = head.train_forward(x, f, K)
             pred = torch.stack([token_of[head.lm_head(head.norm(h)).argmax(-1)] for h in outs])
-        for r, i in enumerate(batch):  # pred [K, B, T]
-            ex = examples[i]
+        for r, ex in enumerate(batch):  # pred [K, B, L]
             P, L = len(ex["prompt"]), len(ex["prompt"]) + len(ex["answer"])
             truth = x[r]  # entry i (0..L-2) at step j predicts x_{i+1+j}: L - 1 - j of them
             agree = torch.stack([F.pad(pred[j, r, :max(L - 1 - j, 0)].eq(truth[1 + j:L]).cpu(),
@@ -269,7 +252,7 @@ def new_head(target, layers: list[int], token_ids: list[int], seed: int):
     return head
 
 
-def train(head, train_ex, train_f, heldout, args, work: Path, out: Path, info: dict) -> dict:
+def train(head, train_ex, heldout, args, work: Path, out: Path, info: dict) -> int:
     opt = torch.optim.AdamW(head.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     state_path = work / "eagle.pt"
     step, epoch, epoch_start, spent, best = 0, 0, 0, 0.0, -1.0
@@ -289,21 +272,22 @@ def train(head, train_ex, train_f, heldout, args, work: Path, out: Path, info: d
         os.replace(tmp, state_path)
 
     def measure():
-        return {name: evaluate(head, ex, f, args.eval_k, args.device, args.batch_tokens, args.bf16)
-                for name, (ex, f) in heldout.items()}
+        return {name: evaluate(head, ex, args.eval_k, args.device, args.batch_tokens, args.bf16)
+                for name, ex in heldout.items()}
 
     row_of = torch.full((head.config.vocab_size,), -1, dtype=torch.long)
     row_of[head.token_of.cpu()] = torch.arange(len(head.token_of))
     metrics = {}
     t_last = t_save = time.time()
     while step < args.steps:
-        epoch_batches = list(batches(train_ex, args.batch_tokens, random.Random(args.seed + epoch)))
+        epoch_batches = list(dd.batches(train_ex, args.batch_tokens,
+                                        random.Random(args.seed + epoch)))
         for batch in epoch_batches[step - epoch_start:]:
             if step >= args.steps:
                 break
             for group in opt.param_groups:
                 group["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
-            x, f, labels = collate(batch, train_ex, train_f, args.ttt, row_of, args.device)
+            x, f, labels = collate(batch, args.ttt, row_of, args.device)
             with autocast(args.device, args.bf16):
                 outs = head.train_forward(x, f, args.ttt)
                 losses = [topk_kl(own_logits(head, h, where), rows, logp).mean()
@@ -363,11 +347,13 @@ def main(argv=None):
     heldout, _ = dd.heldout_sets(target, tok, dargs, work)
     train_ex = dd.training_answers(target, tok, dargs, work, [])
     t0 = time.time()
-    train_f = features(target, train_ex, layers, work, "train", args.batch_tokens)
-    held = {k: (ex, features(target, ex, layers, work, f"heldout-{k}", args.batch_tokens))
-            for k, ex in heldout.items()}
-    dd.log(work, f"features: {sum(len(f) for f in train_f)} training positions, layers {layers} "
-                 f"({time.time() - t0:.0f}s)")
+    sets = [("train", train_ex), *((f"heldout-{k}", ex) for k, ex in heldout.items())]
+    for name, examples in sets:
+        for ex, f in zip(examples, features(target, examples, layers, work, name,
+                                            args.batch_tokens)):
+            ex["features"] = f  # each example carries its own: batches and collate read them
+    dd.log(work, f"features: {sum(len(ex['features']) for ex in train_ex)} training positions, "
+                 f"layers {layers} ({time.time() - t0:.0f}s)")
     state = work / "eagle.pt"
     token_ids = torch.load(state)["token_ids"] if state.exists() else dd.draft_vocabulary(
         train_ex, args.vocab + 1, target.config.vocab_size, set(target.config.eos_token_ids))
@@ -379,7 +365,7 @@ def main(argv=None):
     info = {"command": command, "target": args.target, "layers": layers, "vocab": len(token_ids),
             "ttt": args.ttt, "eval_k": args.eval_k, "train_answers": len(train_ex),
             "train_tokens": sum(len(e["answer"]) for e in train_ex)}
-    step = train(head, train_ex, train_f, held, args, work, out, info)
+    step = train(head, train_ex, heldout, args, work, out, info)
     kept = json.loads((out / "train.json").read_text())
     dd.log(work, f"trained to step {step}; {out} holds step {kept['steps_done']}'s head: "
                  f"{summary(kept['heldout'])}")
