@@ -78,7 +78,7 @@ class StaticSteps:
         def run():
             meta = cache.meta(bk.ints, *shape)
             if self.body is not None:
-                symbolic_sizes(bk.tokens, meta)
+                symbolic_sizes(bk.tokens, meta, cache)
             return model.run(cache, bk.tokens, meta, halves=self.halves, body=self.body)
         if not self.capture:
             threads = torch.get_num_threads()  # compiled code is made for a thread count
@@ -128,12 +128,19 @@ def real_rows(out, n: int, clone: bool = False):
     return out[:n].clone() if clone else out[:n]
 
 
-def symbolic_sizes(tokens, meta):
+def symbolic_sizes(tokens, meta, cache: PagedKVCache):
     """Tell torch.compile that the sizes a bucket sets (rows, tokens per row, block-table width)
     vary, before the CPU's compiled body (model.compiled_body) first sees them: its first graph
     then serves every later bucket. Left to find out, it compiles once per size that changes, and
     a 30-layer graph takes 10-20 s to compile on a laptop's core. Sizes of 1 still compile apart
-    (a decode step of one row is one graph, a verification of one row another)."""
+    (a decode step of one row is one graph, a verification of one row another).
+    The pool's size stays fixed in a graph (a new pool compiles its own): left to torch.compile,
+    a second pool of another size (generate(target=model) again, needing more blocks) made its
+    number of blocks symbolic, and the graph compiled then lost most of the layers' writes into the
+    pool (the attention op's in-place kv_layer: 2,048 of the 16,384 values a verification of the
+    tiny pair writes) and attended over stale K/V: wrong logits (torch 2.13, CPU;
+    tests/test_graphs.py::test_compiled_sd_after_compiled_ar_on_one_model)."""
+    torch._dynamo.mark_static(cache.kv)
     mark = torch._dynamo.maybe_mark_dynamic
     for t in (tokens, meta.slots, meta.positions, meta.query_index, meta.rows, meta.last):
         mark(t, 0)          # [N] or [b]
