@@ -287,7 +287,9 @@ class SpeculatorProcess:
         if not self.proc.is_alive():
             raise RuntimeError("the speculator process died")
 
-    def respond(self, rows, n, t, *, round_seconds=None) -> Proposals:
+    def respond(self, rows, n, t, *, features=None, round_seconds=None) -> Proposals:
+        if features is not None:  # engine.build_engine refuses a draft that reads them here
+            raise ValueError("the channel does not carry the target's features yet")
         self.ch.send_outcome(rows, n, t, round_seconds)
         wait_for(self.ch.proposals_ready, self.proc.is_alive, "speculator", spin=self.ch.spin)
         return self.ch.proposals(len(rows), n.device)  # on the verifier's device, as n is

@@ -137,11 +137,13 @@ class SDRounds:
 # --------------------------------------------------------------------------------------------------
 # Speculative speculative decoding
 
-def ssd_round(verifier, speculator, rows, n, t, round_s):
+def ssd_round(verifier, speculator, rows, n, t, features, round_s):
     """One SSD round for `rows` (speculator: a speculator.Speculator, or its process), given the
-    previous round's outcome (n, t) and the seconds the verifier spent on that round (verification
-    and bookkeeping: the time pre-speculation had). Returns the proposals, the new outcome (n, t),
-    the seconds the verifier waited for the speculator, and the time this verification started.
+    previous round's outcome (n, t) with the target's features of its tokens (an EAGLE head's; else
+    None) and the seconds the verifier spent on that round (verification and bookkeeping: the time
+    pre-speculation had). Returns the proposals, the new outcome (n, t), the seconds the verifier
+    waited for the speculator, and the time this verification started; the new features are
+    verifier.features.
 
     In two processes (channel.SpeculatorProcess) the same three steps overlap:
         verifier:     post (n, t) | wait | verify round k+1 ..................| post (n, t) ...
@@ -152,7 +154,7 @@ def ssd_round(verifier, speculator, rows, n, t, round_s):
     start = time.perf_counter()
     # 1. the outcome arrives: a hit answers from the branch pre-drafted for it, a miss asks the
     #    fallback
-    p = speculator.respond(rows, n, t, round_seconds=round_s)
+    p = speculator.respond(rows, n, t, features=features, round_seconds=round_s)
     # 2. guess this round's outcomes and draft the next round for each (in the two-process form this
     #    runs in the speculator's process, during step 3)
     speculator.pre_speculate(rows)
@@ -170,6 +172,8 @@ class SSDRounds:
         self.verifier, self.speculator, self.out = verifier, speculator, out
         self.rows: list[int] = []
         self.n = self.t = None  # [len(rows)] the last outcome of each running row
+        self.features = None    # per running row, the target's features of its last outcome's
+                                #   tokens (a draft that reads them, eagle.py), else None
         self.verify_start, self.wait = None, 0.0  # wait: seconds the verifier waited for proposals
         self.ours, self.theirs = Captures(verifier), Captures(speculator)
 
@@ -182,6 +186,8 @@ class SSDRounds:
             self.speculator.pre_speculate(new)
         t0 = self.verifier.add(prompts, temps=temps, seeds=seeds)
         wait_for_devices(q0, t0)
+        if self.verifier.features is not None:  # the prompts': the first outcome brings them
+            self.features = (self.features or []) + self.verifier.features
         n0 = torch.zeros_like(t0)
         self.n = n0 if self.n is None else torch.cat([self.n, n0])
         self.t = t0 if self.t is None else torch.cat([self.t, t0])
@@ -199,6 +205,8 @@ class SSDRounds:
             idx = device_index(keep, self.n.device)
             self.rows = [self.rows[i] for i in keep]
             self.n, self.t = self.n.index_select(0, idx), self.t.index_select(0, idx)
+            if self.features is not None:
+                self.features = [self.features[i] for i in keep]
 
     def kv_used(self) -> tuple[int, int]:
         """KV blocks in use: (the target's, the draft's: in two processes, as of its last
@@ -218,12 +226,14 @@ class SSDRounds:
         row it runs (their requests have ended with the error), the next join starts a batch."""
         self.verifier.leave(self.rows)
         self.speculator, self.rows, self.n, self.t = speculator, [], None, None
+        self.features = None
         self.verify_start, self.theirs = None, Captures(speculator)
 
     def round(self):
         round_s = time.perf_counter() - self.verify_start if self.verify_start else None
         p, self.n, self.t, wait_s, self.verify_start = ssd_round(
-            self.verifier, self.speculator, self.rows, self.n, self.t, round_s)
+            self.verifier, self.speculator, self.rows, self.n, self.t, self.features, round_s)
+        self.features = self.verifier.features
         # the speculator's captures held the verifier up only while it waited (in two processes a
         # capture can also overlap a verification); the verifier's own are all its time
         stalled, own = min(wait_s, self.theirs.take()), self.ours.take()

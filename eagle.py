@@ -51,6 +51,7 @@ from devices import to_device, to_host
 from draft import Drafter
 from kv_cache import PagedKVCache
 from model import Block, RMSNorm, rope_cos_sin, rope_inv_freq
+from speculator import Speculator
 
 EAGLE_TYPE = "eagle3"  # config.json's "model_type" of a head's directory
 
@@ -304,19 +305,22 @@ class HeadCache(PagedKVCache):
         else:
             self.pending.pop(sid, None)
 
+    def ready(self, sid: int, count: int) -> int:
+        """How many of sid's next `count` tokens one forward can feed: each reads g of the position
+        before, which is known for the first (its slot, or zero) and for the positions the target's
+        pending g covers; past them a token reads the head's own output for the token before it,
+        which the same forward has not made yet (a chain: one forward per token)."""
+        start, g = self.pending.get(sid, (None, ()))
+        return min(count, 1 + len(g)) if start == self.length(sid) else 1
+
     def g_before(self, sid: int, count: int):
-        """g_{p-1} for the next `count` tokens of sid (positions L..L+count-1, L its length): its
-        slot L - 1 (zero before the first token), then the pending target g; None where a token
-        would need the output of another in the same forward (a chain: fed one at a time)."""
+        """g_{p-1} [count, H] for sid's next `count` tokens (positions L..L+count-1, L its length;
+        count <= ready): slot L - 1 (zero before the first token), then the pending target g."""
         L = self.length(sid)
         first = (self.g.view(-1, self.g.shape[-1])[self.slots(sid, L - 1, 1)[0]] if L > 0
                  else self.g.new_zeros(self.g.shape[-1]))
-        if count == 1:
-            return first[None]
-        start, g = self.pending.get(sid, (L, self.g.new_zeros(0, self.g.shape[-1])))
-        if start != L or len(g) < count - 1:
-            return None
-        return torch.cat([first[None], g[:count - 1]])
+        return torch.cat([first[None], self.pending[sid][1][:count - 1]]) if count > 1 \
+            else first[None]
 
     def wrote(self, sid: int, start: int, h):
         """Entries start.. of sid were computed with outputs h [n, H]: g there is h, or the
@@ -373,30 +377,40 @@ class EagleModel:
     def forward_cached(self, cache: HeadCache, seq_ids: list[int], tokens, counts: list[int],
                        last_only: bool = False):
         """tokens [N] (or a list): counts[i] new tokens of sequence seq_ids[i], back to back ->
-        float32 logits [N, V] ([b, V] if last_only)."""
+        float32 logits [N, V] ([b, V] if last_only). Each forward feeds every sequence as many of
+        its tokens as their g allows (HeadCache.ready): all of them, as a drafting step or a
+        catch-up over verified tokens does, else those and then one at a time."""
         tokens = torch.as_tensor(tokens, device=self.device)
-        g = [cache.g_before(s, c) for s, c in zip(seq_ids, counts)]
-        if any(x is None for x in g):  # a chain of the head's own outputs: a token at a time
-            return self.one_at_a_time(cache, seq_ids, tokens, counts, last_only)
-        starts = [cache.length(s) for s in seq_ids]
-        meta = cache.prepare(seq_ids, counts)
-        h = self.head.step(cache, tokens, torch.cat(g), meta)  # [N, H]
-        for s, L, part in zip(seq_ids, starts, h.split(counts)):
-            cache.wrote(s, L, part)
-        return self.head.logits(h[meta.last] if last_only else h)
+        parts, done = tokens.split(counts), [0] * len(seq_ids)
+        h = [[] for _ in seq_ids]  # each sequence's outputs h', in pieces
+        while live := [i for i, c in enumerate(counts) if done[i] < c]:
+            take = [cache.ready(seq_ids[i], counts[i] - done[i]) for i in live]
+            seqs = [seq_ids[i] for i in live]
+            starts = [cache.length(s) for s in seqs]
+            g = torch.cat([cache.g_before(s, k) for s, k in zip(seqs, take)])
+            meta = cache.prepare(seqs, take)
+            out = self.head.step(cache, torch.cat([parts[i][done[i]:done[i] + k]
+                                                   for i, k in zip(live, take)]), g, meta)
+            for i, s, L, k, part in zip(live, seqs, starts, take, out.split(take)):
+                cache.wrote(s, L, part)
+                h[i].append(part)
+                done[i] += k
+        h = [torch.cat(x) for x in h]
+        return self.head.logits(torch.stack([x[-1] for x in h]) if last_only else torch.cat(h))
 
-    def one_at_a_time(self, cache, seq_ids, tokens, counts, last_only):
-        parts, out = tokens.split(counts), [[] for _ in seq_ids]
-        for k in range(max(counts)):
-            live = [i for i, c in enumerate(counts) if k < c]
-            logits = self.forward_cached(cache, [seq_ids[i] for i in live],
-                                         torch.stack([parts[i][k] for i in live]),
-                                         [1] * len(live))
-            for i, row in zip(live, logits):
-                out[i].append(row)
-        if last_only:
-            return torch.stack([o[-1] for o in out])
-        return torch.stack([x for o in out for x in o])
+
+def follow_target(drafter, row, features):
+    """After a round's outcome is committed to `row`, with the target's features [n, layers, H] of
+    the tokens its cache gained (the prompt's at a join; r, x_1..x_n after a verification): cut the
+    row's cache back to its last entry that read only the target's g (the one for the position
+    before them) and pend their fused g. The next forward re-feeds the tokens after it, each with
+    the target's g of the token before: the entries the head drafted from its own states are
+    corrected. Its guess laws go with the entries they came from."""
+    start = len(row.history) - 1 - len(features)  # features cover start..len(history) - 2
+    drafter.cache.truncate(row.seq, min(drafter.cache.length(row.seq), start + 1))
+    drafter.cache.pend(row.seq, start, drafter.model.head.fuse(to_device(features,
+                                                                         drafter.model.device)))
+    row.guess_probs = None
 
 
 class EagleDrafter(Drafter):
@@ -404,7 +418,7 @@ class EagleDrafter(Drafter):
     without a prefill: the head needs the target's features of its prompt, which the verifier's
     prefill makes, and the first commit brings them. Each commit brings the features of the tokens
     the target verified (r, x_1..x_n), whose entries the head recomputes: the ones it drafted from
-    its own states are corrected to the target's."""
+    its own states are corrected to the target's (follow_target)."""
 
     def add(self, prompts, *, first=None, temps=None, seeds=None):
         self.rows += self.new_rows(prompts, first=first, temps=temps, seeds=seeds)
@@ -414,14 +428,50 @@ class EagleDrafter(Drafter):
         """The outcome (n, t) and the target's features of the tokens its cache gained (per row:
         the prompt's at a join, r and x_1..x_n after a verification)."""
         if features is None:
-            raise ValueError("an EAGLE draft needs the target's features with every outcome: "
-                             "build the verifier's model with want_features")
+            raise ValueError(NEEDS_FEATURES)
         for r, (n_r, t_r), f in zip(rows, to_host(torch.stack([n, t], 1)), features):
-            row = self.rows[r]
-            row.commit(n_r, t_r)
-            start = len(row.history) - 1 - len(f)  # f covers start..len(history) - 2
-            self.cache.truncate(row.seq, min(self.cache.length(row.seq), start + 1))
-            self.cache.pend(row.seq, start, self.model.head.fuse(to_device(f, self.model.device)))
+            self.rows[r].commit(n_r, t_r)
+            follow_target(self, self.rows[r], f)
+
+
+NEEDS_FEATURES = ("an EAGLE draft needs the target's features with every outcome: build the "
+                  "verifier's model with want_features")
+
+
+class EagleSpeculator(Speculator):
+    """SSD's draft side with an EAGLE head (speculator.Speculator's rounds, model: EagleModel).
+    Pre-speculation guesses the outcome of the round being verified, whose features the target
+    has not given yet: a branch drafts from the head's own states past the verified prefix (a fork
+    of its HeadCache carries them), as EAGLE drafts past the verified prefix anyway. When the
+    outcome arrives with the target's features, `correct` follows them: a miss's neural backup
+    then drafts from the target's features, and a hit's proposals (drafted from the head's own
+    states) stand, while its next pre-speculation re-feeds the round's tokens with the target's g
+    first (the paper's code calls this its glue step). correct_hits=False leaves a hit's own
+    states in place: one forward less a round, guesses ranked by laws drawn from its own states.
+    A row pre-speculates once the target's features of its prompt have arrived (its first
+    outcome, round 0, is always a miss)."""
+    correct_hits = True
+
+    def add(self, prompts, *, first=None, temps=None, seeds=None):
+        self.rows += self.new_rows(prompts, first=first, temps=temps, seeds=seeds)
+        return None
+
+    def pre_speculate(self, rows):
+        rows = [r for r in rows if self.cache.length(self.rows[r].seq) > 0
+                or self.rows[r].seq in self.cache.pending]  # its prompt's features arrived
+        if rows:
+            super().pre_speculate(rows)
+
+    def respond(self, rows, n, t, *, features=None, round_seconds=None):
+        if features is None:
+            raise ValueError(NEEDS_FEATURES)
+        return super().respond(rows, n, t, features=features, round_seconds=round_seconds)
+
+    def correct(self, rows, features, hit):
+        hit = set(hit) if not self.correct_hits else set()
+        for i, (r, f) in enumerate(zip(rows, features)):
+            if i not in hit:
+                follow_target(self, self.rows[r], f)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -453,13 +503,12 @@ class EagleDraft:
                              f"a head for it (scripts/train_eagle.py)")
 
     def build(self, c, *, arrived=None, target=None) -> Drafter:
-        if c.ssd:
-            raise ValueError("SSD with an EAGLE head is not implemented yet: run it in SD "
-                             "(--mode sd, mode='sd')")
         if target is None or target.device != torch.device(c.device):
             raise ValueError("an EAGLE head reads tokens through the target's embedding, so it "
                              "runs on the target's device: give --draft-device the target's")
         head = load(resolve(self.name), device=c.device, dtype=c.dtype)
         head.attach(target.model.embed_tokens)
-        return EagleDrafter(EagleModel(head), c.spec, c.temperature, c.seed, c.kv_tokens,
-                            block_size=c.block_size, prefix_caching=c.prefix_caching)
+        side = EagleSpeculator if c.ssd else EagleDrafter
+        kw = dict(arrived=arrived) if c.ssd else {}
+        return side(EagleModel(head), c.spec, c.temperature, c.seed, c.kv_tokens,
+                    block_size=c.block_size, prefix_caching=c.prefix_caching, **kw)

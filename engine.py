@@ -320,6 +320,9 @@ def build_engine(cfg: EngineConfig, loaded: Loaded, kv_tokens: int, draft_kv: in
     if kind is not None:
         with LOADING:  # the draft's tokenizer
             kind.check(cfg.target, model.config, tok)
+        if kind.feature_layers and cfg.two_processes:
+            raise ValueError("SSD with a draft that reads the target's features (an EAGLE head) "
+                             "runs in one process for now: add --no-parallel (parallel=False)")
     # a draft that reads the target's hidden states (an EAGLE head) has every forward give them
     model.want_features(kind.feature_layers if kind is not None else None)
     # the CPU's product forms for the verifier's rows (b <= max_batch sequences x K + 1 tokens, or

@@ -139,9 +139,11 @@ class Speculator(Drafter):
 
     # -- the answer: when the outcome arrives
 
-    def respond(self, rows, n, t, *, round_seconds=None) -> Proposals:
+    def respond(self, rows, n, t, *, features=None, round_seconds=None) -> Proposals:
         """The outcome (n, t) of the round just verified, for `rows`: a hit adopts its branch, whose
-        proposals are ready; a miss rolls back and the fallback proposes. -> the next proposals."""
+        proposals are ready; a miss rolls back and the fallback proposes. -> the next proposals.
+        features: the target's of the tokens just verified (Verifier.features), for a draft that
+        reads them (eagle.py); None for one that does not."""
         self.policy.outcome_arrived(round_seconds, pre_speculated=self.branches is not None)
         outcome = to_host(torch.stack([n, t], 1))
         hits, misses = self.look_up(rows, outcome)
@@ -151,6 +153,8 @@ class Speculator(Drafter):
             parts.append(([i for i, _ in hits], *self.adopt([(rows[i], m) for i, m in hits])))
         skipped = self.branches is None
         self.free_branches()
+        if features is not None:  # before the fallback drafts: a miss's backup reads them
+            self.correct(rows, features, hit=[i for i, _ in hits])
         backup = None
         if misses:
             backup = self.propose_on_miss([rows[i] for i in misses], len(rows), skipped=skipped)
@@ -214,6 +218,10 @@ class Speculator(Drafter):
                         of=device_index([br.of[m] for m in ms], dev))
             self.completed += len(ms)
         return d.stack()
+
+    def correct(self, rows, features, hit):
+        """Follow the target's features of the tokens just verified (rows at positions `hit` hit):
+        only a draft that reads them has anything to do (eagle.EagleSpeculator)."""
 
     def free_branches(self):
         """Free the branches of outcomes that did not happen; the round's cache is used up."""

@@ -201,6 +201,78 @@ def test_each_round_drafts_what_a_fresh_head_drafts_from_the_targets_features(ta
     assert accepted >= 8
 
 
+def ssd_rounds_with_forced_outcomes(target, correct_hits: bool) -> tuple[int, int]:
+    """SSD's draft side with a head (eagle.EagleSpeculator, one process), outcomes forced: half the
+    rounds hit a branch it pre-speculated, the others miss with a random (n, t). After each
+    outcome the head must draft from the target's features as a fresh training-time test forward
+    does: a miss's neural backup at once (its draft steps' laws), a hit at its next
+    pre-speculation, which re-feeds the round's tokens (the laws it ranks its guesses by: t's, then
+    each proposal's). -> (hits, rounds where a law differed from the fresh forward's)."""
+    from draft import DraftSettings
+    head = random_head(target, vocab=100)
+    torch.manual_seed(6)
+    history = torch.randint(3, 100, (9,)).tolist()
+    K, rng = 3, torch.Generator().manual_seed(1)
+    spec = eagle.EagleSpeculator(eagle.EagleModel(head), DraftSettings(K=K, fallback="neural"),
+                                 0.0, 0, 4096)
+    spec.correct_hits = correct_hits
+    calls = []  # (sequences, logits) of every forward of the head
+    forward = spec.model.forward_cached
+    spec.model.forward_cached = lambda c, seqs, *a, **kw: calls.append(
+        (list(seqs), forward(c, seqs, *a, **kw))) or calls[-1][1]
+
+    def features(seq):
+        with torch.no_grad():
+            return target.layer_states(torch.tensor([seq]), head.target_layers)[0]
+
+    def fresh(seq, m, steps):  # training-time test's laws after position m: [steps, V]
+        with torch.no_grad():
+            f = features(seq)
+            f[m:] = 0  # not verified: never read by the chain
+            return torch.stack([head.logits(x[0, m]) for x in
+                                head.train_forward(torch.tensor([seq]), f[None], steps)])
+
+    spec.add([history])
+    n, t, f = 0, 50, features(history)  # round 0: the prompt's features, a miss
+    hits = differed = 0
+    for round_ in range(10):
+        calls.clear()
+        p = spec.respond([0], torch.tensor([n]), torch.tensor([t]), features=[f])
+        history += spec.rows[0].history[len(history):]  # + x_1..x_n, t
+        proposed = p.tokens[0, :p.lengths[0]].tolist()
+        m = len(history) - 1  # the proposals follow entry m (t)
+        if not bool(p.hit[0]):  # the backup drafted now, from the target's features
+            steps = [x for seqs, x in calls if seqs == [spec.rows[0].seq]]
+            expect = fresh(history + proposed[:-1], m, K)
+            got = torch.cat([s[-1:] for s in steps])
+            differed += not torch.allclose(got, expect, atol=1e-4, rtol=1e-4)
+        calls.clear()
+        spec.pre_speculate([0])
+        if bool(p.hit[0]):  # its first forward re-fed the round (corrected) or x'_L alone
+            seqs, fed = calls[0]
+            expect = fresh(history + proposed, m, len(proposed) + 1)  # after t, x'_1..x'_L
+            differed += not torch.allclose(fed[-len(expect):], expect, atol=1e-4, rtol=1e-4)
+        guesses = sorted(spec.spec_cache.entries)
+        if round_ % 2 and guesses:  # a hit: an outcome it guessed
+            _, n, t = guesses[int(torch.randint(len(guesses), (1,), generator=rng))]
+            hits += 1
+        else:
+            n = int(torch.randint(0, len(proposed) + 1, (1,), generator=rng))
+            t = next(x for x in range(3, 100) if (0, n, x) not in spec.spec_cache)
+        verified = history[-1:] + proposed[:n]  # r, x_1..x_n: what the target's cache gains
+        f = features(history + proposed[:n])[-len(verified):]
+    return hits, differed
+
+
+def test_ssd_with_a_head_drafts_from_the_targets_features_after_each_outcome(target):
+    hits, differed = ssd_rounds_with_forced_outcomes(target, correct_hits=True)
+    assert hits >= 4 and differed == 0
+    # negative control: a hit that keeps the head's own states re-feeds nothing, and its laws
+    # are not the fresh forward's
+    hits, differed = ssd_rounds_with_forced_outcomes(target, correct_hits=False)
+    assert hits >= 4 and differed >= 3
+
+
 def saved_head(target, path, seed=0):
     head = random_head(target, seed=seed, vocab=min(200, target.config.vocab_size))
     eagle.save(head, path, {"target": "test"}, dtype=torch.float32)
@@ -208,31 +280,31 @@ def saved_head(target, path, seed=0):
 
 
 @pytest.mark.parametrize("compile", [False, True])
-def test_generate_sd_with_a_head_emits_ar_tokens(tmp_path, compile):
-    """run.generate with an EAGLE head's directory as the draft: SD's greedy tokens are AR's, on
-    the eager path and on the CPU's compiled steps (their graphs give the features too)."""
+def test_generate_sd_and_ssd_with_a_head_emit_ar_tokens(tmp_path, compile):
+    """run.generate with an EAGLE head's directory as the draft: SD's and SSD's (one process)
+    greedy tokens are AR's, on the eager path and on the CPU's compiled steps (their graphs give
+    the features too)."""
     from run import generate
     target = load_model("tiny", tokenizer=False)[0]
     head = saved_head(target, tmp_path / "head")
     prompts = [[1, 400, 52, 9, 77], [1, 12, 13, 14, 15, 16, 17, 18]]
     kw = dict(target=target, max_new_tokens=24, temperature=0.0, ignore_eos=True,
               compile=compile, target_threads=1)
-    # SD first: a compiled AR run before it would make its verifications wrong, with any draft
-    # (test_graphs.py::test_compiled_sd_after_compiled_ar_on_one_model, a known bug)
-    sd = generate(prompts, draft=str(head), mode="sd", k=3, **kw)
     ar = generate(prompts, draft="tiny-draft", mode="ar", **kw)
-    assert sd.tokens == ar.tokens
+    assert target.feature_layers is None  # AR asks for none
+    sd = generate(prompts, draft=str(head), mode="sd", k=3, **kw)
+    ssd = generate(prompts, draft=str(head), mode="ssd", k=3, parallel=False, **kw)
+    assert sd.tokens == ar.tokens and ssd.tokens == ar.tokens
     assert sd.stats["rounds"] < 2 * 23  # the head proposed: rounds are fewer than tokens twice
-    assert target.feature_layers is None  # the AR run asked for none
+    assert ssd.stats["misses"] > 0
 
 
 def test_a_head_refuses_what_it_does_not_run_in_one_line(tmp_path):
     from run import generate
     target = load_model("tiny", tokenizer=False)[0]
     head = saved_head(target, tmp_path / "head")
-    with pytest.raises(ValueError, match="SSD with an EAGLE head is not implemented"):
-        generate([[1, 2, 3]], target=target, draft=str(head), mode="ssd", parallel=False,
-                 max_new_tokens=4)
+    with pytest.raises(ValueError, match="runs in one process for now: add --no-parallel"):
+        generate([[1, 2, 3]], target=target, draft=str(head), mode="ssd", max_new_tokens=4)
     other = load_model(make_other(tmp_path), tokenizer=False)[0]
     with pytest.raises(ValueError, match="train a head for it"):
         generate([[1, 2, 3]], target=other, draft=str(head), mode="sd", max_new_tokens=4)

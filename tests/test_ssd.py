@@ -351,6 +351,35 @@ def test_ssd_law_with_a_draft_of_its_own_vocabulary(small_vocab, tmp_path):
     assert tv(empirical_law(res.tokens, 3), laws[1.0]) < tv_bound(laws[1.0], N_LAW)
 
 
+def small_vocab_head(target_path, path):
+    """A random EAGLE head (eagle.py) for make_small_vocab_pair's one-layer target: every token a
+    row of its own, its head scaled up as the pair's are, so its laws are peaked and not the
+    target's."""
+    import eagle
+    from checkpoint import load_config
+    torch.manual_seed(13)
+    head = eagle.head_for(load_config(target_path), [0, 0, 0], [0, 1, 2, 3])
+    with torch.no_grad():
+        head.lm_head.weight.mul_(8.0)
+    eagle.save(head, path, {"target": "test"}, dtype=torch.float32)
+    return path
+
+
+@pytest.mark.parametrize("mode", ["sd", "ssd"])
+def test_law_with_an_eagle_head(small_vocab, tmp_path, mode):
+    """The draft is an EAGLE head reading the target's features (one process): in SSD its branches
+    draft from its own states past the verified prefix and are corrected after each outcome; hits
+    answer with Saguaro's q' (C = 0.5). The output law is the target's."""
+    tgt, _, prompt, laws = small_vocab
+    head = small_vocab_head(tgt, tmp_path / "head")
+    res = gen([prompt] * N_LAW, tgt, head, mode=mode, k=2, budget=3, saguaro_c=0.5,
+              fallback="neural", temperature=1.0, max_new_tokens=3, seed=9, parallel=False)
+    if mode == "ssd":
+        assert res.stats["hits"] > 0 and res.stats["misses"] > 0, res.stats
+    assert sum(res.stats["accept_len_histogram"][1:]) > N_LAW / 5  # its proposals were accepted
+    assert tv(empirical_law(res.tokens, 3), laws[1.0]) < tv_bound(laws[1.0], N_LAW)
+
+
 @pytest.mark.parametrize("pattern,fallback", [([False, True], "neural"), ([True, False], "ngram"),
                                               ([True, False], "random")])
 def test_ssd_law_with_skipped_pre_speculation(small_vocab, monkeypatch, pattern, fallback):
