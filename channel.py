@@ -29,7 +29,7 @@ from devices import check_device, to_device
 class Channel:
     """The shared tensors between the verifier and the speculator (b rows at most)."""
 
-    def __init__(self, b, K, V, send_q: bool, pin: bool, spin: float = 0.0):
+    def __init__(self, b, K, V, send_q: bool, pin: bool, spin: float = 0.0, feature_size: int = 0):
         def host(*shape, dtype=torch.long):  # host memory, whatever the default device
             return torch.zeros(*shape, dtype=dtype, device="cpu")
         self.count = host(1)                              # rows in the current message
@@ -50,6 +50,15 @@ class Channel:
         self.q = host(b * K * V, dtype=torch.float32) if send_q else None
         self.deterministic = host(b, dtype=torch.bool)
         self.hit = host(b, dtype=torch.bool)
+        # with each outcome, the target's features of the tokens each row's cache gained, for a
+        # draft that reads them (eagle.py; feature_size: floats per token, its layers x hidden):
+        # r, x_1..x_n, at most K + 1 tokens a row, [b, K + 1, feature_size] (SmolLM2-135M's three
+        # layers at K = 4: 34.6 KB a row). A longer run (a prompt's, a row's first outcome)
+        # crosses as a control message before the outcome (SpeculatorProcess.respond)
+        self.K, self.feature_size = K, feature_size
+        self.features = host(b * (K + 1) * feature_size, dtype=torch.float32) \
+            if feature_size else None
+        self.feature_counts = host(b)
         # the speculator's CUDA graph captures so far, sent with each answer (decode.Captures)
         self.capture_seconds = host(1, dtype=torch.float64)
         # control messages sent so far (rows joining or leaving, by `inbox`): they share the
@@ -91,9 +100,16 @@ class Channel:
             self.pinned = False
 
     # -- verifier -> speculator
-    def send_outcome(self, rows, n, t, round_seconds):
+    def send_outcome(self, rows, n, t, round_seconds, features=None):
+        """features: per row, the target's [c, layers, hidden] (c <= K + 1) or None (a longer run,
+        sent as a control), or None for a draft that reads none."""
         b = len(rows)
         self.count[0] = b
+        for i, f in enumerate(features or []):
+            self.feature_counts[i] = -1 if f is None else len(f)
+            if f is not None:
+                at = i * (self.K + 1) * self.feature_size
+                self.features[at:at + f.numel()].copy_(f.flatten())
         self.rows[:b] = torch.tensor(rows, dtype=torch.long, device="cpu")
         put(self.n, n), put(self.t, t)
         self.round_seconds[0] = round_seconds or 0.0
@@ -112,6 +128,13 @@ class Channel:
         self.posted[0] = False
         return (self.rows[:b].tolist(), self.n[:b].clone(), self.t[:b].clone(),
                 float(self.round_seconds[0]) or None)
+
+    def features_of(self, b: int, long: dict) -> list:
+        """The outcome's features per row [c, layers * hidden] (copies): from the buffer, or from
+        `long` (row position -> the run sent as a control) where the buffer held none."""
+        per_row = self.features[:b * (self.K + 1) * self.feature_size].view(b, self.K + 1, -1)
+        return [long.pop(i) if c < 0 else per_row[i, :c].clone()
+                for i, c in enumerate(self.feature_counts[:b].tolist())]
 
     # -- speculator -> verifier
     def send_proposals(self, p: Proposals, capture_seconds: float = 0.0):
@@ -241,11 +264,11 @@ class SpeculatorProcess:
     its error."""
 
     def __init__(self, cfg: DraftConfig, b: int, V: int, threads: int | None, pin: bool,
-                 spin: float = 0.0, per_row: bool = False):
+                 spin: float = 0.0, per_row: bool = False, feature_size: int = 0):
         # q crosses when a row may sample: at a temperature > 0, or whenever rows bring their
-        # own (per_row: a server's requests)
+        # own (per_row: a server's requests); feature_size: Channel's
         self.ch = Channel(b, cfg.spec.K, V, send_q=cfg.temperature > 0 or per_row, pin=pin,
-                          spin=spin)
+                          spin=spin, feature_size=feature_size)
         ctx = mp.get_context("spawn")
         self.inbox, self.errors = ctx.Queue(), ctx.Queue()
         self.ch.pin_here()
@@ -288,9 +311,13 @@ class SpeculatorProcess:
             raise RuntimeError("the speculator process died")
 
     def respond(self, rows, n, t, *, features=None, round_seconds=None) -> Proposals:
-        if features is not None:  # engine.build_engine refuses a draft that reads them here
-            raise ValueError("the channel does not carry the target's features yet")
-        self.ch.send_outcome(rows, n, t, round_seconds)
+        if features is not None:  # runs longer than the buffer holds cross first, pickled
+            long = {i: f.flatten(1).to("cpu") for i, f in enumerate(features)
+                    if len(f) > self.ch.K + 1}
+            if long:
+                self.control(("features", long))
+            features = [None if i in long else f for i, f in enumerate(features)]
+        self.ch.send_outcome(rows, n, t, round_seconds, features)
         wait_for(self.ch.proposals_ready, self.proc.is_alive, "speculator", spin=self.ch.spin)
         return self.ch.proposals(len(rows), n.device)  # on the verifier's device, as n is
 
@@ -343,19 +370,24 @@ def speculator_main(cfg: DraftConfig, threads, ch: Channel, inbox, errors):
         ch.loaded.release()
         parent = mp.parent_process()
         rows, handled = [], 0  # the running rows; controls handled so far
+        long = {}  # the next outcome's features that crossed as a control (row position -> run)
         while True:
             wait_for(ch.outcome_ready, parent.is_alive, "verifier", spin=ch.spin)
             if handled < int(ch.controls[0]):  # a control (sent before any later outcome)
                 handled += 1
-                rows = control(spec, receive(inbox, parent), rows)
+                rows = control(spec, receive(inbox, parent), rows, long)
                 ch.draft_blocks[0] = spec.used_blocks()
                 ch.draft_prefix[:] = torch.tensor(spec.prefix_tokens())
                 continue
             if ch.stop[0]:
                 break
             rows, n, t, round_seconds = ch.outcome()
-            ch.send_proposals(spec.respond(rows, n, t, round_seconds=round_seconds),
-                              spec.capture_seconds())
+            features = None
+            if ch.features is not None:  # [c, layers * hidden] -> [c, layers, hidden]
+                features = [f.view(len(f), -1, spec.model.config.hidden_size)
+                            for f in ch.features_of(len(rows), long)]
+            ch.send_proposals(spec.respond(rows, n, t, features=features,
+                                           round_seconds=round_seconds), spec.capture_seconds())
             spec.pre_speculate(rows)  # the next round, while the verifier verifies this one
             ch.draft_blocks[0] = spec.used_blocks()
         errors.put(("stats", spec.stats()))
@@ -381,11 +413,14 @@ def receive(inbox, parent):
                 raise RuntimeError("the verifier process died") from None
 
 
-def control(spec, message, rows) -> list[int]:
+def control(spec, message, rows, long: dict) -> list[int]:
     """Rows join (prefilled; a batch starting from empty pre-speculates its round 0, as
-    decode.SSDRounds.join does in one process) or leave (KV and branches freed). -> the running
-    rows."""
+    decode.SSDRounds.join does in one process) or leave (KV and branches freed), or the next
+    outcome's features too long for the buffer arrive (kept in `long`). -> the running rows."""
     kind, arg = message
+    if kind == "features":
+        long.update(arg)
+        return rows
     if kind == "add":
         prompts, first, temps, seeds = arg
         new = list(range(first, first + len(prompts)))

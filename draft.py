@@ -351,19 +351,23 @@ class DraftConfig:
     compile: bool | None = None   # torch.compile the graphs' layers (Transformer.use_graphs)
     quant: str = "auto"           # its weights (checkpoint.load_model, quantize.py)
     prefix_caching: bool = False  # its cache's (kv_cache.py)
+    # what the draft needs of the target (its kind's target_parts: an EAGLE head reads tokens
+    # through the target's embedding module): the target's own tensors, which the speculator's
+    # process receives in shared memory, not copied
+    target_parts: dict | None = None
 
 
-def load_draft(c: DraftConfig, *, arrived=None, target=None) -> Drafter:
+def load_draft(c: DraftConfig, *, arrived=None) -> Drafter:
     """The draft side c describes, built by its kind (draft_kind): a Drafter for SD, a
-    speculator.Speculator for SSD (arrived: its). target: the target model where the draft needs
-    parts of it (an EAGLE head reads tokens through the target's embedding)."""
-    return draft_kind(c.name).build(c, arrived=arrived, target=target)
+    speculator.Speculator for SSD (arrived: its)."""
+    return draft_kind(c.name).build(c, arrived=arrived)
 
 
 # --------------------------------------------------------------------------------------------------
 # What a draft is: one object per kind that the engine, the speculator's process and bench ask
-# (which target features it reads, whether it pairs with a target, how its draft side is built).
-# A new kind of draft is a class with these three members, and a line in draft_kind.
+# (which target features it reads, whether it pairs with a target, what it needs of the target's
+# weights, how its draft side is built). A new kind of draft is a class with these four members,
+# and a line in draft_kind.
 
 def draft_kind(name: str):
     """The kind of the draft `name` names: an EAGLE head's directory (eagle.EagleDraft), else a
@@ -378,6 +382,9 @@ class CheckpointDraft:
     tokens only."""
     name: str
     feature_layers = None  # it reads none of the target's hidden states
+
+    def target_parts(self, target) -> None:
+        """Nothing of the target's weights: it has its own."""
 
     def check(self, target, cfg, tok):
         """It must speak the target's tokens: where both come with a tokenizer, the same token
@@ -404,7 +411,7 @@ class CheckpointDraft:
                                  f"with the target's tokenizer (scripts/distill_draft.py makes "
                                  f"one)")
 
-    def build(self, c: DraftConfig, *, arrived=None, target=None) -> Drafter:
+    def build(self, c: DraftConfig, *, arrived=None) -> Drafter:
         model, _ = load_model(c.name, device=c.device, dtype=c.dtype, tokenizer=False,
                               vocab_size=c.vocab_size, quant=c.quant)
         use_forms(model, ROWS)  # the CPU's product forms for any rows a round drafts

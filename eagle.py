@@ -36,6 +36,7 @@ i.e. the output of layer i - 1); `default_layers` names the same three layers by
 writes them. It trains on ShareGPT and UltraChat answered by the target on GPUs for days;
 scripts/train_eagle.py trains on the target's answers to this repository's prompts, on a CPU.
 """
+import copy
 import json
 import math
 from dataclasses import dataclass
@@ -502,12 +503,16 @@ class EagleDraft:
                              f"{cfg.vocab_size} tokens and {cfg.num_hidden_layers} layers: train "
                              f"a head for it (scripts/train_eagle.py)")
 
-    def build(self, c, *, arrived=None, target=None) -> Drafter:
-        if target is None or target.device != torch.device(c.device):
-            raise ValueError("an EAGLE head reads tokens through the target's embedding, so it "
-                             "runs on the target's device: give --draft-device the target's")
+    def target_parts(self, target) -> dict:
+        """The target's embedding module: the head reads tokens through it."""
+        return {"embed": target.model.embed_tokens}
+
+    def build(self, c, *, arrived=None) -> Drafter:
         head = load(resolve(self.name), device=c.device, dtype=c.dtype)
-        head.attach(target.model.embed_tokens)
+        embed = c.target_parts["embed"]
+        if next(embed.buffers(), next(embed.parameters(), None)).device != head.device:
+            embed = copy.deepcopy(embed).to(head.device)  # a copy on the draft's device
+        head.attach(embed)
         side = EagleSpeculator if c.ssd else EagleDrafter
         kw = dict(arrived=arrived) if c.ssd else {}
         return side(EagleModel(head), c.spec, c.temperature, c.seed, c.kv_tokens,

@@ -320,9 +320,10 @@ def build_engine(cfg: EngineConfig, loaded: Loaded, kv_tokens: int, draft_kv: in
     if kind is not None:
         with LOADING:  # the draft's tokenizer
             kind.check(cfg.target, model.config, tok)
-        if kind.feature_layers and cfg.two_processes:
-            raise ValueError("SSD with a draft that reads the target's features (an EAGLE head) "
-                             "runs in one process for now: add --no-parallel (parallel=False)")
+        if kind.feature_layers and started.workers:
+            raise ValueError("a tensor-parallel target with a draft that reads its features (an "
+                             "EAGLE head) is not implemented: its embedding is split across the "
+                             "ranks; run the target on one device")
     # a draft that reads the target's hidden states (an EAGLE head) has every forward give them
     model.want_features(kind.feature_layers if kind is not None else None)
     # the CPU's product forms for the verifier's rows (b <= max_batch sequences x K + 1 tokens, or
@@ -339,7 +340,8 @@ def build_engine(cfg: EngineConfig, loaded: Loaded, kv_tokens: int, draft_kv: in
     dcfg = DraftConfig(cfg.draft, where.draft_device, where.draft_dtype, cfg.spec,
                        cfg.mode == "ssd", cfg.temperature, cfg.seed + 1, draft_kv, cfg.block_size,
                        cfg.graphs, model.config.vocab_size,  # a draft padded to another size
-                       cfg.compile, cfg.draft_quant, cfg.prefix_caching)  # reads ours
+                       cfg.compile, cfg.draft_quant, cfg.prefix_caching,  # reads ours
+                       kind.target_parts(model) if kind is not None else None)
     out = Output([] if cfg.ignore_eos else eos_ids(model.config, tok), cfg.K)
     rounds = make_rounds(cfg, verifier, dcfg, out, where, started, max_batch, per_row=forget)
     sched = Scheduler(rounds, kv_budget(kv_tokens, dcfg, cfg), max_batch, forget=forget)
@@ -382,7 +384,7 @@ def make_rounds(cfg: EngineConfig, verifier, dcfg: DraftConfig, out: Output, whe
     if cfg.mode == "ar":
         return SDRounds(verifier, NoDraft(), out)
     if cfg.mode == "sd":
-        return SDRounds(verifier, load_draft(dcfg, target=verifier.model), out)
+        return SDRounds(verifier, load_draft(dcfg), out)
     spin = (spin_seconds(where.cores, len(where.target_devices or [where.target_device]),
                          where.target_threads, where.draft_threads, where.target_device,
                          where.draft_device) if cfg.two_processes else 0.0)
@@ -390,9 +392,10 @@ def make_rounds(cfg: EngineConfig, verifier, dcfg: DraftConfig, out: Output, whe
         started.respawn = functools.partial(
             SpeculatorProcess, dcfg, max_batch, verifier.model.config.vocab_size,
             where.draft_threads, pin=any_cuda(where.target_device, where.draft_device), spin=spin,
-            per_row=per_row)
+            per_row=per_row, feature_size=len(verifier.model.feature_layers or [])
+            * verifier.model.config.hidden_size)
     started.speculator = (started.respawn() if cfg.two_processes
-                          else load_draft(dcfg, target=verifier.model))
+                          else load_draft(dcfg))
     return SSDRounds(verifier, started.speculator, out)
 
 

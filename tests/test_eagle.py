@@ -299,12 +299,31 @@ def test_generate_sd_and_ssd_with_a_head_emit_ar_tokens(tmp_path, compile):
     assert ssd.stats["misses"] > 0
 
 
-def test_a_head_refuses_what_it_does_not_run_in_one_line(tmp_path):
+def test_two_process_ssd_with_a_head_emits_ar_tokens(tmp_path):
+    """SSD in two processes with a head: the outcome's features cross the channel (a prompt's, too
+    long for its buffer, as a control message) and the speculator's process reads tokens through
+    the target's embedding module, received in shared memory. Greedy tokens are AR's, and the
+    outcomes were looked up among branches pre-speculated over there (a random head hits rarely:
+    the forced-outcome test above covers hits)."""
     from run import generate
     target = load_model("tiny", tokenizer=False)[0]
     head = saved_head(target, tmp_path / "head")
-    with pytest.raises(ValueError, match="runs in one process for now: add --no-parallel"):
-        generate([[1, 2, 3]], target=target, draft=str(head), mode="ssd", max_new_tokens=4)
+    prompts = [[1, 400, 52, 9, 77], [1, 12, 13, 14, 15, 16, 17, 18]]
+    kw = dict(target=target, max_new_tokens=24, temperature=0.0, ignore_eos=True,
+              target_threads=1, draft_threads=1)
+    ar = generate(prompts, draft="tiny-draft", mode="ar", **kw)
+    ssd = generate(prompts, draft=str(head), mode="ssd", k=3, **kw)
+    assert ssd.tokens == ar.tokens
+    assert sum(ssd.stats["lookups_per_depth"]) > 0 and ssd.stats["misses"] >= len(prompts)
+
+
+def test_a_head_refuses_what_it_does_not_run_in_one_line(tmp_path):
+    from run import generate
+    target_path = load_model("tiny", tokenizer=False)[0]
+    head = saved_head(target_path, tmp_path / "head")
+    with pytest.raises(ValueError, match="tensor-parallel target with a draft that reads"):
+        generate([[1, 2, 3]], target="tiny", draft=str(head), mode="sd", max_new_tokens=4,
+                 target_devices=["cpu", "cpu"])
     other = load_model(make_other(tmp_path), tokenizer=False)[0]
     with pytest.raises(ValueError, match="train a head for it"):
         generate([[1, 2, 3]], target=other, draft=str(head), mode="sd", max_new_tokens=4)
