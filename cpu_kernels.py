@@ -18,7 +18,15 @@ from torch.utils import cpp_extension
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 KERNEL_CPUS = ("AVX2", "AVX512")  # torch's name for the vector instructions the kernels use
-CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ssd"
+
+
+def cache_dir() -> Path:
+    """Where this user's ssd files live, the one rule for all of them (this library,
+    cpu_linear's record of its forms): $XDG_CACHE_HOME/ssd, or ~/.cache/ssd where it is unset."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ssd"
+
+
+CACHE_DIR = cache_dir()  # the library's, fixed at import (tests point it elsewhere)
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-std=c++20", "-shared", "-fPIC"]
 
 

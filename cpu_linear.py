@@ -27,6 +27,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import cpu_kernels
+
 ROWS = range(2, 17)  # the row counts with a choice; 1 row and long prefills run plain
 FORMS = ("plain", "transposed", "packed")
 
@@ -181,9 +183,10 @@ def fastest(times: dict) -> str:
 # Once per machine: the choices on disk, and where a model takes them
 
 def forms_file() -> Path:
-    """This user's record of the chosen forms: $SSD_CACHE_DIR (tests point it at a temporary
-    directory) or ~/.cache/ssd, file cpu_linear_forms.json."""
-    root = os.environ.get("SSD_CACHE_DIR") or Path.home() / ".cache" / "ssd"
+    """This user's record of the chosen forms, cpu_linear_forms.json in cpu_kernels.cache_dir();
+    $SSD_CACHE_DIR, where set, replaces that directory (the tests' own, so that they never read a
+    user's choices; the kernels' library, a pure build product, stays shared)."""
+    root = os.environ.get("SSD_CACHE_DIR") or cpu_kernels.cache_dir()
     return Path(root) / "cpu_linear_forms.json"
 
 

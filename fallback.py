@@ -150,9 +150,10 @@ def critical_batch_size(p_hit=None, E_hit=None, T_p=None, E_f=None, T_f=None, T_
 
 
 def default_critical_batch_size(K: int, temperature: float = 0.0):
-    """b* from the documented defaults above: the paper's choice before anything is measured.
-    The speculator does not start from it (docs/design.md section 5): until measured, it uses
-    the neural backup."""
+    """b* from the documented defaults above: the paper's choice before anything is measured
+    (None at temperature 1 from K = 7 on: the fast backup never wins; docs/design.md section 5
+    gives its values). The speculator does not start from it: until measured, it uses the neural
+    backup."""
     p_hit = DEFAULT_P_HIT[0 if temperature == 0 else 1]
     return critical_batch_size(p_hit, expected_tokens(DEFAULT_A, K), DEFAULT_T_P, DEFAULT_E_F,
                                DEFAULT_T_F)

@@ -16,9 +16,10 @@ these layouts exactly, without a float copy (gguf_format.gguf_integers, QuantRow
         min with q in 0..15, per block of 32 inputs. Byte j of a block holds element j in its low
         nibble and element j + 16 in its high one (GGUF's Q4_0 / Q4_1 block; Q4_0's w = d (q - 8)
         is scale d, min -8 d).
-Scales are float32, not the file's float16: converting them inside the product cost more time
-than their bytes save (the LM head's 1-row product, one thread: 5.3 ms with float16 scales,
-3.5 ms with float32).
+Our layouts hold scales in float32, not the file's float16: converting them inside the product
+cost more time than their bytes save (the LM head's 1-row product, one thread: 5.3 ms with float16
+scales, 3.5 ms with float32). cpu_kernels.cpp's int4 layout (int4_to_cpu_kernel, below) holds them
+in float16, which its kernel converts 8 at a time in registers (F16C).
 
 The product x W^T for a few rows of x (a decode step, a verification) is a multiply-and-sum over
 the stored weight: `int8_product` / `int4_product` write it as one reduction per row of x over the
@@ -42,8 +43,12 @@ memory on one thread, the int4 op takes 4.1 ms a step against 8.2 for torch's ow
 multiplies bfloat16 activations by w = (q - 8) * s + z with s and z in bfloat16 and rounds its
 output to bfloat16, so it moves the model further from the file's (docs/models.md measures both).
 All these kernels compute each row of the output on its own, bit for bit the same whatever the
-number of rows, so every product goes through them: a decode step, a verification and a prefill
-piece agree on each row.
+number of rows, and a layer that pack_layers put on one runs every product through it: a decode
+step, a verification and a prefill piece agree on each row. A layer left in our layout (every one
+on a CPU without AVX2 and on CUDA, the int8 ones where cpu_kernels.cpp does not build, any that fits
+no kernel) runs `product`: the compiled product up to ROW_BUCKETS[-1] rows, `dequantised_product`
+for more (a prefill; for any number with compiled=False), whose rows need not match the compiled
+product's bit for bit.
 
 The quantized model is an approximation of the float one (tests/test_quantize.py and
 docs/models.md measure how close); speculative decoding stays exact with respect to the model as

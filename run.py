@@ -65,8 +65,9 @@ def generate(prompts, target="tiny", draft="tiny-draft", mode="sd", max_new_toke
 
     mode: "ar" (target only), "sd" (speculative decoding, up to k draft tokens per round), "ssd"
     (speculative speculative decoding with Saguaro) or "auto" (the fastest of the three, measured
-    on these prompts first: generate_auto); parallel=False: ssd's speculator in this process (same
-    tokens for a seed). How the draft proposes is draft.DraftSettings, given whole as
+    on these prompts first: generate_auto); default "sd", while the command line's --mode
+    defaults to "ssd". parallel=False: ssd's speculator in this process (same tokens for a seed).
+    How the draft proposes is draft.DraftSettings, given whole as
     draft_settings or by its fields (None: its default): k (K), confidence (stop a row's proposal
     after a token the draft is less sure of), and ssd's fan_out, budget B, fixed_budget (B kept,
     not adapted to the time), saguaro_c C, fallback policy, pre_spec ("always" every round, "auto"

@@ -37,7 +37,8 @@ def next_budget(B: int, ceiling: int, T_p: float, stopped: bool) -> int:
     T_p: the last pre-speculation's time in verifications; stopped: the outcome arrived before it
     was done. Too slow: B shrinks by a quarter (at least 1); under 3/4 of a verification: it grows
     by one, up to `ceiling` (the user's budget). Additive increase, multiplicative decrease: it
-    settles just under the verification time and recovers quickly from a slow round."""
+    settles just under the verification time and recovers quickly from a slow round. Never below
+    1: a round without pre-speculation is PreSpecGate's choice, not a budget of 0."""
     if stopped or T_p > 1:
         return max(1, B - max(1, B // 4))
     if T_p < 0.75:
@@ -48,8 +49,9 @@ def next_budget(B: int, ceiling: int, T_p: float, stopped: bool) -> int:
 class PreSpecGate:
     """Pre-speculate this round at all? Where the draft's work slows the verifier (two CPU cores
     that share caches and memory bandwidth), pre-speculation that rarely hits costs more than it
-    saves. "Off" is B = 0, SD's schedule across the two processes: the speculator idles while the
-    verifier works, every row misses and the neural draft proposes after the outcome arrives.
+    saves. "Off" skips the round's pre-speculation (the budget B itself never drops below 1:
+    next_budget), SD's schedule across the two processes: the speculator idles while the verifier
+    works, every row misses and the neural draft proposes after the outcome arrives.
 
     The gate compares tokens per second of the two, as measured in this run. A choice made for
     round k (during its verification) decides how long that verification takes and whether the
@@ -141,7 +143,7 @@ class SpecPolicy:
         # limit (next_budget); fixed with --fixed-budget, and for an explicit fan-out (its sum)
         self.B = spec.budget
         self.adaptive = not spec.fixed_budget and isinstance(spec.fan_out, str)
-        # B = 0 too: skip pre-speculation in rounds where measuring says it does not pay
+        # or none at all: skip pre-speculation in rounds where measuring says it does not pay
         self.gate = PreSpecGate() if spec.pre_spec == "auto" else None
         self.round_seconds = []   # the verifier's rounds that had a pre-speculation beside them
         self.pre_seconds = []     # pre-speculations

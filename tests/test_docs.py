@@ -173,3 +173,144 @@ def test_one_reading_order():
     files = {f.name for f in REPO.glob("*.py")}
     assert set(order) == files, (f"not in the reading order: {sorted(files - set(order))}; "
                                  f"listed but missing: {sorted(set(order) - files)}")
+
+
+# ----------------------------------------------------------------------------------------------------
+# No doc that disagrees with the code (issue 71): each statement below is read from its doc and held
+# against what the code holds or computes, so a change to either side fails here.
+
+README = REPO / "README.md"
+
+
+def flat(text: str) -> str:
+    """The text with each run of whitespace as one space: a statement may wrap."""
+    return " ".join(text.split())
+
+
+def dtype_name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def test_quantize_doc_states_the_scales_dtypes():
+    """Our layouts keep scales in float32, cpu_kernels.cpp's int4 layout in float16."""
+    import torch
+    import quantize
+    ours = {dtype_name(quantize.QuantLinear(64, 16, bits=b).scales.dtype) for b in (4, 8)}
+    assert len(ours) == 1, ours
+    ours = ours.pop()
+    q, scales, mins = quantize.quantize_int4(torch.randn(16, 64))
+    assert dtype_name(scales.dtype) == ours
+    kernel = dtype_name(quantize.int4_to_cpu_kernel(q, scales, mins)[1].dtype)
+    doc = flat(quantize.__doc__)
+    assert f"scales {ours} [out, in / G]" in doc and f"scales and mins {ours} [out, in / 32]" in doc
+    assert f"Our layouts hold scales in {ours}" in doc
+    assert f"cpu_kernels.cpp's int4 layout (int4_to_cpu_kernel, below) holds them in {kernel}" in doc
+    assert f"sm {kernel}" in flat(quantize.int4_to_cpu_kernel.__doc__)
+
+
+def test_quantize_doc_says_which_product_a_prefill_runs(monkeypatch):
+    """A layer on no kernel: more than ROW_BUCKETS[-1] rows (a prefill) go through
+    dequantised_product, as do any rows with compiled=False."""
+    import torch
+    import quantize
+    assert ("`product`: the compiled product up to ROW_BUCKETS[-1] rows, `dequantised_product` for "
+            "more (a prefill; for any number with compiled=False)") in flat(quantize.__doc__)
+    rows, real = [], quantize.dequantised_product
+    monkeypatch.setattr(quantize, "dequantised_product", lambda x, *a: rows.append(len(x)) or real(x, *a))
+    layer = quantize.QuantLinear(64, 16, bits=8, group=32)  # compiled, on no kernel (no pack_layers)
+    layer.rows(0, 16).copy_(torch.randn(16, 64))
+    M = quantize.ROW_BUCKETS[-1] + 1
+    with torch.no_grad():
+        layer(torch.randn(M, 64))
+        layer.compiled = False
+        layer(torch.randn(1, 64))
+    assert rows == [M, 1]
+
+
+def test_the_budget_floor_is_as_documented():
+    """The adaptive budget B never goes below next_budget's floor; a round without pre-speculation
+    is the gate's choice. design.md and spec_policy's docstrings state that floor."""
+    import spec_policy
+    floor = min(spec_policy.next_budget(B, ceiling, T_p, stopped)
+                for ceiling in (1, 2, 8, 40) for B in range(1, ceiling + 1)
+                for T_p in (0.1, 0.8, 1.5, 10) for stopped in (False, True))
+    m = re.search(r"never drops below (\d+) in `next_budget`", flat(DESIGN.read_text(encoding="utf-8")))
+    assert m, "docs/design.md no longer states the budget's floor (section 3)"
+    assert int(m.group(1)) == floor
+    assert f"the budget B itself never drops below {floor}" in flat(spec_policy.PreSpecGate.__doc__)
+    assert f"Never below {floor}:" in flat(spec_policy.next_budget.__doc__)
+
+
+def test_the_default_b_star_is_as_documented():
+    """design.md section 5's values of b* under the paper's defaults, from
+    fallback.default_critical_batch_size."""
+    from fallback import DEFAULT_K, choose_fallback, default_critical_batch_size as b_star
+    doc = flat(DESIGN.read_text(encoding="utf-8"))
+    at_0 = {b_star(K, 0) for K in range(3, 9)}
+    assert len(at_0) == 1, at_0
+    assert f"at {at_0.pop()} at temperature 0 for K = 3 to 8" in doc
+    assert f"at temperature 1 it grows with K: {b_star(4, 1)} at K = 4, {b_star(6, 1)} at K = 6," in doc
+    assert b_star(4, 1) < b_star(6, 1)
+    assert "and none for K >= 7, the paper's K = 7 included" in doc and DEFAULT_K == 7
+    assert all(b_star(K, 1) is None for K in range(7, 65))
+    assert "At K = 4 that sent every early miss at batch 8 to the n-gram backup" in doc
+    assert all(choose_fallback("auto", 8, b_star(4, T)) == "ngram" for T in (0, 1))
+
+
+def test_n_ranges_over_the_rows_proposal_length():
+    """n, the accepted tokens, is 0..L for a row that proposed L <= K: design.md's notation and
+    verify.accept_reject say so, and a row of L < K proposals that all match accepts L."""
+    import torch
+    import verify
+    assert "n of the row's L <= K proposed tokens accepted (0..L;" in flat(DESIGN.read_text(encoding="utf-8"))
+    assert "n [b] long (accepted, 0..L)" in flat(verify.accept_reject.__doc__)
+    K, V = 4, 8
+    logits = torch.zeros(2, K + 1, V)
+    logits[..., 3] = 5.0  # the target's argmax is token 3 everywhere, and every proposal is 3
+    n, _ = verify.accept_reject(logits, torch.full((2, K), 3), None, torch.ones(2, dtype=torch.bool),
+                                0.0, None, lengths=[2, K])
+    assert n.tolist() == [2, K]
+
+
+def test_one_cache_directory_rule(monkeypatch, tmp_path):
+    """cpu_kernels.cache_dir is the rule for both files there (the kernels' library and
+    cpu_linear's forms; $SSD_CACHE_DIR replaces the forms' directory, for the tests), as the
+    README states."""
+    import cpu_kernels
+    import cpu_linear
+    assert cpu_kernels.CACHE_DIR == cpu_kernels.cache_dir()
+    monkeypatch.delenv("SSD_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert cpu_kernels.cache_dir() == tmp_path / "ssd" == cpu_linear.forms_file().parent
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    default = cpu_kernels.cache_dir()
+    assert default == cpu_linear.forms_file().parent
+    monkeypatch.setenv("SSD_CACHE_DIR", str(tmp_path / "tests"))
+    assert cpu_linear.forms_file().parent == tmp_path / "tests"
+    readme = flat(README.read_text(encoding="utf-8"))
+    assert (f"cached in `$XDG_CACHE_HOME/ssd/`, by default `~/{default.relative_to(Path.home())}/`"
+            in readme)
+    assert "remembered in that directory (`use_forms`, called at load; `$SSD_CACHE_DIR` replaces it" in readme
+
+
+def test_documented_default_modes():
+    """generate() and the command line default to different modes; every doc that names a default
+    names the right one."""
+    import inspect
+    import run
+    gen = inspect.signature(run.generate).parameters["mode"].default
+    cli = run.parser().get_default("mode")
+    readme = README.read_text(encoding="utf-8")
+    assert (f"From Python (`generate()`'s mode defaults to `\"{gen}\"`, the command line's `--mode` "
+            f"to `{cli}`)") in readme
+    assert f"default \"{gen}\", while the command line's --mode defaults to \"{cli}\"" in \
+        flat(run.generate.__doc__)
+    # a bare `python run.py` line's comment names the mode it runs
+    for where, text in (("README.md", readme), ("run.py's docstring", run.__doc__)):
+        comments = re.findall(r"^\s*python run\.py\s+#(.*)$", text, re.M)
+        assert comments, f"{where} shows no bare `python run.py`"
+        for c in comments:
+            assert {w for w in re.findall(r"\b[A-Z]+\b", c) if w.lower() in run.MODES} == {cli.upper()}, \
+                (where, c)
+    models = flat((REPO / "docs" / "models.md").read_text(encoding="utf-8"))
+    assert f"the default mode, {cli.upper()}, runs the pair: `python run.py --target" in models
