@@ -246,6 +246,11 @@ def place(cfg: EngineConfig) -> Placement:
     env = torchrun_rank0(target_devices) if cfg.torchrun else None
     if env:  # this node's ranks, rank 0 first: cuda:0..G-1 (the draft on the next GPU), or CPUs
         target_devices = [torchrun_device(target_device, r) for r in range(env.local_world)]
+    if (env or len(target_devices or []) > 1) and cfg.mode != "ar" \
+            and draft_kind(cfg.draft).feature_layers:
+        raise ValueError("a tensor-parallel target with a draft that reads its features (an "
+                         "EAGLE head) is not implemented: its embedding is split across the "
+                         "ranks; run the target on one device")
     dev_t, dev_d = default_devices(len(target_devices) if target_devices else 1)
     if target_devices:
         target_devices = [str(check_device(d)) for d in target_devices]
@@ -320,10 +325,6 @@ def build_engine(cfg: EngineConfig, loaded: Loaded, kv_tokens: int, draft_kv: in
     if kind is not None:
         with LOADING:  # the draft's tokenizer
             kind.check(cfg.target, model.config, tok)
-        if kind.feature_layers and started.workers:
-            raise ValueError("a tensor-parallel target with a draft that reads its features (an "
-                             "EAGLE head) is not implemented: its embedding is split across the "
-                             "ranks; run the target on one device")
     # a draft that reads the target's hidden states (an EAGLE head) has every forward give them
     model.want_features(kind.feature_layers if kind is not None else None)
     # the CPU's product forms for the verifier's rows (b <= max_batch sequences x K + 1 tokens, or
