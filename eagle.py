@@ -268,6 +268,33 @@ def load(path, device="cpu", dtype=torch.float32) -> EagleHead:
     return head.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
+def quantize(head: EagleHead, quant: str) -> EagleHead:
+    """The head's linear layers in quant ("int8" or "int4"; "none" or "auto": as saved, float),
+    as checkpoint.load_model quantizes a draft (quantize.py's layouts and kernels): in int4 the
+    decoder layer's products, fc and lm_head in int8, as llama.cpp keeps a Q4 file's head. A
+    draft step reads every weight once, so its bytes are its time: float32, SmolLM2-135M's head
+    reads 39 MB a step (lm_head's 8,192 rows 19 MB of them), about half a step of the int4 target's
+    94 MB."""
+    from quantize import QuantLinear, QuantRows, pack_layers
+    if quant in ("none", "auto"):
+        return head
+    bits = {"int8": 8, "int4": 4}[quant]
+    for name, module in list(head.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if type(child) is not nn.Linear:
+                continue
+            b = bits if module is not head else 8  # fc and lm_head: int8
+            layer = QuantLinear(child.in_features, child.out_features, b, None, child.bias is not None,
+                                child.weight.device, child.weight.dtype, mins=b == 4)
+            QuantRows(layer, 0, child.out_features).copy_(child.weight)
+            if child.bias is not None:
+                layer.bias.copy_(child.bias)
+            setattr(module, child_name, layer)
+    head.lm_head.out_dtype = torch.float32
+    pack_layers(head, head.device, blocks=head.midlayer)
+    return head
+
+
 # --------------------------------------------------------------------------------------------------
 # Drafting with the head: to draft.py's loops it is a draft model that feeds tokens at their
 # positions and gives the law of the next one; what each entry reads besides its token (g of the
@@ -508,7 +535,9 @@ class EagleDraft:
         return {"embed": target.model.embed_tokens}
 
     def build(self, c, *, arrived=None) -> Drafter:
-        head = load(resolve(self.name), device=c.device, dtype=c.dtype)
+        from quantize import warm_up
+        head = quantize(load(resolve(self.name), device=c.device, dtype=c.dtype), c.quant)
+        warm_up(head, range(1, c.spec.K + 2))  # quantized products: a step to a catch-up
         embed = c.target_parts["embed"]
         if next(embed.buffers(), next(embed.parameters(), None)).device != head.device:
             embed = copy.deepcopy(embed).to(head.device)  # a copy on the draft's device

@@ -551,7 +551,7 @@ def quantize_layers(model: nn.Module, layout_of, device, dtype, compiled: bool =
                                                   *layout, device=device, dtype=dtype)
 
 
-def pack_layers(model: nn.Module, device, cuda: bool = False) -> int:
+def pack_layers(model: nn.Module, device, cuda: bool = False, blocks: nn.Module | None = None) -> int:
     """Move the model's quantized layers into the kernels that run them fastest here. On a CPU
     with AVX2 or AVX-512 where cpu_kernels.cpp builds (cpu_kernels.available): the int4 layers of
     the model's blocks into its int4 kernel's layout (QuantLinear.pack), and every int8 layer of
@@ -560,6 +560,7 @@ def pack_layers(model: nn.Module, device, cuda: bool = False) -> int:
     torch's int4 kernel (elsewhere the compiled product is faster than these kernels' scalar
     loops). On CUDA the compiled product stays the default until tinygemm is measured against
     it: scripts/gpu_check.py times both (`quant_step:*:int4`), calling this with cuda=True.
+    blocks: where its int4 layers are (default: the model's decoder layers).
     With cpu_kernels.cpp's kernels, every quantized tensor then moves into memory of 2 MB pages
     (into_huge_pages, below). Returns how many layers it moved into a kernel."""
     device = torch.device(device)
@@ -569,7 +570,7 @@ def pack_layers(model: nn.Module, device, cuda: bool = False) -> int:
         kernel = "torch"
     else:
         return 0
-    int4 = [m for m in model.model.layers.modules() if isinstance(m, QuantLinear)
+    int4 = [m for m in (blocks or model.model.layers).modules() if isinstance(m, QuantLinear)
             and m.bits == 4 and int4_kernel_fits(m.out_features, m.in_features, device)]
     for m in int4:
         m.pack(kernel)

@@ -302,7 +302,8 @@ def test_generate_sd_and_ssd_with_a_head_emit_ar_tokens(tmp_path, compile):
 def test_two_process_ssd_with_a_head_emits_ar_tokens(tmp_path):
     """SSD in two processes with a head: the outcome's features cross the channel (a prompt's, too
     long for its buffer, as a control message) and the speculator's process reads tokens through
-    the target's embedding module, received in shared memory. Greedy tokens are AR's, and the
+    the target's embedding module, received in shared memory; the head runs in int4 there
+    (eagle.quantize). Greedy tokens are AR's, and the
     outcomes were looked up among branches pre-speculated over there (a random head hits rarely:
     the forced-outcome test above covers hits)."""
     from run import generate
@@ -312,9 +313,36 @@ def test_two_process_ssd_with_a_head_emits_ar_tokens(tmp_path):
     kw = dict(target=target, max_new_tokens=24, temperature=0.0, ignore_eos=True,
               target_threads=1, draft_threads=1)
     ar = generate(prompts, draft="tiny-draft", mode="ar", **kw)
-    ssd = generate(prompts, draft=str(head), mode="ssd", k=3, **kw)
+    ssd = generate(prompts, draft=str(head), mode="ssd", k=3, draft_quant="int4", **kw)
     assert ssd.tokens == ar.tokens
     assert sum(ssd.stats["lookups_per_depth"]) > 0 and ssd.stats["misses"] >= len(prompts)
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_a_quantized_head_drafts_what_its_dequantised_weights_do(target, quant):
+    """eagle.quantize: the head's linear layers in quant.py's layouts (int4: the decoder layer;
+    fc and lm_head int8). Its draft steps are those of the float head whose weights are the
+    quantized ones read back (to the kernels' rounding), and differ from the unquantized head's."""
+    import copy
+    from quantize import QuantLinear
+    head = random_head(target, vocab=100)
+    q = eagle.quantize(copy.deepcopy(head), quant)
+    layers = {n: m for n, m in q.named_modules() if isinstance(m, QuantLinear)}
+    assert set(layers) == {"fc", "midlayer.self_attn.qkv_proj", "midlayer.self_attn.o_proj",
+                           "midlayer.mlp.gate_up_proj", "midlayer.mlp.down_proj", "lm_head"}
+    assert layers["lm_head"].bits == layers["fc"].bits == 8
+    assert layers["midlayer.mlp.down_proj"].bits == {"int8": 8, "int4": 4}[quant]
+    back = copy.deepcopy(head)  # float, with the quantized weights read back
+    with torch.no_grad():
+        for name, m in layers.items():
+            back.get_submodule(name).weight.copy_(m.dequantize())
+    seq = torch.randint(3, 100, (1, 12), generator=torch.Generator().manual_seed(0)).tolist()[0]
+    out = {k: drafted_by_steps(h, target, seq, 8, 3) for k, h in
+           (("q", q), ("back", back), ("float", head))}
+    own = {k: h.lm_head(h.norm(out[k])).float() for k, h in (("q", q), ("back", back),
+                                                              ("float", head))}  # its rows
+    to_back, to_float = ((own["q"] - own[k]).abs().max() for k in ("back", "float"))
+    assert to_back < 1e-3 and to_float > 10 * to_back, (to_back, to_float)
 
 
 def test_a_head_refuses_what_it_does_not_run_in_one_line(tmp_path):
