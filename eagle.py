@@ -284,8 +284,9 @@ def quantize(head: EagleHead, quant: str) -> EagleHead:
             if type(child) is not nn.Linear:
                 continue
             b = bits if module is not head else 8  # fc and lm_head: int8
-            layer = QuantLinear(child.in_features, child.out_features, b, None, child.bias is not None,
-                                child.weight.device, child.weight.dtype, mins=b == 4)
+            layer = QuantLinear(child.in_features, child.out_features, b, None,
+                                child.bias is not None, child.weight.device, child.weight.dtype,
+                                mins=b == 4)
             QuantRows(layer, 0, child.out_features).copy_(child.weight)
             if child.bias is not None:
                 layer.bias.copy_(child.bias)

@@ -551,7 +551,8 @@ def quantize_layers(model: nn.Module, layout_of, device, dtype, compiled: bool =
                                                   *layout, device=device, dtype=dtype)
 
 
-def pack_layers(model: nn.Module, device, cuda: bool = False, blocks: nn.Module | None = None) -> int:
+def pack_layers(model: nn.Module, device, cuda: bool = False,
+                blocks: nn.Module | None = None) -> int:
     """Move the model's quantized layers into the kernels that run them fastest here. On a CPU
     with AVX2 or AVX-512 where cpu_kernels.cpp builds (cpu_kernels.available): the int4 layers of
     the model's blocks into its int4 kernel's layout (QuantLinear.pack), and every int8 layer of
