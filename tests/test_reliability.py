@@ -94,7 +94,7 @@ def test_script_without_main_guard(tmp_path, ckpt, mode, extra):
 
 def test_readme_python_example_runs_as_a_file(tmp_path):
     readme = (REPO / "README.md").read_text()
-    code = re.search(r"From Python:\s*```python\n(.*?)```", readme, re.S).group(1)
+    code = re.search(r"From Python[^\n]*:\s*```python\n(.*?)```", readme, re.S).group(1)
     assert "__main__" not in code  # shown as a user would write it
     before = shm()
     proc, marker = run_script(tmp_path, code)
