@@ -47,8 +47,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from bench_report import (add_counters, add_speedups, add_theory, counters, hardware, plot,
-                          print_grid, print_tables, summarize)
+from bench_report import (add_agreement, add_counters, add_speedups, add_theory, counters,
+                          hardware, plot, print_grid, print_tables, summarize)
 from bench_peers import HF, llama_cpp_problem, llama_cpp_run
 from checkpoint import load_config, load_model, load_tokenizer
 from devices import DTYPES
@@ -189,8 +189,9 @@ def run_engine(cfg: Config, batches, a, first=0, target=None):
                      graphs=False if a.no_graphs else None,
                      compile=False if a.no_compile else (True if a.compile else None),
                      quant=cfg.quant,
-                     draft_quant=a.draft_quant).stats
-        c = counters(cfg, s)
+                     draft_quant=a.draft_quant)
+        c = counters(cfg, s.stats)
+        c["tokens"] = s.tokens  # greedy runs: checked against AR's (bench_report.add_agreement)
         tot = c if tot is None else add_counters(tot, c)
     return tot
 
@@ -250,6 +251,7 @@ def measure(configs, batches, a, hf, target=None):
             runs[i].append(x)
     bar.close()
     rows = [summarize(cfg, r) for cfg, r in zip(configs, runs)]
+    add_agreement(rows)
     add_speedups(rows)
     add_theory(rows)
     return rows

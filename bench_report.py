@@ -58,6 +58,8 @@ def add_counters(x: dict, y: dict) -> dict:
         w = y[k]
         if k == "b_star":
             out[k] = w
+        elif k == "tokens":  # each row's tokens: the batches' rows one after the other
+            out[k] = v + w
         elif isinstance(v, dict):
             out[k] = {n: v.get(n, 0) + w.get(n, 0) for n in v.keys() | w.keys()}
         elif isinstance(v, list):
@@ -80,6 +82,7 @@ def summarize(cfg, runs):
     spec = settings.pop("spec")  # its fields as the row's own: k (0 without a draft), fan_out, ...
     K = spec.pop("K") if cfg.engine in ("sd", "ssd", "hf-assisted") else 0
     row = {**settings, "k": K, **spec, "runs_tok_s": speeds, "decode_tok_s": tok_s,
+           "tokens": m.get("tokens"),  # this engine's (add_agreement reads, then drops them)
            "decode_tok_s_per_seq": tok_s / cfg.batch, "decode_seconds": m["decode_s"],
            "prefill_seconds": m["prefill_s"], "new_tokens": m["new"]}
     if "rounds" in m:  # this engine's counters
@@ -119,6 +122,22 @@ def find(rows, engine, like, threads=None, k=None):
                 and (not like.get("quant") or r.get("quant") == like["quant"])):
             return r
     return None
+
+
+def add_agreement(rows):
+    """Greedy SD and SSD emit exactly AR's tokens (the same target, its threads and weights): each
+    such row gets same_tokens_as_ar, the share of prompts whose tokens are AR's. Below 1 the row
+    did not measure the same output: a compiled step can flip a near-tie (model.compiled_body),
+    a systematic difference is a bug (one made compiled SD verify wrongly after compiled AR, and
+    nothing here had looked). The tokens themselves leave the rows (not in the JSON)."""
+    for r in rows:
+        ar = find(rows, "ar", r, r["threads"])
+        if (r["temperature"] == 0 and r["engine"] in ("sd", "ssd") and ar
+                and r.get("tokens") and ar.get("tokens")):
+            same = [x == y for x, y in zip(r["tokens"], ar["tokens"])]
+            r["same_tokens_as_ar"] = sum(same) / len(same)
+    for r in rows:
+        r.pop("tokens", None)
 
 
 def add_speedups(rows):
@@ -292,6 +311,10 @@ def print_tables(rows, a, n_prompts):
                   f"{fmt(r.get('tokens_per_round')):>7} {fmt(r.get('acceptance_rate')):>6} "
                   f"{fmt(r.get('cache_hit_rate')):>5} {fmt(r.get('verifier_wait_pct'), '.0f'):>5} "
                   f"{fmt(r.get('draft_busy_pct'), '.0f'):>5}")
+        for r in g:
+            if r.get("same_tokens_as_ar", 1.0) < 1.0:
+                print(f"{r['label']}: greedy tokens differ from AR's on "
+                      f"{1 - r['same_tokens_as_ar']:.0%} of the prompts (not the same output)")
         th = [r for r in g if "theory" in r]
         if th:
             print(f"theory (Theorem 7{', Corollary 16' if b > 1 else ''}; times in AR steps; "

@@ -97,6 +97,7 @@ def test_runs_are_interleaved_per_batch_and_summed(monkeypatch):
     monkeypatch.setattr(bench, "summarize", lambda cfg, runs: {"label": cfg.label, "runs": runs})
     monkeypatch.setattr(bench, "add_speedups", lambda rows: None)
     monkeypatch.setattr(bench, "add_theory", lambda rows: None)
+    monkeypatch.setattr(bench, "add_agreement", lambda rows: None)
     configs = [bench.Config(e, 0.0, b, label=f"{e}{b}") for e in ("sd", "ssd") for b in (1, 2)]
     batches = {1: [[[1]], [[2]], [[3]]], 2: [[[1], [2]], [[3], [1]]]}  # 3 batches of 1, 2 of 2
     a = SimpleNamespace(warmup=1, repeats=2, seed=0)
@@ -173,6 +174,25 @@ def test_smoke_json_line(tmp_path, capsys):
     # one repeat: the one pass's ratio is the ratio of the medians
     assert rows["ssd"]["speedup_vs_sd_runs"] == [pytest.approx(rows["ssd"]["speedup_vs_sd"])]
     assert rows["ar"]["speedup_vs_sd_runs"] is None
+    # greedy: SD's and SSD's tokens were compared with AR's, and were AR's
+    assert rows["sd"]["same_tokens_as_ar"] == 1.0 == rows["ssd"]["same_tokens_as_ar"]
+    assert all("tokens" not in r for r in rows.values())  # compared, not written out
+
+
+def test_agreement_with_ar_flags_a_greedy_row_that_emitted_other_tokens():
+    """add_agreement: greedy SD / SSD rows get the share of prompts whose tokens are AR's (same
+    threads and weights); one that differs is below 1 (the negative control); sampled rows and
+    rows with no AR to compare with get none."""
+    from bench_report import add_agreement
+    base = dict(temperature=0.0, batch=1, threads=1, k=0, confidence=0.0, quant="auto")
+    rows = [dict(base, engine="ar", tokens=[[1, 2], [3, 4]]),
+            dict(base, engine="sd", k=2, tokens=[[1, 2], [3, 4]]),
+            dict(base, engine="ssd", k=2, tokens=[[1, 2], [3, 5]]),
+            dict(base, engine="sd", k=2, temperature=1.0, tokens=[[9, 9], [9, 9]]),
+            dict(base, engine="sd", k=2, threads=2, tokens=[[1, 2], [3, 4]])]
+    add_agreement(rows)
+    assert [r.get("same_tokens_as_ar") for r in rows] == [None, 1.0, 0.5, None, None]
+    assert all("tokens" not in r for r in rows)
 
 
 def test_a_sweep_loads_the_target_once(tmp_path, monkeypatch, capsys):
