@@ -14,7 +14,6 @@ import warnings
 from pathlib import Path
 
 import torch
-from torch.utils import cpp_extension
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 KERNEL_CPUS = ("AVX2", "AVX512")  # torch's name for the vector instructions the kernels use
@@ -66,6 +65,9 @@ def build_and_load(source: Path, extra: tuple[str, ...] = ()) -> bool:
     """available()'s work: compile `source` with FLAGS and `extra` (cpu_flags()) into CACHE_DIR
     unless it is there, and load it. A compiler that does not know an extra flag (GCC before 11
     and -mavxvnni) builds the AVX2 form instead."""
+    # here, not at import: it imports setuptools, which a script that imported pip first cannot
+    # import again (its distutils check), and `import model` needs none of it
+    from torch.utils import cpp_extension
     cmd = [os.environ.get("CXX", "g++"), *FLAGS, *extra,
            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}",
            *(f"-I{p}" for p in cpp_extension.include_paths()), str(source),

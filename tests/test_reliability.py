@@ -197,3 +197,15 @@ def test_kv_tokens_too_small(ckpt, mode):
     msg = str(e.value)
     assert "\n" not in msg and "kv_tokens=32" in msg and "--kv-tokens" in msg, msg
     assert not mp.active_children()
+
+
+def test_importing_the_engine_imports_no_build_machinery():
+    """`import run` (and the model) leaves torch's C++ build helpers and setuptools alone: they are
+    imported when cpu_kernels.py builds or looks up its library, so a script that imported pip
+    first (setuptools' distutils check then fails) can import the engine."""
+    code = ("import pip, sys, model, run, engine; "
+            "print(sorted(m for m in ('setuptools', 'torch.utils.cpp_extension') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
