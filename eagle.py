@@ -52,6 +52,7 @@ from devices import to_device, to_host
 from draft import Drafter
 from kv_cache import PagedKVCache
 from model import Block, RMSNorm, rope_cos_sin, rope_inv_freq
+from quantize import QuantLinear, QuantRows, pack_layers, warm_up
 from speculator import Speculator
 
 EAGLE_TYPE = "eagle3"  # config.json's "model_type" of a head's directory
@@ -275,7 +276,6 @@ def quantize(head: EagleHead, quant: str) -> EagleHead:
     draft step reads every weight once, so its bytes are its time: float32, SmolLM2-135M's head
     reads 39 MB a step (lm_head's 8,192 rows 19 MB of them), about half a step of the int4 target's
     94 MB."""
-    from quantize import QuantLinear, QuantRows, pack_layers
     if quant in ("none", "auto"):
         return head
     bits = {"int8": 8, "int4": 4}[quant]
@@ -480,10 +480,7 @@ class EagleSpeculator(Speculator):
     A row pre-speculates once the target's features of its prompt have arrived (its first
     outcome, round 0, is always a miss)."""
     correct_hits = True
-
-    def add(self, prompts, *, first=None, temps=None, seeds=None):
-        self.rows += self.new_rows(prompts, first=first, temps=temps, seeds=seeds)
-        return None
+    add = EagleDrafter.add  # no prefill: a row waits for its prompt's features
 
     def pre_speculate(self, rows):
         rows = [r for r in rows if self.cache.length(self.rows[r].seq) > 0
@@ -497,9 +494,9 @@ class EagleSpeculator(Speculator):
         return super().respond(rows, n, t, features=features, round_seconds=round_seconds)
 
     def correct(self, rows, features, hit):
-        hit = set(hit) if not self.correct_hits else set()
+        keep = set() if self.correct_hits else set(hit)  # the rows that keep their own states
         for i, (r, f) in enumerate(zip(rows, features)):
-            if i not in hit:
+            if i not in keep:
                 follow_target(self, self.rows[r], f)
 
 
@@ -536,11 +533,10 @@ class EagleDraft:
         return {"embed": target.model.embed_tokens}
 
     def build(self, c, *, arrived=None) -> Drafter:
-        from quantize import warm_up
         head = quantize(load(resolve(self.name), device=c.device, dtype=c.dtype), c.quant)
         warm_up(head, range(1, c.spec.K + 2))  # quantized products: a step to a catch-up
         embed = c.target_parts["embed"]
-        if next(embed.buffers(), next(embed.parameters(), None)).device != head.device:
+        if next(iter(embed.state_dict().values())).device != head.device:
             embed = copy.deepcopy(embed).to(head.device)  # a copy on the draft's device
         head.attach(embed)
         side = EagleSpeculator if c.ssd else EagleDrafter

@@ -395,8 +395,7 @@ def make_rounds(cfg: EngineConfig, verifier, dcfg: DraftConfig, out: Output, whe
             where.draft_threads, pin=any_cuda(where.target_device, where.draft_device), spin=spin,
             per_row=per_row, feature_size=len(verifier.model.feature_layers or [])
             * verifier.model.config.hidden_size)
-    started.speculator = (started.respawn() if cfg.two_processes
-                          else load_draft(dcfg))
+    started.speculator = started.respawn() if cfg.two_processes else load_draft(dcfg)
     return SSDRounds(verifier, started.speculator, out)
 
 

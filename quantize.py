@@ -571,7 +571,8 @@ def pack_layers(model: nn.Module, device, cuda: bool = False,
         kernel = "torch"
     else:
         return 0
-    int4 = [m for m in (blocks or model.model.layers).modules() if isinstance(m, QuantLinear)
+    blocks = model.model.layers if blocks is None else blocks
+    int4 = [m for m in blocks.modules() if isinstance(m, QuantLinear)
             and m.bits == 4 and int4_kernel_fits(m.out_features, m.in_features, device)]
     for m in int4:
         m.pack(kernel)
