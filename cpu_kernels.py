@@ -25,6 +25,14 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ssd"
 
 
+def records_dir() -> Path:
+    """Where the engine keeps what it learnt or built for this user (cpu_linear's forms, the
+    tokenizers built from GGUF files): cache_dir(), or $SSD_CACHE_DIR where set (the tests' own,
+    so that they never read a user's records; the kernels' library, a pure build product, stays
+    in cache_dir())."""
+    return Path(os.environ.get("SSD_CACHE_DIR") or cache_dir())
+
+
 CACHE_DIR = cache_dir()  # the library's, fixed at import (tests point it elsewhere)
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-std=c++20", "-shared", "-fPIC"]
 

@@ -183,11 +183,9 @@ def fastest(times: dict) -> str:
 # Once per machine: the choices on disk, and where a model takes them
 
 def forms_file() -> Path:
-    """This user's record of the chosen forms, cpu_linear_forms.json in cpu_kernels.cache_dir();
-    $SSD_CACHE_DIR, where set, replaces that directory (the tests' own, so that they never read a
-    user's choices; the kernels' library, a pure build product, stays shared)."""
-    root = os.environ.get("SSD_CACHE_DIR") or cpu_kernels.cache_dir()
-    return Path(root) / "cpu_linear_forms.json"
+    """This user's record of the chosen forms: cpu_linear_forms.json in
+    cpu_kernels.records_dir()."""
+    return cpu_kernels.records_dir() / "cpu_linear_forms.json"
 
 
 def machine() -> str:

@@ -273,9 +273,9 @@ def test_n_ranges_over_the_rows_proposal_length():
 
 
 def test_one_cache_directory_rule(monkeypatch, tmp_path):
-    """cpu_kernels.cache_dir is the rule for both files there (the kernels' library and
-    cpu_linear's forms; $SSD_CACHE_DIR replaces the forms' directory, for the tests), as the
-    README states."""
+    """cpu_kernels.cache_dir is the rule for the files there (the kernels' library; cpu_linear's
+    forms and the tokenizers built from GGUF files in records_dir, which $SSD_CACHE_DIR replaces,
+    for the tests), as the README states."""
     import cpu_kernels
     import cpu_linear
     assert cpu_kernels.CACHE_DIR == cpu_kernels.cache_dir()
@@ -286,7 +286,7 @@ def test_one_cache_directory_rule(monkeypatch, tmp_path):
     default = cpu_kernels.cache_dir()
     assert default == cpu_linear.forms_file().parent
     monkeypatch.setenv("SSD_CACHE_DIR", str(tmp_path / "tests"))
-    assert cpu_linear.forms_file().parent == tmp_path / "tests"
+    assert cpu_linear.forms_file().parent == tmp_path / "tests" == cpu_kernels.records_dir()
     readme = flat(README.read_text(encoding="utf-8"))
     assert (f"cached in `$XDG_CACHE_HOME/ssd/`, by default `~/{default.relative_to(Path.home())}/`"
             in readme)

@@ -2,6 +2,7 @@
 distilled for it (checkpoints/smollm2-135m-draft, scripts/distill_draft.py)."""
 import importlib.util
 import json
+import os
 
 import pytest
 import torch
@@ -37,6 +38,32 @@ def test_shipped_draft_is_small_and_loads_in_the_engine_and_transformers_alike(t
     assert draft_tok.convert_ids_to_tokens(range(49152)) == tok.convert_ids_to_tokens(range(49152))
     x = torch.tensor([run.encode(tok, PROMPT, chat=True)])
     torch.testing.assert_close(engine(x), hf_model(path)(x).logits.float(), atol=1e-4, rtol=1e-4)
+
+
+def test_a_gguf_files_tokenizer_is_built_once_and_read_back_the_same(tok, tmp_path):
+    """The tokenizer built from the file's metadata (the session's, conftest) was kept in the
+    records directory: loading it again reads that folder, and it tokenizes, templates and decodes
+    as the built one does. A file replaced is another entry."""
+    path = resolve(TARGET)
+    saved = checkpoint.gguf_tokenizer(path)
+    assert (saved / "tokenizer_config.json").exists()
+    assert saved.parent.parent == checkpoint.cpu_kernels.records_dir()
+    again = checkpoint.load_tokenizer(TARGET)
+    assert again.name_or_path == str(saved) and tok.name_or_path != str(saved)
+    text = 'def parse_args(argv):\n\t"""Parse."""  ü 日本 🙂  x**2 != 0x1F\n\n'
+    chat = [{"role": "user", "content": text}]
+    assert again.encode(text) == tok.encode(text)
+    assert again.apply_chat_template(chat, add_generation_prompt=True, tokenize=False) == \
+        tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    ids = tok.encode(text)
+    assert again.decode(ids) == tok.decode(ids) and again.eos_token_id == tok.eos_token_id
+    assert again.all_special_ids == tok.all_special_ids and len(again) == len(tok)
+    other = tmp_path / path.name  # a file of the same name, replaced: another entry
+    other.write_bytes(b"GGUF")
+    first = checkpoint.gguf_tokenizer(other)
+    st = other.stat()
+    os.utime(other, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    assert checkpoint.gguf_tokenizer(other) not in (first, saved)
 
 
 def test_a_raw_prompt_is_fed_as_transformers_feeds_it(smol):
