@@ -240,29 +240,29 @@ def load_tokenizer(name_or_path, gguf_file: GGUFFile | None = None):
     runs load it in 0.3 s. gguf_file: the file's header when the caller has parsed it already."""
     path = resolve(name_or_path)
     if path.is_file():
+        saved = gguf_tokenizer(path)
+        if (saved / "tokenizer_config.json").exists():  # built before: the header is not read
+            return auto_tokenizer().from_pretrained(saved)
         if "tokenizer.ggml.model" not in (gguf_file or read_gguf(path)).meta:
             return None
-        folder, gguf_name = path.parent, path.name
-    elif any((path / f).exists()
-             for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
-        folder, gguf_name = path, None
-    else:
-        return None
+        tok = auto_tokenizer().from_pretrained(path.parent, gguf_file=path.name)
+        part = saved.with_name(f"{saved.name}.{os.getpid()}")
+        try:  # into a folder of this process's, then renamed: a reader never sees half of one
+            tok.save_pretrained(part)
+            os.replace(part, saved)
+        except OSError:  # unwritable (built again next time), or another process saved it first
+            shutil.rmtree(part, ignore_errors=True)
+        return tok
+    if any((path / f).exists()
+           for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
+        return auto_tokenizer().from_pretrained(path)
+    return None
+
+
+def auto_tokenizer():
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from transformers import AutoTokenizer
-    if gguf_name is None:
-        return AutoTokenizer.from_pretrained(folder)
-    saved = gguf_tokenizer(path)
-    if (saved / "tokenizer_config.json").exists():
-        return AutoTokenizer.from_pretrained(saved)
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_name)
-    part = saved.with_name(f"{saved.name}.{os.getpid()}")
-    try:  # into a folder of this process's, then renamed: a reader never sees half of one
-        tok.save_pretrained(part)
-        os.replace(part, saved)
-    except OSError:  # unwritable (built again next time), or another process saved it first
-        shutil.rmtree(part, ignore_errors=True)
-    return tok
+    from transformers import AutoTokenizer  # imported when needed: a second or more
+    return AutoTokenizer
 
 
 def gguf_tokenizer(path: Path) -> Path:
