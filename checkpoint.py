@@ -218,6 +218,8 @@ def load_model(name_or_path, device="cpu", dtype=None, tp: TP | None = None,
         load_weights(model, path)
     if plan is not None and compile_quant:
         pack_layers(model, device)  # the CPU kernels, where the CPU vectorises them
+        for layer in model.model.layers:  # then each layer in one C++ call, where it can
+            layer.use_one_call()
     model.init_buffers()
     model.eval().requires_grad_(False)
     # tokenizer=False skips it (and the seconds transformers takes to import) where ids suffice

@@ -1,6 +1,7 @@
 // The CPU's own kernels, as C++ ops that cpu_kernels.py builds at first use and loads:
 //   ssd::int4_mm, ssd::int8_mm   y = x W^T with W stored in 4 or 8 bits (quantize.py calls them)
 //   ssd::paged_attention_cpu     attention of new tokens over the paged KV cache (kv_cache.py)
+//   ssd::int4_layer              a whole int4 decoder layer in one call (model.py's eager step)
 // Each computes every row of its output (a token) on its own, by the same instructions in the
 // same order whatever the rows beside it and the threads that run it, so a row's result is the
 // same bit for bit in a decode step, a verification and a prefill.
@@ -715,6 +716,95 @@ at::Tensor paged_attention_cpu(const at::Tensor& q_, const at::Tensor& k_, const
   return y;
 }
 
+// ---------------------------------------------------------------------------------------------
+// A whole decoder layer in one call: a float32 Llama layer whose four products are int4 in
+// int4_mm's layout, for the eager CPU step (model.Block.forward calls it where Block.one_call
+// holds its weights). From Python a layer is some 40 small torch operations, each a dispatch and
+// an allocation; here it is one, and what is left is the products and attention. model.py's
+// Block.forward, step by step in its order:
+//   h = rms_norm(x) w1;  q | k | v = h Wqkv^T;  q, k = rope(q), rope(k)
+//   y = attention (paged_attention_cpu, which writes k and v into the pool);  x = x + y Wo^T
+//   h = rms_norm(x) w2;  gate | up = h Wgu^T;  x = x + (silu(gate) * up) Wdown^T
+// Each row (token) on its own, so a row's bits do not depend on the rows beside it. They agree
+// with the Python layer's to float rounding (sums in another order).
+
+// out[i] = x[i] / sqrt(mean(x[i]^2) + eps) * w, for the N rows of x [N, H]
+void rms_norm_rows(const float* x, const float* w, int64_t N, int64_t H, float eps, float* out) {
+  for (int64_t i = 0; i < N; i++) {
+    const float* xi = x + i * H;
+    __m256 acc = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= H; j += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(xi + j),
+                                                     _mm256_loadu_ps(xi + j), acc);
+    float ss = sum8(acc);
+    for (; j < H; j++) ss += xi[j] * xi[j];
+    const float r = 1.0f / std::sqrt(ss / H + eps);
+    for (j = 0; j < H; j++) out[i * H + j] = xi[j] * r * w[j];
+  }
+}
+
+// RoPE in place on the first `heads` heads of each row of qkv [N, width] (q's heads, then k's):
+// x * cos + (x2, x1) * sin, where sin carries its first half negated (model.rope_cos_sin)
+void rope_rows(float* qkv, int64_t N, int64_t width, int64_t heads, int64_t hd, const float* cos,
+               const float* sin) {
+  std::vector<float> t(hd);
+  const int64_t half = hd / 2;
+  for (int64_t i = 0; i < N; i++)
+    for (int64_t h = 0; h < heads; h++) {
+      float* x = qkv + i * width + h * hd;
+      const float *c = cos + i * hd, *s = sin + i * hd;
+      for (int64_t j = 0; j < hd; j++) t[j] = x[j] * c[j] + x[j < half ? j + half : j - half] * s[j];
+      std::memcpy(x, t.data(), hd * sizeof(float));
+    }
+}
+
+// w: the input norm's weight, Wqkv (packed, sm), Wo (packed, sm), the post-attention norm's
+// weight, Wgu (packed, sm), Wdown (packed, sm). x [N, H] -> the layer's output [N, H].
+at::Tensor int4_layer(const at::Tensor& x_, const at::Tensor& cos_, const at::Tensor& sin_,
+                      at::TensorList w, double eps, int64_t nh, int64_t nkv, at::Tensor& kv,
+                      const at::Tensor& slots, const at::Tensor& table, const at::Tensor& rows,
+                      const at::Tensor& positions) {
+  TORCH_CHECK(w.size() == 10, "int4_layer: w is 2 norms' weights and 4 products' (packed, sm)");
+  const at::Tensor x = x_.contiguous(), cos = cos_.contiguous(), sin = sin_.contiguous();
+  const int64_t N = x.size(0), H = x.size(1), hd = kv.size(4);
+  TORCH_CHECK(x.scalar_type() == at::kFloat && cos.scalar_type() == at::kFloat &&
+                  cos.size(0) == N && cos.size(1) == hd && sin.sizes() == cos.sizes() &&
+                  w[0].numel() == H && w[5].numel() == H,
+              "int4_layer: x [N, H], cos and sin [N, head_dim] float32, norms of H");
+  const float e = static_cast<float>(eps);
+  auto h = at::empty({N, H}, x.options());
+  rms_norm_rows(x.data_ptr<float>(), w[0].data_ptr<float>(), N, H, e, h.data_ptr<float>());
+  at::Tensor qkv = int4_mm(h, w[1], w[2]);  // [N, (nh + 2 nkv) hd]
+  const int64_t width = qkv.size(1);
+  TORCH_CHECK(width == (nh + 2 * nkv) * hd, "int4_layer: Wqkv's outputs are not q, k and v's");
+  rope_rows(qkv.data_ptr<float>(), N, width, nh + nkv, hd, cos.data_ptr<float>(),
+            sin.data_ptr<float>());
+  const at::Tensor q = qkv.narrow(1, 0, nh * hd).view({N, nh, hd});
+  const at::Tensor k = qkv.narrow(1, nh * hd, nkv * hd).view({N, nkv, hd});
+  const at::Tensor v = qkv.narrow(1, (nh + nkv) * hd, nkv * hd).view({N, nkv, hd});
+  const at::Tensor y = paged_attention_cpu(q, k, v, kv, slots, table, rows, positions);
+  const at::Tensor o = int4_mm(y.view({N, nh * hd}), w[3], w[4]);  // [N, H]
+  auto out = at::empty({N, H}, x.options());
+  float* xo = out.data_ptr<float>();
+  const float *xp = x.data_ptr<float>(), *op = o.data_ptr<float>();
+  for (int64_t j = 0; j < N * H; j++) xo[j] = xp[j] + op[j];
+  rms_norm_rows(xo, w[5].data_ptr<float>(), N, H, e, h.data_ptr<float>());
+  const at::Tensor gu = int4_mm(h, w[6], w[7]);  // [N, 2 I]
+  const int64_t I = gu.size(1) / 2;
+  auto a = at::empty({N, I}, x.options());
+  float* ap = a.data_ptr<float>();
+  const float* g = gu.data_ptr<float>();
+  for (int64_t i = 0; i < N; i++)
+    for (int64_t j = 0; j < I; j++) {
+      const float gate = g[i * 2 * I + j];
+      ap[i * I + j] = gate / (1.0f + std::exp(-gate)) * g[i * 2 * I + I + j];
+    }
+  const at::Tensor d = int4_mm(a, w[8], w[9]);  // [N, H]
+  const float* dp = d.data_ptr<float>();
+  for (int64_t j = 0; j < N * H; j++) xo[j] += dp[j];
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(ssd, m) {
@@ -722,10 +812,13 @@ TORCH_LIBRARY_FRAGMENT(ssd, m) {
   m.def("int8_mm(Tensor x, Tensor q, Tensor scales, Tensor? mins) -> Tensor");
   m.def("paged_attention_cpu(Tensor q, Tensor k, Tensor v, Tensor(a!) kv, Tensor slots, "
         "Tensor table, Tensor rows, Tensor positions) -> Tensor");
+  m.def("int4_layer(Tensor x, Tensor cos, Tensor sin, Tensor[] w, float eps, int nh, int nkv, "
+        "Tensor(a!) kv, Tensor slots, Tensor table, Tensor rows, Tensor positions) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(ssd, CPU, m) {
   m.impl("int4_mm", int4_mm);
   m.impl("int8_mm", int8_mm);
   m.impl("paged_attention_cpu", paged_attention_cpu);
+  m.impl("int4_layer", int4_layer);
 }

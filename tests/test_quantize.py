@@ -643,3 +643,50 @@ def test_step_floor_compares_each_step_with_the_floor_measured_beside_it():
         assert r["floor_ms"] == pytest.approx(weights / (r["read_gb_s"] * 1e9) * 1e3)
         assert r["ratio"] == pytest.approx(r["step_ms"] / r["floor_ms"]) and r["step_ms"] > 0
     assert set(out["median_ratio"]) == {1, 2}
+
+
+# --------------------------------------------------------------------------------------------------
+# A whole int4 layer in one C++ call (model.Block.use_one_call, cpu_kernels.cpp's int4_layer)
+
+def steps(model, feeds):
+    """Prefill [1, 5, 9, 23, 7] into two sequences, then each feed: a list of (sequence, tokens)
+    run as one cached forward -> the logits of every forward after the prefill, concatenated."""
+    cache = model.new_cache(64)
+    seqs = [cache.new_seq(), cache.new_seq()]
+    model.prefill(cache, seqs, [[1, 5, 9, 23, 7], [1, 5, 9, 23, 7]])
+    out = []
+    for feed in feeds:
+        out.append(model.forward_cached(cache, [seqs[s] for s, _ in feed],
+                                        [t for _, ts in feed for t in ts], [len(ts) for _, ts in feed]))
+    return torch.cat(out)
+
+
+@needs_cpu_kernels
+def test_one_call_layer_is_the_python_layer_and_rows_stay_independent(make_ckpt):
+    """Every layer of an int4 model runs its eager CPU steps in one call: the logits of decode
+    steps, a verification and a batch are the Python layer's to float rounding (the same greedy
+    tokens), and a token's logits are bit for bit the same whether it goes alone, after other new
+    tokens of its sequence in one forward, or beside another sequence's. Layers it cannot compute
+    (int8 products) keep the Python layer."""
+    path = make_ckpt("llama", hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                     num_key_value_heads=2)
+    model, _ = load_model(path, tokenizer=False, quant="int4")
+    assert all(layer.one_call is not None for layer in model.model.layers)
+    one_at_a_time = [[(0, [3])], [(0, [8])], [(0, [40])], [(1, [3])]]
+    together = [[(0, [3, 8, 40])], [(1, [3])]]
+    batched = [[(0, [3]), (1, [3])], [(0, [8, 40])]]
+    with torch.no_grad():
+        fused = {name: steps(model, feeds) for name, feeds in
+                 (("alone", one_at_a_time), ("together", together), ("batched", batched))}
+        for layer in model.model.layers:
+            layer.one_call = None
+        python = steps(model, one_at_a_time)
+    order = [0, 1, 2, 3]  # the rows of each run, as tokens 3, 8, 40 of sequence 0, then 3 of 1
+    assert torch.equal(fused["together"], fused["alone"])
+    assert torch.equal(fused["batched"][[0, 2, 3, 1]], fused["alone"][order])
+    scale = python.abs().max()
+    assert (fused["alone"] - python).abs().max() < 1e-3 * scale  # as compiled and eager agree
+    assert not torch.equal(fused["alone"], python)  # its own sums: rounding apart, not the same code
+    assert torch.equal(fused["alone"].argmax(-1), python.argmax(-1))
+    int8, _ = load_model(path, tokenizer=False, quant="int8")
+    assert all(layer.one_call is None for layer in int8.model.layers)
