@@ -753,7 +753,8 @@ void rope_rows(float* qkv, int64_t N, int64_t width, int64_t heads, int64_t hd, 
     for (int64_t h = 0; h < heads; h++) {
       float* x = qkv + i * width + h * hd;
       const float *c = cos + i * hd, *s = sin + i * hd;
-      for (int64_t j = 0; j < hd; j++) t[j] = x[j] * c[j] + x[j < half ? j + half : j - half] * s[j];
+      for (int64_t j = 0; j < hd; j++)
+        t[j] = x[j] * c[j] + x[j < half ? j + half : j - half] * s[j];
       std::memcpy(x, t.data(), hd * sizeof(float));
     }
 }
