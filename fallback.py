@@ -159,8 +159,20 @@ def default_critical_batch_size(K: int, temperature: float = 0.0):
                                DEFAULT_T_F)
 
 
-POLICIES = ("auto", "neural", "ngram", "random")  # --fallback
-BACKUPS = ("neural", "ngram", "random")           # what a policy can choose
+# The backups a miss can use, each a rule: (histories, K, V, generator, neural) -> Backup (below).
+# "neural" is the draft model (neural() drafts just in time, with the laws its tokens were drawn
+# from); the fast ones propose without it, tokens that are deterministic given their inputs (a
+# one-hot q). A rule added here is law-tested and greedy-tested by tests/test_ssd.py with no test
+# written for it; a fast one also needs a name in choose_fallback's `fast` to be chosen by auto.
+BACKUPS = {
+    "neural": lambda histories, K, V, generator, neural: Backup("neural", *neural()),
+    "ngram": lambda histories, K, V, generator, neural: fast_backup(
+        "ngram", torch.tensor([ngram_propose(h, K) for h in histories], dtype=torch.long),
+        generator),  # made on the host, then one copy to the draft's device
+    "random": lambda histories, K, V, generator, neural: fast_backup(
+        "random", random_propose(len(histories), K, V, generator), generator),
+}
+POLICIES = ("auto", *BACKUPS)  # --fallback: a backup, or auto (neural below b*, a fast one above)
 
 
 def choose_fallback(policy: str, b: int, b_star, fast: str = "ngram") -> str:
@@ -168,8 +180,9 @@ def choose_fallback(policy: str, b: int, b_star, fast: str = "ngram") -> str:
     never flips) and the fast backup `fast` from b* on."""
     if policy not in POLICIES:
         raise ValueError(f"unknown fallback policy {policy!r}; choose one of {', '.join(POLICIES)}")
-    if fast not in ("ngram", "random"):
-        raise ValueError(f"unknown fast backup {fast!r}; choose 'ngram' or 'random'")
+    if fast not in BACKUPS or fast == "neural":
+        raise ValueError(f"unknown fast backup {fast!r}; choose one of "
+                         f"{', '.join(b for b in BACKUPS if b != 'neural')}")
     if policy != "auto":
         return policy
     return "neural" if b_star is None or b < b_star else fast
@@ -190,18 +203,16 @@ class Backup:
 
 
 def propose(kind, histories, K, V, generator, neural) -> Backup:
-    """Proposals from backup `kind` for the rows that missed, one committed token list per row in
-    `histories`. `neural()` runs the draft model just in time and returns (tokens, q,
-    guess_probs, lengths); generator: the random backup's (one, or one per row; its device is the
-    proposals'). The fast backups are deterministic (tested with a one-hot q)."""
-    device = (generator if isinstance(generator, torch.Generator) else generator[0]).device
-    if kind == "neural":
-        return Backup(kind, *neural())
-    if kind == "ngram":  # on the host, then one copy to the draft's device
-        tokens = torch.tensor([ngram_propose(h, K) for h in histories], dtype=torch.long,
-                              device="cpu")
-    elif kind == "random":
-        tokens = random_propose(len(histories), K, V, generator)
-    else:
+    """Proposals from backup `kind` (a rule of BACKUPS) for the rows that missed, one committed
+    token list per row in `histories`. `neural()` runs the draft model just in time and returns
+    (tokens, q, guess_probs, lengths); generator: the random backup's (one, or one per row; its
+    device is the proposals'). The fast backups are deterministic (tested with a one-hot q)."""
+    if kind not in BACKUPS:
         raise ValueError(f"unknown backup {kind!r}; choose one of {', '.join(BACKUPS)}")
-    return Backup(kind, to_device(tokens, device), None, None, [K] * len(histories))
+    return BACKUPS[kind](histories, K, V, generator, neural)
+
+
+def fast_backup(kind: str, tokens, generator) -> Backup:
+    """A fast backup's Backup: tokens [m, K] moved to the generator's device, q one-hot (None)."""
+    device = (generator if isinstance(generator, torch.Generator) else generator[0]).device
+    return Backup(kind, to_device(tokens, device), None, None, [tokens.shape[1]] * len(tokens))

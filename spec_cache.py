@@ -105,7 +105,13 @@ def geometric_fan_out(a: float, r: float, K: int, B: int) -> list[int]:
     return round_to_budget(geometric_fan_out_real(a, r, K, B), B)
 
 
-FAN_OUTS = ("geometric", "uniform")  # the named rules; an explicit F_0,..,F_K is the third form
+# The named fan-out rules: (a, r, K, B) -> F_0..F_K summing to B; an explicit F_0,..,F_K is the
+# third form. A rule added here is law-tested and greedy-tested by tests/test_ssd.py with no test
+# written for it.
+FAN_OUTS = {
+    "geometric": geometric_fan_out,
+    "uniform": lambda a, r, K, B: uniform_fan_out(K, B),
+}
 FAN_OUT_HELP = f"{' or '.join(FAN_OUTS)}, or K+1 comma-separated integers F_0,..,F_K"
 
 
@@ -138,15 +144,11 @@ def check_fan_out(spec, K: int):
 
 
 def rule_fan_out(spec, a: float, r: float, K: int, B: int) -> list[int]:
-    """F_0..F_K from a rule: "uniform", "geometric" (at acceptance a and exponent r), or an explicit
+    """F_0..F_K from a rule of FAN_OUTS (geometric at acceptance a and exponent r), or an explicit
     list of K+1 non-negative ints (or a comma-separated string such as "3,3,3"), returned as is:
     its sum is the budget, not B."""
     spec = check_fan_out(parse_fan_out(spec) if isinstance(spec, str) else spec, K)
-    if spec == "uniform":
-        return uniform_fan_out(K, B)
-    if spec == "geometric":
-        return geometric_fan_out(a, r, K, B)
-    return spec
+    return FAN_OUTS[spec](a, r, K, B) if isinstance(spec, str) else spec
 
 
 def fit_power_law(F_values, miss_rates, default: float = DEFAULT_R) -> float:

@@ -25,6 +25,7 @@ then partly read from blocks other rows computed, on the target's cache and the 
 negative control hashes each block by its first token alone, so that a prompt takes a block whose
 second token differs from its own; its law must then fail the check.
 """
+import itertools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +36,7 @@ import kv_cache
 from checkpoint import load_model
 from decode import Output, SDRounds, SSDRounds
 from draft import DraftConfig, DraftSettings, load_draft
+from fallback import BACKUPS
 from scheduler import KVBudget, Request, Scheduler, cache_tokens
 from speculator import in_row_order
 from test_generate import empirical_law, exact_law, make_small_vocab_pair, tv, tv_bound
@@ -134,8 +136,10 @@ def tvs(run: Run, rows, laws) -> list[tuple[float, float]]:
     return res
 
 
-CASES = [("sd", 1.0, "neural"), ("sd", 0.7, "neural"), ("ssd", 1.0, "neural"),
-         ("ssd", 0.7, "ngram"), ("ssd", 1.0, "random")]
+# SD at both temperatures; SSD with every backup of fallback.BACKUPS (a new one joins), the
+# temperatures alternating
+CASES = [("sd", 1.0, "neural"), ("sd", 0.7, "neural"),
+         *(("ssd", T, b) for b, T in zip(BACKUPS, itertools.cycle((1.0, 0.7))))]
 
 
 @pytest.mark.parametrize("mode,T,fallback", CASES)

@@ -165,7 +165,7 @@ def test_choose_fallback():
         assert choose_fallback(policy, 1, 1) == choose_fallback(policy, 64, None) == policy
     with pytest.raises(ValueError, match="auto, neural, ngram, random"):
         choose_fallback("eagle", 1, 4)
-    with pytest.raises(ValueError, match="ngram' or 'random"):
+    with pytest.raises(ValueError, match="choose one of ngram, random"):
         choose_fallback("auto", 1, 4, fast="neural")
 
 

@@ -262,7 +262,11 @@ def test_each_row_has_its_own_fan_out():
 
 
 def test_fan_out_names_and_parsing():
-    assert FAN_OUTS == ("geometric", "uniform")
+    assert list(FAN_OUTS) == ["geometric", "uniform"]
+    for name, rule in FAN_OUTS.items():  # every rule: K + 1 non-negative counts summing to B
+        for K, B in ((0, 3), (1, 5), (4, 9), (7, 40)):
+            F = rule_fan_out(name, 0.6, 0.8, K, B)
+            assert len(F) == K + 1 and sum(F) == B and min(F) >= 0, (name, K, B, F)
     assert [parse_fan_out(x) for x in ("geometric", "uniform", "3,2,1", "8")] == \
         ["geometric", "uniform", [3, 2, 1], [8]]
     assert check_fan_out((2, 1), 1) == [2, 1] and check_fan_out("uniform", 5) == "uniform"

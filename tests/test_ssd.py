@@ -6,6 +6,8 @@ Helpers (checkpoint editing, transformers references, exact laws, the TV noise b
 come from tests/test_generate.py. Most runs use parallel=False (one process, the same tokens as the
 two-process run for the same seed); a handful check parallel=True against it, since each spawns a process.
 """
+import dataclasses
+import itertools
 import multiprocessing
 import os
 import signal
@@ -17,9 +19,11 @@ import pytest
 import torch
 
 import draft as draft_module
+import fallback as fallback_module
 import speculator as speculator_module
 import spec_policy
-from fallback import critical_batch_size, default_critical_batch_size
+from fallback import BACKUPS, POLICIES, critical_batch_size, default_critical_batch_size
+from spec_cache import FAN_OUTS
 from conftest import make_checkpoint
 from test_generate import (copy_checkpoint, empirical_law, exact_law, gen, hf_greedy, make_own_vocab_draft,
                            make_small_vocab_pair, perturbed_copy, tv, tv_bound)
@@ -63,9 +67,12 @@ def check_stats(s, fallback):
 # ----------------------------------------------------------------------------------------------------
 # Greedy: exactly transformers' tokens, in every configuration
 
+# The fan-out rules and the backups come from their tables (spec_cache.FAN_OUTS, fallback.BACKUPS):
+# a rule added to either is tested here, greedy and at T > 0, with no test written for it.
+
 @pytest.mark.parametrize("batch", [1, 4])
-@pytest.mark.parametrize("fallback", ["neural", "ngram", "random", "auto"])
-@pytest.mark.parametrize("fan_out", ["uniform", "geometric"])
+@pytest.mark.parametrize("fallback", POLICIES)
+@pytest.mark.parametrize("fan_out", list(FAN_OUTS))
 @pytest.mark.parametrize("K", [1, 4, 7])
 def test_greedy_different_draft(ckpts, K, fan_out, fallback, batch):
     """A draft that disagrees with the target now and then: hits and misses, every fallback is used."""
@@ -82,7 +89,7 @@ def test_greedy_different_draft(ckpts, K, fan_out, fallback, batch):
 
 
 @pytest.mark.parametrize("batch", [1, 4])
-@pytest.mark.parametrize("fan_out", ["uniform", "geometric"])
+@pytest.mark.parametrize("fan_out", list(FAN_OUTS))
 @pytest.mark.parametrize("K", [1, 4, 7])
 def test_greedy_copy_draft_hits(ckpts, K, fan_out, batch):
     """The draft is the target: all K accepted each round and the bonus is the draft's own top guess at
@@ -305,13 +312,28 @@ def test_auto_fallback_reads_its_measurements(ckpts):
 # and 1. V = 4 and B = 3 spread over 3 depths: at most 2 of the 3 possible bonus tokens are guessed at any
 # depth, so misses are frequent.
 #
-# Every (T, C, fallback) combination would be 18 runs; the 9 below cover every pair of values of the three
-# factors (each C with each fallback, each T with each C and with each fallback), at N rows each.
+# Every (T, C, backup, fan-out) combination would be 36 runs; the cases below are pairwise: every
+# pair of values of two factors appears in at least one case (each C with each backup, each T with
+# each fan-out, ...), at N rows each. The backups and fan-outs are their tables' (fallback.BACKUPS,
+# spec_cache.FAN_OUTS): a rule added to one joins these cases, and the negative control below shows
+# that a broken rule fails them.
+
+def pairwise(factors: dict) -> list[tuple]:
+    """Combinations of the factors' values that cover every pair of values of two factors: greedy,
+    each next one the combination (in product order) that covers the most pairs not yet covered."""
+    pairs = lambda c: {(i, c[i], j, c[j]) for i, j in itertools.combinations(range(len(c)), 2)}  # noqa: E731
+    todo = set().union(*(pairs(c) for c in itertools.product(*factors.values())))
+    cases = []
+    while todo:
+        best = max(itertools.product(*factors.values()), key=lambda c: len(pairs(c) & todo))
+        cases.append(best)
+        todo -= pairs(best)
+    return cases
+
 
 N_LAW = 3000
-LAW_CASES = [(1.0, 1.0, "neural"), (0.7, 1.0, "ngram"), (1.0, 1.0, "random"),
-             (0.7, 0.3, "neural"), (1.0, 0.3, "ngram"), (0.7, 0.3, "random"),
-             (1.0, 0.0, "neural"), (0.7, 0.0, "ngram"), (1.0, 0.0, "random")]
+LAW_CASES = pairwise({"T": (1.0, 0.7), "C": (1.0, 0.3, 0.0), "fallback": tuple(BACKUPS),
+                      "fan_out": tuple(FAN_OUTS)})
 
 
 @pytest.fixture(scope="module")
@@ -322,22 +344,47 @@ def small_vocab(tmp_path_factory):
     return tgt, dft, prompt, laws
 
 
-def ssd_law_run(small_vocab, T, C, fallback, seed=11, pre_spec="always"):
+def ssd_law_run(small_vocab, T, C, fallback, seed=11, pre_spec="always", fan_out="geometric"):
     tgt, dft, prompt, laws = small_vocab
     res = gen([prompt] * N_LAW, tgt, dft, mode="ssd", k=2, budget=3, saguaro_c=C, fallback=fallback,
-              temperature=T, max_new_tokens=3, seed=seed, parallel=False, pre_spec=pre_spec)
+              temperature=T, max_new_tokens=3, seed=seed, parallel=False, pre_spec=pre_spec,
+              fan_out=fan_out)
     return res, tv(empirical_law(res.tokens, 3), laws[T]), tv_bound(laws[T], N_LAW)
 
 
-@pytest.mark.parametrize("T,C,fallback", LAW_CASES)
-def test_ssd_law_matches_target(small_vocab, T, C, fallback):
-    res, d, bound = ssd_law_run(small_vocab, T, C, fallback)
+def test_law_cases_cover_every_pair():
+    assert len(LAW_CASES) <= 12
+    for a, b in itertools.combinations(range(4), 2):
+        seen = {(c[a], c[b]) for c in LAW_CASES}
+        assert len(seen) == len({c[a] for c in LAW_CASES}) * len({c[b] for c in LAW_CASES})
+    assert {c[2] for c in LAW_CASES} == set(BACKUPS) and {c[3] for c in LAW_CASES} == set(FAN_OUTS)
+
+
+@pytest.mark.parametrize("T,C,fallback,fan_out", LAW_CASES)
+def test_ssd_law_matches_target(small_vocab, T, C, fallback, fan_out):
+    res, d, bound = ssd_law_run(small_vocab, T, C, fallback, fan_out=fan_out)
     s = res.stats
     assert s["hits"] > 0 and s["misses"] > 0, s
     assert s["fallback_rounds"][fallback] > 0, s["fallback_rounds"]
     # row-rounds beyond the first round of each row: rows whose token 3 came from round 2
     assert sum(s["accept_len_histogram"]) - N_LAW > N_LAW / 5, s["accept_len_histogram"]
     assert d < bound, (d, bound)
+
+
+def test_a_broken_backup_in_the_table_fails_the_law_test(small_vocab, monkeypatch):
+    """The negative control of the table-driven cases: the neural backup replaced in
+    fallback.BACKUPS by one that keeps the draft's tokens but reports a uniform law for them (q is
+    no longer what they were drawn from): the same run as a law case, and the law is not the
+    target's."""
+    real = BACKUPS["neural"]
+
+    def broken(histories, K, V, generator, neural):
+        b = real(histories, K, V, generator, neural)
+        return dataclasses.replace(b, q=torch.full_like(b.q, 1 / b.q.shape[-1]))
+    monkeypatch.setitem(fallback_module.BACKUPS, "neural", broken)
+    res, d, bound = ssd_law_run(small_vocab, 1.0, 0.0, "neural")
+    assert res.stats["fallback_rounds"]["neural"] > 0
+    assert d > bound, (d, bound)  # what test_ssd_law_matches_target asserts the other way
 
 
 def test_ssd_law_with_a_draft_of_its_own_vocabulary(small_vocab, tmp_path):
