@@ -19,7 +19,7 @@ Reading order (the same in the README and docs/design.md; tests/test_docs.py kee
     drafts      eagle.py
     around it   channel.py, scheduler.py, tp.py, engine.py, run.py
     the model   config.py, model.py, kv_cache.py, graphs.py, devices.py, quantize.py,
-                cpu_kernels.py, cpu_linear.py, checkpoint.py, gguf_format.py
+                huge_pages.py, cpu_kernels.py, cpu_linear.py, checkpoint.py, gguf_format.py
     serving     serve.py, protocol.py, metrics.py
     measuring   bench.py, bench_peers.py, bench_report.py, bench_serve.py
 """

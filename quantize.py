@@ -24,11 +24,9 @@ in float16, which its kernel converts 8 at a time in registers (F16C).
 The product x W^T for a few rows of x (a decode step, a verification) is a multiply-and-sum over
 the stored weight: `int8_product` / `int4_product` write it as one reduction per row of x over the
 dequantised expression, which torch.compile (Inductor) turns into one loop that reads each stored
-byte once and converts it in registers: the float weight never exists in memory. (Dequantising
-then calling a matmul writes and reads the float weight: slower than float32 itself. torch's stock
-int8/int4 CPU kernels, _weight_int8pack_mm and _weight_int4pack_mm_for_cpu, take a scalar path
-for float32 activations, slower than float32 itself; with bfloat16 ones the int4 kernel is the
-fast form below, and the int8 one, at one scale per output channel, was no faster than ours.)
+byte once and converts it in registers: the float weight never exists in memory (dequantising,
+then a matmul, writes and reads it: slower than float32 itself, as are torch's stock int8/int4
+CPU kernels on float32 activations).
 Each weight shape compiles once per row bucket (ROW_BUCKETS; a few seconds each, at load:
 warm_up). Longer inputs (prefill) dequantise a slice of rows at a time and multiply: they are
 bound by arithmetic, not bytes.
@@ -37,25 +35,18 @@ On a CPU with AVX2 (or AVX-512) the products then run in cpu_kernels.cpp's C++ o
 use with the compiler torch.compile uses (cpu_kernels.py; pack_layers): each row of x becomes 16-bit
 integers per block of 32 and multiplies the 4- or 8-bit weights in integer arithmetic
 (cpu_kernels.cpp explains it). An int4 layer of the model's blocks moves into the op's tiled layout
-(`pack`); an int8 layer (the head) runs on ours. On SmolLM2-135M's 120 int4 layers, read from
-memory on one thread, the int4 op takes 4.1 ms a step against 8.2 for torch's own int4 kernel
-(_weight_int4pack_mm_for_cpu). That kernel is the fallback where the ops do not build: it
-multiplies bfloat16 activations by w = (q - 8) * s + z with s and z in bfloat16 and rounds its
-output to bfloat16, so it moves the model further from the file's (docs/models.md measures both).
-All these kernels compute each row of the output on its own, bit for bit the same whatever the
-number of rows, and a layer that pack_layers put on one runs every product through it: a decode
-step, a verification and a prefill piece agree on each row. A layer left in our layout (every one
-on a CPU without AVX2 and on CUDA, the int8 ones where cpu_kernels.cpp does not build, any that fits
-no kernel) runs `product`: the compiled product up to ROW_BUCKETS[-1] rows, `dequantised_product`
-for more (a prefill; for any number with compiled=False), whose rows need not match the compiled
-product's bit for bit.
-
-The quantized model is an approximation of the float one (tests/test_quantize.py and
-docs/models.md measure how close); speculative decoding stays exact with respect to the model as
-loaded, since the draft proposes and the quantized target decides.
+(`pack`); an int8 layer (the head) runs on ours. Where the ops do not build, torch's own int4
+kernel (_weight_int4pack_mm_for_cpu) runs the int4 layers: half their speed (SmolLM2-135M's 120
+layers, one thread: 8.2 ms a step against 4.1), in bfloat16 (docs/models.md measures both).
+These kernels compute each row of the output on its own, bit for bit the same whatever the rows
+beside it; a layer pack_layers put on one runs every product through it (decode steps,
+verifications and prefill pieces agree on each row). A layer left in our layout (all on CUDA or
+without AVX2, int8 ones where cpu_kernels.cpp does not build, any that fits no kernel) runs
+`product`: compiled up to ROW_BUCKETS[-1] rows, `dequantised_product` for more (a prefill; any
+number with compiled=False), whose rows need not match the compiled product's bit for bit.
+The quantized model approximates the float one (docs/models.md measures how closely); speculative
+decoding stays exact with respect to the model as loaded: the quantized target decides.
 """
-import ctypes
-import mmap
 import types
 
 import torch
@@ -63,6 +54,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import cpu_kernels
+from huge_pages import into_huge_pages
 
 QUANTS = ("auto", "none", "int8", "int4")  # auto: a GGUF file's own precision, else none
 BLOCK = 32  # inputs per int4 block (and per int8 group of a GGUF file): GGUF's block size
@@ -563,7 +555,7 @@ def pack_layers(model: nn.Module, device, cuda: bool = False,
     it: scripts/gpu_check.py times both (`quant_step:*:int4`), calling this with cuda=True.
     blocks: where its int4 layers are (default: the model's decoder layers).
     With cpu_kernels.cpp's kernels, every quantized tensor then moves into memory of 2 MB pages
-    (into_huge_pages, below). Returns how many layers it moved into a kernel."""
+    (huge_pages.py). Returns how many layers it moved into a kernel."""
     device = torch.device(device)
     if device.type == "cpu" and torch.backends.cpu.get_cpu_capability() in cpu_kernels.KERNEL_CPUS:
         kernel = "cpu" if cpu_kernels.available() else "torch"
@@ -581,82 +573,9 @@ def pack_layers(model: nn.Module, device, cuda: bool = False,
     for m in int8:
         m.kernel = "cpu"
     if kernel == "cpu":
-        into_huge_pages(model)
+        into_huge_pages([m for m in model.modules() if isinstance(m, QuantLinear)],
+                        ("packed", "scales_and_zeros", "qweight", "scales", "mins"))
     return len(int4) + len(int8)
-
-
-# A decode step reads every weight once. In 4 KB pages each page is a miss of the CPU's address
-# cache (its TLB holds a few thousand pages: 12 MB) and costs a walk of the page tables; in 2 MB
-# pages (Linux's transparent huge pages, which it gives to memory marked MADV_HUGEPAGE before its
-# first write) SmolLM2-135M's 94 MB of weights are 47 pages. Measured on a 2-core EPYC, the
-# compiled model moved against left where it loaded, in one process, blocks of steps alternated,
-# both load orders (the second model loaded ran faster by itself): a 1-token step in 0.86-0.90x
-# the time on one thread, 0.95x on two; a 2- or 3-token verification 0.94x on two.
-SLAB = 32 << 20  # bytes: weights are copied into slabs of this size (or one tensor's, if larger)
-HUGE = 2 << 20   # bytes of a huge page
-HUGE_PAGES = hasattr(mmap, "MADV_HUGEPAGE")  # whether memory can be asked for in them (Linux)
-
-
-def into_huge_pages(model: nn.Module) -> int:
-    """Copy the quantized layers' stored tensors side by side into slabs of memory that Linux
-    backs with 2 MB pages, and point every layer that held one (a tied embedding shares the head's)
-    at its copy: the same values, read through fewer pages. A slab at a time, so loading peaks at
-    about one slab (or the largest tensor) more than before. Elsewhere than Linux nothing moves.
-    Returns the bytes moved."""
-    if not HUGE_PAGES:  # a copy into plain memory would gain nothing
-        return 0
-    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
-    names = ("packed", "scales_and_zeros", "qweight", "scales", "mins")
-    holders = {}  # id(tensor) -> every (layer, name) that holds it (a tied embedding the head's)
-    for m in layers:
-        for name in names:
-            t = getattr(m, name)
-            if t is not None and t.device.type == "cpu":
-                holders.setdefault(id(t), []).append((m, name))
-    slab, free, moved = None, 0, 0
-    for refs in holders.values():
-        t = getattr(*refs[0])
-        size = -(-t.nbytes // 64) * 64  # each tensor starts on a cache line
-        if size > free:  # a new slab, once the memory the last one's tensors held is given back
-            release_freed_memory()
-            slab = huge_page_slab(max(SLAB, size))
-            free = slab.numel()
-        start = slab.numel() - free
-        copy = slab[start:start + t.nbytes].view(t.dtype).view(t.shape).copy_(t)
-        for m, name in refs:
-            setattr(m, name, copy)  # the old tensor is freed with its last holder
-        free, moved = free - size, moved + t.nbytes
-    release_freed_memory()
-    return moved
-
-
-def release_freed_memory():
-    """Give the memory the moved tensors held back to the system: C's allocator keeps freed
-    blocks of up to 32 MB for reuse (without this, SmolLM2-135M's int4 layers, 66 MB, stayed
-    resident after their move, and an 8B model in int4 peaked at 9.5 GB against 6.9).
-    glibc's malloc_trim; elsewhere nothing."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
-def huge_page_slab(size: int) -> torch.Tensor:
-    """A uint8 tensor [size] at a 2 MB boundary of fresh anonymous memory marked MADV_HUGEPAGE
-    (its pages are made on first write, so the mark comes first). It keeps its memory alive.
-    Elsewhere than Linux, plain memory of that size."""
-    size = -(-size // HUGE) * HUGE
-    if not HUGE_PAGES:
-        return torch.empty(size, dtype=torch.uint8)
-    # private: Python's anonymous mmap is shared by default, which Linux gives no huge pages
-    memory = mmap.mmap(-1, size + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    whole = torch.frombuffer(memory, dtype=torch.uint8)
-    start = -whole.data_ptr() % HUGE
-    try:
-        memory.madvise(mmap.MADV_HUGEPAGE, start, size)
-    except OSError:  # a kernel built without huge pages (EINVAL): 4 KB pages, as before
-        pass
-    return whole[start:start + size]
 
 
 def warm_up(model: nn.Module, rows) -> int:
@@ -668,9 +587,8 @@ def warm_up(model: nn.Module, rows) -> int:
                       if 1 <= r <= ROW_BUCKETS[-1]})
     device = next(model.buffers()).device
     with torch.no_grad():
-        for layer in layers.values():
-            for M in buckets:
-                layer(torch.zeros(M, layer.in_features, device=device))
+        for layer, M in ((layer, M) for layer in layers.values() for M in buckets):
+            layer(torch.zeros(M, layer.in_features, device=device))
     return len(layers) * len(buckets)
 
 

@@ -2,7 +2,7 @@
 model's weights once at the speed this machine reads memory, beside the time it takes.
 
 The speed is `x.sum()` over a float32 tensor far larger than the caches (1 GiB by default), in
-2 MB pages where Linux gives them, as quantize.into_huge_pages lays a quantized model's weights
+2 MB pages where Linux gives them, as huge_pages.into_huge_pages lays a quantized model's weights
 (on a 2-core EPYC one core read 4 KB pages at 25.7 GB/s, 2 MB pages at 31.4): the
 fastest of 3 sums. The step is the compiled 1-token forward after 100 tokens of context (the
 engine's decode path), the median of `--steps`. The two are measured in turn at each thread count,
@@ -26,7 +26,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from checkpoint import load_model  # noqa: E402
-from quantize import huge_page_slab, weight_bytes  # noqa: E402
+from huge_pages import huge_page_slab  # noqa: E402
+from quantize import weight_bytes  # noqa: E402
 
 CONTEXT = 100  # tokens in the cache before the timed steps
 

@@ -213,8 +213,8 @@ def test_quantize_doc_says_which_product_a_prefill_runs(monkeypatch):
     dequantised_product, as do any rows with compiled=False."""
     import torch
     import quantize
-    assert ("`product`: the compiled product up to ROW_BUCKETS[-1] rows, `dequantised_product` for "
-            "more (a prefill; for any number with compiled=False)") in flat(quantize.__doc__)
+    assert ("`product`: compiled up to ROW_BUCKETS[-1] rows, `dequantised_product` for more (a "
+            "prefill; any number with compiled=False)") in flat(quantize.__doc__)
     rows, real = [], quantize.dequantised_product
     monkeypatch.setattr(quantize, "dequantised_product", lambda x, *a: rows.append(len(x)) or real(x, *a))
     layer = quantize.QuantLinear(64, 16, bits=8, group=32)  # compiled, on no kernel (no pack_layers)

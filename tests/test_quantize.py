@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import cpu_kernels
+import huge_pages
 import quantize
 
 from checkpoint import load_model
@@ -416,18 +417,18 @@ def test_gguf_file_in_the_int4_kernel():
 
 def test_weights_in_huge_pages(monkeypatch):
     """pack_layers copies the quantized tensors side by side into slabs marked for 2 MB pages
-    (quantize.into_huge_pages, Linux): every layer reads its copy, the tied embedding still the
+    (huge_pages.into_huge_pages, Linux): every layer reads its copy, the tied embedding still the
     head's, and the logits are bit for bit those of the model left where it loaded."""
     if not hasattr(mmap, "MADV_HUGEPAGE") or not cpu_kernels.available():
         pytest.skip("huge pages are asked for on Linux, where the CPU kernels run")
     smollm2()  # skips where the file is not installed
     model, _ = load_model("smollm2-135m", tokenizer=False)
-    monkeypatch.setattr(quantize, "into_huge_pages", lambda model: 0)
+    monkeypatch.setattr(quantize, "into_huge_pages", lambda layers, names: 0)
     plain, _ = load_model("smollm2-135m", tokenizer=False)
     assert model.model.embed_tokens.qweight is model.lm_head.qweight  # still tied
     stored = [t for m in model.modules() if isinstance(m, QuantLinear) for t in m.stored()]
     slabs = {t.untyped_storage().data_ptr() for t in stored}
-    assert len(stored) > 240 and len(slabs) <= -(-weight_bytes(model) // quantize.SLAB) + 1
+    assert len(stored) > 240 and len(slabs) <= -(-weight_bytes(model) // huge_pages.SLAB) + 1
     assert all(t.data_ptr() % 64 == 0 for t in stored)
     ids = torch.tensor([[1, 504, 3250, 314, 253, 2434, 2136, 30]])
     with torch.no_grad():
@@ -443,9 +444,9 @@ def test_huge_page_slab_without_huge_pages(monkeypatch):
     class Refusing(mmap.mmap):
         def madvise(self, *args):
             raise OSError(22, "Invalid argument")
-    monkeypatch.setattr(quantize.mmap, "mmap", Refusing)
-    slab = quantize.huge_page_slab(3 << 20)
-    assert slab.numel() == 4 << 20 and slab.data_ptr() % quantize.HUGE == 0
+    monkeypatch.setattr(huge_pages.mmap, "mmap", Refusing)
+    slab = huge_pages.huge_page_slab(3 << 20)
+    assert slab.numel() == 4 << 20 and slab.data_ptr() % huge_pages.HUGE == 0
     assert int(slab.fill_(1).sum()) == 4 << 20
 
 
