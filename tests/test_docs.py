@@ -314,3 +314,9 @@ def test_documented_default_modes():
                 (where, c)
     models = flat((REPO / "docs" / "models.md").read_text(encoding="utf-8"))
     assert f"the default mode, {cli.upper()}, runs the pair: `python run.py --target" in models
+
+
+def test_readme_is_at_most_250_lines():
+    """The README stays a page a reader finishes (issue 71, item 7): what grows goes to docs/."""
+    lines = len(README.read_text(encoding="utf-8").splitlines())
+    assert lines <= 250, f"README.md has {lines} lines: move detail to docs/"
