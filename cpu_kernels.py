@@ -105,3 +105,83 @@ def build_and_load(source: Path, extra: tuple[str, ...] = ()) -> bool:
         lambda x, q, scales, mins: x.new_empty(x.shape[0], q.shape[0]))
     torch.library.register_fake("ssd::paged_attention_cpu")(lambda q, *rest: q.new_empty(q.shape))
     return True
+
+
+# --------------------------------------------------------------------------------------------------
+# The ops from Python: the int4 layout they read, the products, and their math in float64 (tests)
+
+BLOCK = 32     # inputs per block: GGUF's, quantize.BLOCK
+INT4_TILE = 8  # outputs per tile of the int4 layout
+
+
+def int4_to_cpu_kernel(q, scales, mins):
+    """Our int4 layout -> cpu_kernels.cpp's: (packed uint8 [out / 8, in / 32, 4, 32], sm float16
+    [out / 8, in / 32, 2, 8]). Per tile of 8 outputs and block of 32 inputs, 4 units of 8 inputs,
+    each 16 16-bit words: word 2 r + e holds output r's input 8 u + 2 j + e in its nibble j; then
+    the tile's 8 scales and 8 mins for the block, in float16 (a Q4_0 / Q4_1 file's own d and m
+    exactly)."""
+    N, G = scales.shape
+    T = N // INT4_TILE
+    # [out, blocks, low | high, 16], a block's 32 inputs in order -> [tile, r, block, unit, j, e]
+    ints = torch.stack((q & 15, q >> 4), -2).to(torch.int16).view(T, INT4_TILE, G, 4, 4, 2)
+    words = ints[..., 0, :] | ints[..., 1, :] << 4 | ints[..., 2, :] << 8 | ints[..., 3, :] << 12
+    packed = words.permute(0, 2, 3, 1, 4).contiguous()  # [tile, block, unit, r, e]
+    sm = torch.stack((scales, mins)).view(2, T, INT4_TILE, G)  # [s | m, tile, r, block]
+    return packed.view(torch.uint8).view(T, G, 4, 32), sm.permute(1, 3, 0, 2).contiguous().half()
+
+
+def int4_cpu_weight(packed, sm):
+    """The weight [out, in] that cpu_kernels.cpp's layout stores: q * s + m in float32."""
+    T, G = packed.shape[:2]
+    words = packed.view(torch.int16).view(T, G, 4, INT4_TILE, 2).to(torch.int32)  # [.., r, e]
+    ints = torch.stack([words >> (4 * j) & 15 for j in range(4)], -2)  # [.., unit, r, j, e]
+    ints = ints.permute(0, 3, 1, 2, 4, 5).reshape(T * INT4_TILE, G, BLOCK).float()
+    s, m = sm.float().permute(2, 0, 3, 1).reshape(2, T * INT4_TILE, G, 1)
+    return (ints * s + m).flatten(1)
+
+
+def int4_cpu_product(x, packed, sm):
+    """x [M, in] float @ the weight in cpu_kernels.cpp's layout^T -> [M, out] float32: each row
+    of x turned into 16-bit integers per block of 32, multiplied by the 4-bit integers in integer
+    arithmetic (cpu_kernels.cpp says how)."""
+    return torch.ops.ssd.int4_mm(x.float().contiguous(), packed, sm)
+
+
+def rows16(x):
+    """x [M, in] as cpu_kernels.cpp turns each row into 16-bit integers, in float64 (for tests):
+    per block of 32, p = round(x * (32767 / max|x|)) with scale d = max|x| / 32767, and the
+    block's sum of x -> (p [M, blocks, 32], d [M, blocks], sums [M, blocks])."""
+    M, n = x.shape
+    xb = x.float().view(M, n // BLOCK, BLOCK)
+    amax = xb.abs().amax(-1, keepdim=True)
+    # a tensor divided, as C divides: torch computes 32767 / amax as 32767 * (1 / amax)
+    inv = torch.where(amax > 0, torch.tensor(32767.0) / amax, torch.zeros_like(amax))
+    return (torch.round(xb * inv).double(), (amax / 32767).double()[..., 0],
+            xb.sum(-1).double())
+
+
+def int4_cpu_reference(x, q, scales, mins):
+    """int4_cpu_product's math in float64 (slow; for tests), from our layout's q, scales and mins
+    (as float16 rounds them): y = sum over blocks of s * d * (q . p) + m * sum(x)."""
+    p, d, xsum = rows16(x)
+    ints = torch.stack((q & 15, q >> 4), -2).flatten(-2).double()     # [out, blocks, 32]
+    qp = torch.einsum("ogk,mgk->mog", ints, p)                        # [M, out, blocks]
+    return (qp * scales.double() * d[:, None] + mins.double() * xsum[:, None]).sum(-1)
+
+
+def int8_cpu_product(x, q, scales, mins=None):
+    """x [M, in] float @ (q * scales (+ mins))^T -> [M, out] float32 through cpu_kernels.cpp's
+    int8 kernel, on our own int8 layout: x in 16-bit integers per block of 32, as for int4."""
+    return torch.ops.ssd.int8_mm(x.float().contiguous(), q, scales, mins)
+
+
+def int8_cpu_reference(x, q, scales, mins=None):
+    """int8_cpu_product's math in float64 (slow; for tests): y = sum over blocks of s * d * (q . p)
+    + sum over groups of m * sum(x)."""
+    p, d, xsum = rows16(x)
+    per = q.shape[1] // scales.shape[1] // BLOCK                       # blocks a group
+    qp = torch.einsum("ogk,mgk->mog", q.double().view(q.shape[0], -1, BLOCK), p)
+    y = (qp * scales.double().repeat_interleave(per, 1) * d[:, None]).sum(-1)
+    if mins is not None:
+        y = y + xsum.view(len(x), -1, per).sum(-1) @ mins.double().T  # [M, groups] @ m^T
+    return y

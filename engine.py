@@ -19,7 +19,7 @@ import torch
 from channel import SpeculatorProcess
 from checkpoint import load_config, load_model, load_tokenizer, resolve
 from cpu_linear import ROWS, use_forms
-from quantize import check_quant, warm_up
+from quantize import check_quant, products, warm_up
 from decode import NoDraft, Output, SDRounds, SSDRounds
 from devices import check_device, resolve_dtype
 from draft import DraftConfig, DraftSettings, draft_kind, load_draft
@@ -156,6 +156,7 @@ class Engine:
     settings: EngineConfig
     where: Placement
     started: Started    # stop() it when done
+    products: dict      # which product the target's quantized layers run (quantize.products)
 
     @property
     def mode(self) -> str:
@@ -197,7 +198,7 @@ class Engine:
                       "spin_seconds": spec.ch.spin if c.two_processes else 0.0})
         s.update({"k": c.K, "confidence": c.spec.confidence, "temperature": c.temperature,
                   "target_threads": self.where.target_threads,
-                  "draft_threads": self.where.draft_threads})
+                  "draft_threads": self.where.draft_threads, "target_products": self.products})
         return s
 
 
@@ -346,7 +347,7 @@ def build_engine(cfg: EngineConfig, loaded: Loaded, kv_tokens: int, draft_kv: in
     out = Output([] if cfg.ignore_eos else eos_ids(model.config, tok), cfg.K)
     rounds = make_rounds(cfg, verifier, dcfg, out, where, started, max_batch, per_row=forget)
     sched = Scheduler(rounds, kv_budget(kv_tokens, dcfg, cfg), max_batch, forget=forget)
-    return Engine(sched, tok, model.config, cfg, where, started)
+    return Engine(sched, tok, model.config, cfg, where, started, products(model))
 
 
 def load_engine(cfg: EngineConfig, max_batch: int) -> Engine:

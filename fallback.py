@@ -163,12 +163,13 @@ def default_critical_batch_size(K: int, temperature: float = 0.0):
 # "neural" is the draft model (neural() drafts just in time, with the laws its tokens were drawn
 # from); the fast ones propose without it, tokens that are deterministic given their inputs (a
 # one-hot q). A rule added here is law-tested and greedy-tested by tests/test_ssd.py with no test
-# written for it; a fast one also needs a name in choose_fallback's `fast` to be chosen by auto.
+# written for it; `--fallback auto` switches to DraftSettings.fast_fallback from b* on.
 BACKUPS = {
     "neural": lambda histories, K, V, generator, neural: Backup("neural", *neural()),
     "ngram": lambda histories, K, V, generator, neural: fast_backup(
-        "ngram", torch.tensor([ngram_propose(h, K) for h in histories], dtype=torch.long),
-        generator),  # made on the host, then one copy to the draft's device
+        "ngram", torch.tensor([ngram_propose(h, K) for h in histories], dtype=torch.long,
+                              device="cpu"),  # made on the host, then one copy to the draft's
+        generator),
     "random": lambda histories, K, V, generator, neural: fast_backup(
         "random", random_propose(len(histories), K, V, generator), generator),
 }

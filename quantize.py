@@ -18,8 +18,8 @@ these layouts exactly, without a float copy (gguf_format.gguf_integers, QuantRow
         is scale d, min -8 d).
 Our layouts hold scales in float32, not the file's float16: converting them inside the product
 cost more time than their bytes save (the LM head's 1-row product, one thread: 5.3 ms with float16
-scales, 3.5 ms with float32). cpu_kernels.cpp's int4 layout (int4_to_cpu_kernel, below) holds them
-in float16, which its kernel converts 8 at a time in registers (F16C).
+scales, 3.5 ms with float32). cpu_kernels.cpp's int4 layout (cpu_kernels.int4_to_cpu_kernel) holds
+them in float16, which its kernel converts 8 at a time in registers (F16C).
 
 The product x W^T for a few rows of x (a decode step, a verification) is a multiply-and-sum over
 the stored weight: `int8_product` / `int4_product` write it as one reduction per row of x over the
@@ -54,11 +54,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import cpu_kernels
+from cpu_kernels import (int4_cpu_product, int4_cpu_weight, int4_to_cpu_kernel,
+                         int8_cpu_product)
 from huge_pages import into_huge_pages
 
 QUANTS = ("auto", "none", "int8", "int4")  # auto: a GGUF file's own precision, else none
 BLOCK = 32  # inputs per int4 block (and per int8 group of a GGUF file): GGUF's block size
-INT4_TILE = 8  # outputs per tile of cpu_kernels.cpp's int4 layout
 ROW_BUCKETS = (1, 2, 3, 4, 8, 16)  # row counts the compiled product is built for (rows padded up)
 DEQUANT_ELEMENTS = 1 << 23  # a longer product dequantises at most this many weights at a time
 
@@ -176,79 +177,6 @@ def int4_kernel_weight(packed, sz):
     if sz.device.type == "cuda":
         return int4_kernel_product(eye, packed, sz).float().T
     return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, packed, BLOCK, sz.float()).T
-
-
-def int4_to_cpu_kernel(q, scales, mins):
-    """Our int4 layout -> cpu_kernels.cpp's: (packed uint8 [out / 8, in / 32, 4, 32], sm float16
-    [out / 8, in / 32, 2, 8]). Per tile of 8 outputs and block of 32 inputs, 4 units of 8 inputs,
-    each 16 16-bit words: word 2 r + e holds output r's input 8 u + 2 j + e in its nibble j; then
-    the tile's 8 scales and 8 mins for the block, in float16 (a Q4_0 / Q4_1 file's own d and m
-    exactly)."""
-    N, G = scales.shape
-    T = N // INT4_TILE
-    # [out, blocks, low | high, 16], a block's 32 inputs in order -> [tile, r, block, unit, j, e]
-    ints = torch.stack((q & 15, q >> 4), -2).to(torch.int16).view(T, INT4_TILE, G, 4, 4, 2)
-    words = ints[..., 0, :] | ints[..., 1, :] << 4 | ints[..., 2, :] << 8 | ints[..., 3, :] << 12
-    packed = words.permute(0, 2, 3, 1, 4).contiguous()  # [tile, block, unit, r, e]
-    sm = torch.stack((scales, mins)).view(2, T, INT4_TILE, G)  # [s | m, tile, r, block]
-    return packed.view(torch.uint8).view(T, G, 4, 32), sm.permute(1, 3, 0, 2).contiguous().half()
-
-
-def int4_cpu_weight(packed, sm):
-    """The weight [out, in] that cpu_kernels.cpp's layout stores: q * s + m in float32."""
-    T, G = packed.shape[:2]
-    words = packed.view(torch.int16).view(T, G, 4, INT4_TILE, 2).to(torch.int32)  # [.., r, e]
-    ints = torch.stack([words >> (4 * j) & 15 for j in range(4)], -2)  # [.., unit, r, j, e]
-    ints = ints.permute(0, 3, 1, 2, 4, 5).reshape(T * INT4_TILE, G, BLOCK).float()
-    s, m = sm.float().permute(2, 0, 3, 1).reshape(2, T * INT4_TILE, G, 1)
-    return (ints * s + m).flatten(1)
-
-
-def int4_cpu_product(x, packed, sm):
-    """x [M, in] float @ the weight in cpu_kernels.cpp's layout^T -> [M, out] float32: each row
-    of x turned into 16-bit integers per block of 32, multiplied by the 4-bit integers in integer
-    arithmetic (cpu_kernels.cpp says how)."""
-    return torch.ops.ssd.int4_mm(x.float().contiguous(), packed, sm)
-
-
-def rows16(x):
-    """x [M, in] as cpu_kernels.cpp turns each row into 16-bit integers, in float64 (for tests):
-    per block of 32, p = round(x * (32767 / max|x|)) with scale d = max|x| / 32767, and the
-    block's sum of x -> (p [M, blocks, 32], d [M, blocks], sums [M, blocks])."""
-    M, n = x.shape
-    xb = x.float().view(M, n // BLOCK, BLOCK)
-    amax = xb.abs().amax(-1, keepdim=True)
-    # a tensor divided, as C divides: torch computes 32767 / amax as 32767 * (1 / amax)
-    inv = torch.where(amax > 0, torch.tensor(32767.0) / amax, torch.zeros_like(amax))
-    return (torch.round(xb * inv).double(), (amax / 32767).double()[..., 0],
-            xb.sum(-1).double())
-
-
-def int4_cpu_reference(x, q, scales, mins):
-    """int4_cpu_product's math in float64 (slow; for tests), from our layout's q, scales and mins
-    (as float16 rounds them): y = sum over blocks of s * d * (q . p) + m * sum(x)."""
-    p, d, xsum = rows16(x)
-    ints = torch.stack((q & 15, q >> 4), -2).flatten(-2).double()     # [out, blocks, 32]
-    qp = torch.einsum("ogk,mgk->mog", ints, p)                        # [M, out, blocks]
-    return (qp * scales.double() * d[:, None] + mins.double() * xsum[:, None]).sum(-1)
-
-
-def int8_cpu_product(x, q, scales, mins=None):
-    """x [M, in] float @ (q * scales (+ mins))^T -> [M, out] float32 through cpu_kernels.cpp's
-    int8 kernel, on our own int8 layout: x in 16-bit integers per block of 32, as for int4."""
-    return torch.ops.ssd.int8_mm(x.float().contiguous(), q, scales, mins)
-
-
-def int8_cpu_reference(x, q, scales, mins=None):
-    """int8_cpu_product's math in float64 (slow; for tests): y = sum over blocks of s * d * (q . p)
-    + sum over groups of m * sum(x)."""
-    p, d, xsum = rows16(x)
-    per = q.shape[1] // scales.shape[1] // BLOCK                       # blocks a group
-    qp = torch.einsum("ogk,mgk->mog", q.double().view(q.shape[0], -1, BLOCK), p)
-    y = (qp * scales.double().repeat_interleave(per, 1) * d[:, None]).sum(-1)
-    if mins is not None:
-        y = y + xsum.view(len(x), -1, per).sum(-1) @ mins.double().T  # [M, groups] @ m^T
-    return y
 
 
 def renamed(fn, tag: str):
@@ -393,21 +321,22 @@ class QuantLinear(nn.Module):
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.stored())
 
+    def path(self) -> str:
+        """Which product this layer runs (a name of PRODUCTS, below), from what load chose: its
+        kernel (pack, pack_layers) or its own layout, compiled or not."""
+        if self.kernel is not None:
+            return f"int{self.bits} {self.kernel}"
+        return f"int{self.bits} {'compiled' if self.compiled else 'dequantised'}"
+
     def forward(self, x):
-        if self.packed is not None:  # an int4 kernel (pack), traced as it is when compiling
-            product = int4_cpu_product if self.kernel == "cpu" else int4_kernel_product
-            y = product(x.reshape(-1, self.in_features), self.packed, self.scales_and_zeros)
-        else:
-            y = self.product(x.reshape(-1, self.in_features).float().contiguous())  # [M, out]
+        y = PRODUCTS[self.path()](self, x.reshape(-1, self.in_features))  # [M, out]
         if self.bias is not None:
             y = y + self.bias
         return y.to(self.out_dtype or x.dtype).view(*x.shape[:-1], self.out_features)
 
-    def product(self, rows):
-        """rows [M, in] float32 @ the weight in our layout^T -> [M, out] float32."""
+    def compiled_product(self, rows):
+        """rows [M, in] float32 @ the weight in our layout^T -> [M, out] float32, compiled."""
         stored = (self.qweight, self.scales, self.mins)
-        if self.kernel == "cpu":  # an int8 layer on cpu_kernels.cpp's kernel (pack_layers)
-            return int8_cpu_product(rows, *stored)
         if torch.compiler.is_compiling():  # a compiled step (compiled_halves, compiled_body)
             # a layer's decode-step product, fused with the step's other work; not an LM head's
             # (out_dtype): traced with the final norm, SmolLM2-135M's int8 head made a step
@@ -415,9 +344,7 @@ class QuantLinear(nn.Module):
             if rows.shape[0] == 1 and self.out_dtype is None:
                 return (int8_product if self.bits == 8 else int4_product)(rows, *stored)
             return quant_product(rows, *stored)
-        if self.compiled:
-            return product(rows, *stored)
-        return dequantised_product(rows, *stored)
+        return product(rows, *stored)
 
     def rows(self, lo: int, hi: int) -> "QuantRows":
         return QuantRows(self, lo, hi)
@@ -427,6 +354,32 @@ class QuantLinear(nn.Module):
                 f"int{self.bits}, group={self.group}"
                 + (", mins" * (self.bits == 8 and self.mins is not None))
                 + (f", {self.kernel} kernel" * (self.kernel is not None)))
+
+
+# Which product a quantized layer runs, by QuantLinear.path: the one place that names them all.
+# `run.py --explain` prints how many layers of the target run each (`products`). x: [M, in].
+PRODUCTS = {
+    "int4 cpu": lambda m, x: int4_cpu_product(x, m.packed, m.scales_and_zeros),  # cpu_kernels.cpp
+    "int4 torch": lambda m, x: int4_kernel_product(x, m.packed, m.scales_and_zeros),  # torch's
+    "int8 cpu": lambda m, x: int8_cpu_product(x, m.qweight, m.scales, m.mins),  # cpu_kernels.cpp
+    # our layout: compiled up to ROW_BUCKETS[-1] rows, dequantised past; or dequantised always
+    "int8 compiled": lambda m, x: m.compiled_product(x.float().contiguous()),
+    "int4 compiled": lambda m, x: m.compiled_product(x.float().contiguous()),
+    "int8 dequantised": lambda m, x: dequantised_product(x.float(), m.qweight, m.scales, m.mins),
+    "int4 dequantised": lambda m, x: dequantised_product(x.float(), m.qweight, m.scales, m.mins),
+}
+
+
+def products(model: nn.Module) -> dict[str, int]:
+    """How many of the model's quantized layers run each product (PRODUCTS), and how many of its
+    decoder layers run an eager step as one C++ call (model.Block.use_one_call)."""
+    count = {}
+    for m in model.modules():
+        name = (m.path() if isinstance(m, QuantLinear) and not isinstance(m, QuantEmbedding) else
+                "layer in one call" if getattr(m, "one_call", None) is not None else None)
+        if name is not None:
+            count[name] = count.get(name, 0) + 1
+    return count
 
 
 class QuantRows:

@@ -401,6 +401,9 @@ def add_device_options(g):
 def add_output_options(g):
     g.add_argument("--json", action="store_true",
                    help="print one JSON line with the tokens, text and stats instead")
+    g.add_argument("--explain", action="store_true",
+                   help="after the stats, which product each of the target's quantized layers ran "
+                        "(quantize.PRODUCTS) and how many layers ran a step as one C++ call")
 
 
 def generate_kwargs(a: argparse.Namespace) -> dict:
@@ -540,6 +543,9 @@ def main(argv=None):
                           "stats": res.stats}))
         return 0
     print_stats(res.stats)
+    if a.explain:
+        for name, n in sorted(res.stats["target_products"].items()):
+            print(f"{'target':>16}  {n} x {name}")
     return 0
 
 

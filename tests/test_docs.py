@@ -204,7 +204,7 @@ def test_quantize_doc_states_the_scales_dtypes():
     doc = flat(quantize.__doc__)
     assert f"scales {ours} [out, in / G]" in doc and f"scales and mins {ours} [out, in / 32]" in doc
     assert f"Our layouts hold scales in {ours}" in doc
-    assert f"cpu_kernels.cpp's int4 layout (int4_to_cpu_kernel, below) holds them in {kernel}" in doc
+    assert f"cpu_kernels.cpp's int4 layout (cpu_kernels.int4_to_cpu_kernel) holds them in {kernel}" in doc
     assert f"sm {kernel}" in flat(quantize.int4_to_cpu_kernel.__doc__)
 
 

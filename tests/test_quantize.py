@@ -20,8 +20,9 @@ import quantize
 
 from checkpoint import load_model
 from gguf_format import GGUF_INTEGERS, gguf_integers
-from quantize import (QuantLinear, QuantRows, dequantize, int4_cpu_reference, int4_product,
-                      int8_cpu_reference, int8_product, pack_layers, quantize_int4, quantize_int8,
+from cpu_kernels import int4_cpu_reference, int8_cpu_reference
+from quantize import (QuantLinear, QuantRows, dequantize, int4_product,
+                      int8_product, pack_layers, quantize_int4, quantize_int8,
                       weight_bytes)
 from conftest import needs_cpu_kernels
 from test_generate import empirical_law, gen, make_small_vocab_pair, tv, tv_bound
@@ -691,3 +692,28 @@ def test_one_call_layer_is_the_python_layer_and_rows_stay_independent(make_ckpt)
     assert torch.equal(fused["alone"].argmax(-1), python.argmax(-1))
     int8, _ = load_model(path, tokenizer=False, quant="int8")
     assert all(layer.one_call is None for layer in int8.model.layers)
+
+
+def test_products_is_the_one_place_that_says_which_product_runs(monkeypatch):
+    """Every quantized layer's path() names an entry of quantize.PRODUCTS and forward runs that
+    entry (a spy swapped in is what the layer returns); its path follows what load chose."""
+    layer = QuantLinear(64, 16, bits=8, group=32, compiled=False)
+    layer.rows(0, 16).copy_(torch.randn(16, 64))
+    assert layer.path() == "int8 dequantised" and set(quantize.PRODUCTS) >= {layer.path()}
+    monkeypatch.setitem(quantize.PRODUCTS, "int8 dequantised", lambda m, x: torch.zeros(len(x), 16) + 7)
+    assert torch.equal(layer(torch.randn(3, 64)), torch.full((3, 16), 7.0))
+    layer.compiled = True
+    assert layer.path() == "int8 compiled"
+
+
+@needs_cpu_kernels
+def test_the_engine_reports_the_targets_products(make_ckpt):
+    """generate()'s stats name what the target's layers ran (run.py --explain prints them): on a
+    CPU with the kernels, an int4 model's four products a layer on cpu_kernels.cpp's int4 op, its
+    int8 head on the int8 op, each decoder layer's eager step in one call."""
+    from run import generate
+    path = make_ckpt("llama", hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                     num_key_value_heads=2)
+    res = generate([[1, 5, 9]], target=str(path), mode="ar", quant="int4", max_new_tokens=2)
+    L = load_model(path, tokenizer=False)[0].config.num_hidden_layers
+    assert res.stats["target_products"] == {"int4 cpu": 4 * L, "int8 cpu": 1, "layer in one call": L}
