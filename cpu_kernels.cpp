@@ -128,8 +128,9 @@ __m256 sum8x8(const __m256* a) {
 
 // ---------------------------------------------------------------------------------------------
 // int4, q in 0..15 with a float16 scale and min per block. The layout
-// (cpu_kernels.int4_to_cpu_kernel writes it): the outputs in tiles of 8 (one AVX2 register of 8 int32 sums), and per tile, block
-// and unit u of 8 inputs (4 units a block) 32 bytes, read as 16 16-bit words:
+// (cpu_kernels.int4_to_cpu_kernel writes it): the outputs in tiles of 8 (one AVX2 register of 8
+// int32 sums), and per tile, block and unit u of 8 inputs (4 units a block) 32 bytes, read as 16
+// 16-bit words:
 //   word 2 r + e (output r of the tile, e = 0, 1) holds, in its nibble j (bits 4 j .. 4 j + 3),
 //   input 8 u + 2 j + e of output r.
 // So one 32-byte load gives, after shifts and masks, 4 registers (j = 0..3) whose int32 lane r
