@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fallback import POLICIES
+from fallback import FAST_BACKUPS, POLICIES
 from checkpoint import load_config, load_model, load_tokenizer, resolve
 from cpu_linear import ROWS, use_forms
 from devices import device_index, to_host
@@ -80,6 +80,8 @@ class DraftSettings:
                 (self.budget >= 1, f"budget={self.budget}: the fan-out budget B must be >= 1"),
                 (0 <= self.saguaro_c <= 1, f"saguaro_c={self.saguaro_c}: C must be in [0, 1]"),
                 (self.fallback in POLICIES, f"fallback={self.fallback!r}: use {POLICIES}"),
+                (self.fast_fallback in FAST_BACKUPS,
+                 f"fast_fallback={self.fast_fallback!r}: use {FAST_BACKUPS} (no draft model)"),
                 (self.pre_spec in PRE_SPEC, f"pre_spec={self.pre_spec!r}: use {PRE_SPEC}")):
             if not ok:
                 raise ValueError(problem)

@@ -174,6 +174,7 @@ BACKUPS = {
         "random", random_propose(len(histories), K, V, generator), generator),
 }
 POLICIES = ("auto", *BACKUPS)  # --fallback: a backup, or auto (neural below b*, a fast one above)
+FAST_BACKUPS = tuple(b for b in BACKUPS if b != "neural")  # what auto may switch to
 
 
 def choose_fallback(policy: str, b: int, b_star, fast: str = "ngram") -> str:
@@ -181,9 +182,8 @@ def choose_fallback(policy: str, b: int, b_star, fast: str = "ngram") -> str:
     never flips) and the fast backup `fast` from b* on."""
     if policy not in POLICIES:
         raise ValueError(f"unknown fallback policy {policy!r}; choose one of {', '.join(POLICIES)}")
-    if fast not in BACKUPS or fast == "neural":
-        raise ValueError(f"unknown fast backup {fast!r}; choose one of "
-                         f"{', '.join(b for b in BACKUPS if b != 'neural')}")
+    if fast not in FAST_BACKUPS:
+        raise ValueError(f"unknown fast backup {fast!r}; choose one of {', '.join(FAST_BACKUPS)}")
     if policy != "auto":
         return policy
     return "neural" if b_star is None or b < b_star else fast

@@ -193,3 +193,15 @@ def test_propose_runs_the_chosen_backup():
     assert b.kind == "random" and b.q is None and b.tokens.shape == (2, K) and int(b.tokens.max()) < V
     with pytest.raises(ValueError, match="unknown backup"):
         propose("auto", histories, K, V, g, neural)  # a policy, not a backup: choose_fallback resolves it
+
+
+def test_fast_fallback_is_checked_with_the_settings():
+    """A fast backup that is not one (the neural draft, an unknown name) is refused when the
+    settings are made, not at the first miss of a large batch."""
+    from draft import DraftSettings
+    from fallback import FAST_BACKUPS
+    assert FAST_BACKUPS == ("ngram", "random")
+    for bad in ("neural", "auto", "zigzag"):
+        with pytest.raises(ValueError, match="fast_fallback"):
+            DraftSettings(fast_fallback=bad)
+    assert DraftSettings(fast_fallback="random").fast_fallback == "random"
