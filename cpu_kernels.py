@@ -110,7 +110,7 @@ def build_and_load(source: Path, extra: tuple[str, ...] = ()) -> bool:
 # --------------------------------------------------------------------------------------------------
 # The ops from Python: the int4 layout they read, the products, and their math in float64 (tests)
 
-BLOCK = 32     # inputs per block: GGUF's, quantize.BLOCK
+BLOCK = 32     # inputs per int4 block (and per int8 group of a GGUF file): GGUF's block size
 INT4_TILE = 8  # outputs per tile of the int4 layout
 
 

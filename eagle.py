@@ -44,7 +44,6 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from checkpoint import resolve
 from config import ModelConfig

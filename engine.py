@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from channel import SpeculatorProcess
-from checkpoint import load_config, load_model, load_tokenizer, resolve
+from checkpoint import load_model, load_tokenizer
 from cpu_linear import ROWS, use_forms
 from quantize import check_quant, products, warm_up
 from decode import NoDraft, Output, SDRounds, SSDRounds

@@ -234,7 +234,6 @@ class Block(nn.Module):
         self.self_attn = Attention(cfg, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, tp)
-        self.eps = cfg.rms_norm_eps
         self.one_call = None  # the weights of cpu_kernels.cpp's one-call layer (use_one_call)
 
     def use_one_call(self) -> bool:
@@ -262,9 +261,10 @@ class Block(nn.Module):
         the layer in one call of cpu_kernels.cpp where it can (one_call)."""
         if (self.one_call is not None and meta is not None and meta.cpu_kernel and halves is None
                 and not torch.compiler.is_compiling()):
-            return torch.ops.ssd.int4_layer(x, cos, sin, self.one_call, self.eps, self.self_attn.nh,
-                                            self.self_attn.nkv, kv_layer, meta.slots,
-                                            meta.block_table, meta.rows, meta.positions)
+            return torch.ops.ssd.int4_layer(x, cos, sin, self.one_call, self.input_layernorm.eps,
+                                            self.self_attn.nh, self.self_attn.nkv, kv_layer,
+                                            meta.slots, meta.block_table, meta.rows,
+                                            meta.positions)
         pre, post = halves or (Block.pre_attention, Block.post_attention)
         q, k, v = pre(self, x, cos, sin)
         return post(self, x, self.self_attn.attend(q, k, v, kv_layer, meta))

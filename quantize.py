@@ -54,12 +54,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import cpu_kernels
-from cpu_kernels import (int4_cpu_product, int4_cpu_weight, int4_to_cpu_kernel,
+from cpu_kernels import (BLOCK, int4_cpu_product, int4_cpu_weight, int4_to_cpu_kernel,
                          int8_cpu_product)
 from huge_pages import into_huge_pages
 
 QUANTS = ("auto", "none", "int8", "int4")  # auto: a GGUF file's own precision, else none
-BLOCK = 32  # inputs per int4 block (and per int8 group of a GGUF file): GGUF's block size
 ROW_BUCKETS = (1, 2, 3, 4, 8, 16)  # row counts the compiled product is built for (rows padded up)
 DEQUANT_ELEMENTS = 1 << 23  # a longer product dequantises at most this many weights at a time
 
@@ -362,11 +361,11 @@ PRODUCTS = {
     "int4 cpu": lambda m, x: int4_cpu_product(x, m.packed, m.scales_and_zeros),  # cpu_kernels.cpp
     "int4 torch": lambda m, x: int4_kernel_product(x, m.packed, m.scales_and_zeros),  # torch's
     "int8 cpu": lambda m, x: int8_cpu_product(x, m.qweight, m.scales, m.mins),  # cpu_kernels.cpp
-    # our layout: compiled up to ROW_BUCKETS[-1] rows, dequantised past; or dequantised always
-    "int8 compiled": lambda m, x: m.compiled_product(x.float().contiguous()),
-    "int4 compiled": lambda m, x: m.compiled_product(x.float().contiguous()),
-    "int8 dequantised": lambda m, x: dequantised_product(x.float(), m.qweight, m.scales, m.mins),
-    "int4 dequantised": lambda m, x: dequantised_product(x.float(), m.qweight, m.scales, m.mins),
+    # our layout, either width: compiled up to ROW_BUCKETS[-1] rows, dequantised past; or
+    # dequantised always
+    **{f"int{b} compiled": lambda m, x: m.compiled_product(x.float().contiguous()) for b in (4, 8)},
+    **{f"int{b} dequantised": lambda m, x: dequantised_product(x.float(), m.qweight, m.scales,
+                                                              m.mins) for b in (4, 8)},
 }
 
 
