@@ -65,8 +65,8 @@ def fan_out(cell: str) -> list[int] | None:
 
 
 def kv_length(cell: str, L: int) -> int:
-    """The row's KV length: the first "(L)" or "(L + k)" of the cell."""
-    k = re.search(r"\(L(?: \+ (\d+))?\)", cell).group(1)
+    """The row's KV length: the first "(m)" or "(m + k)" of the cell (m: the prompt's length)."""
+    k = re.search(r"\(m(?: \+ (\d+))?\)", cell).group(1)
     return L + int(k or 0)
 
 
