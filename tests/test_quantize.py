@@ -7,6 +7,7 @@ the quantized target's (with a negative control).
 
 import mmap
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -632,11 +633,12 @@ def test_law_negative_control_the_float_targets_law(int4_pair, int4_runs):
 def test_step_floor_compares_each_step_with_the_floor_measured_beside_it():
     """scripts/step_floor.py on the tiny target: the weights it counts are the model's as stored,
     each row's floor is those bytes at that row's read speed and its ratio the step over it, at
-    each thread count asked for (eager and small here: the script's arithmetic, not a speed)."""
+    each thread count asked for, and each verification's steps are its time over the step beside
+    it (eager and small here: the script's arithmetic, not a speed)."""
     from scripts import step_floor
     threads = torch.get_num_threads()
     out = step_floor.main(["--target", "tiny", "--threads", "1,2", "--rounds", "2", "--steps", "3",
-                           "--gib", "0.02", "--no-compile"])
+                           "--gib", "0.02", "--no-compile", "--verify", "2,5"])
     assert torch.get_num_threads() == threads  # given back
     weights = weight_bytes(load_model("tiny", tokenizer=False)[0])
     assert out["weight_mib"] * 2**20 == weights
@@ -645,6 +647,12 @@ def test_step_floor_compares_each_step_with_the_floor_measured_beside_it():
         assert r["floor_ms"] == pytest.approx(weights / (r["read_gb_s"] * 1e9) * 1e3)
         assert r["ratio"] == pytest.approx(r["step_ms"] / r["floor_ms"]) and r["step_ms"] > 0
     assert set(out["median_ratio"]) == {1, 2}
+    for th in (1, 2):
+        rows = [r for r in out["rows"] if r["threads"] == th]
+        assert set(out["verify_steps"][th]) == {2, 5}
+        for R in (2, 5):
+            assert out["verify_steps"][th][R] == pytest.approx(
+                statistics.median(r["verify_ms"][R] / r["step_ms"] for r in rows))
 
 
 # --------------------------------------------------------------------------------------------------
