@@ -90,7 +90,7 @@ def summarize(cfg, runs):
         row.update(rounds=m["rounds"], row_rounds=rr, accept_len_histogram=m["hist"],
                    verify_seconds=m["verify_s"],
                    tokens_per_round=(m["new"] - m["first"]) / rr if rr else 0.0,
-                   acceptance_rate=m["accepted"] / m["proposed"] if m["proposed"] else None,
+                   accepted_per_proposed=m["accepted"] / m["proposed"] if m["proposed"] else None,
                    acceptance_a=m["accepted"] / m["trials"] if m["trials"] else None)
     if cfg.engine == "ssd":
         looks = m["hits"] + m["misses"]
@@ -308,7 +308,7 @@ def print_tables(rows, a, n_prompts):
             print(f"{r['label']:<{w}}  {r['decode_tok_s_per_seq']:>9.1f} {r['decode_tok_s']:>8.1f} "
                   f"{fmt(r['speedup_vs_ar']):>6} {fmt(r['speedup_vs_sd']):>6} "
                   f"{fmt(r.get('speedup_vs_llama_cpp')):>7} "
-                  f"{fmt(r.get('tokens_per_round')):>7} {fmt(r.get('acceptance_rate')):>6} "
+                  f"{fmt(r.get('tokens_per_round')):>7} {fmt(r.get('accepted_per_proposed')):>6} "
                   f"{fmt(r.get('cache_hit_rate')):>5} {fmt(r.get('verifier_wait_pct'), '.0f'):>5} "
                   f"{fmt(r.get('draft_busy_pct'), '.0f'):>5}")
         for r in g:

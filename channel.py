@@ -366,7 +366,7 @@ def speculator_main(cfg: DraftConfig, threads, ch: Channel, inbox, errors):
         ch.pin_here()
         # pre-speculation stops when the outcome arrives: the verifier must not wait for branches
         # it will not use (speculator.Speculator.respond completes the one that hit)
-        spec = load_draft(cfg, arrived=lambda step: bool(ch.posted[0]))
+        speculator = load_draft(cfg, arrived=lambda step: bool(ch.posted[0]))
         ch.loaded.release()
         parent = mp.parent_process()
         rows, handled = [], 0  # the running rows; controls handled so far
@@ -375,22 +375,22 @@ def speculator_main(cfg: DraftConfig, threads, ch: Channel, inbox, errors):
             wait_for(ch.outcome_ready, parent.is_alive, "verifier", spin=ch.spin)
             if handled < int(ch.controls[0]):  # a control (sent before any later outcome)
                 handled += 1
-                rows = control(spec, receive(inbox, parent), rows, long)
-                ch.draft_blocks[0] = spec.used_blocks()
-                ch.draft_prefix[:] = torch.tensor(spec.prefix_tokens())
+                rows = control(speculator, receive(inbox, parent), rows, long)
+                ch.draft_blocks[0] = speculator.used_blocks()
+                ch.draft_prefix[:] = torch.tensor(speculator.prefix_tokens())
                 continue
             if ch.stop[0]:
                 break
             rows, n, t, round_seconds = ch.outcome()
             features = None
             if ch.features is not None:  # [c, layers * hidden] -> [c, layers, hidden]
-                features = [f.view(len(f), -1, spec.model.config.hidden_size)
+                features = [f.view(len(f), -1, speculator.model.config.hidden_size)
                             for f in ch.features_of(len(rows), long)]
-            ch.send_proposals(spec.respond(rows, n, t, features=features,
-                                           round_seconds=round_seconds), spec.capture_seconds())
-            spec.pre_speculate(rows)  # the next round, while the verifier verifies this one
-            ch.draft_blocks[0] = spec.used_blocks()
-        errors.put(("stats", spec.stats()))
+            ch.send_proposals(speculator.respond(rows, n, t, features=features,
+                                           round_seconds=round_seconds), speculator.capture_seconds())
+            speculator.pre_speculate(rows)  # the next round, while the verifier verifies this one
+            ch.draft_blocks[0] = speculator.used_blocks()
+        errors.put(("stats", speculator.stats()))
         errors.close()
         errors.join_thread()
         ch.unpin_here()
@@ -413,7 +413,7 @@ def receive(inbox, parent):
                 raise RuntimeError("the verifier process died") from None
 
 
-def control(spec, message, rows, long: dict) -> list[int]:
+def control(speculator, message, rows, long: dict) -> list[int]:
     """Rows join (prefilled; a batch starting from empty pre-speculates its round 0, as
     decode.SSDRounds.join does in one process) or leave (KV and branches freed), or the next
     outcome's features too long for the buffer arrive (kept in `long`). -> the running rows."""
@@ -424,10 +424,10 @@ def control(spec, message, rows, long: dict) -> list[int]:
     if kind == "add":
         prompts, first, temps, seeds = arg
         new = list(range(first, first + len(prompts)))
-        spec.add(prompts, first=first, temps=temps, seeds=seeds)
+        speculator.add(prompts, first=first, temps=temps, seeds=seeds)
         if not rows:
-            spec.pre_speculate(new)
+            speculator.pre_speculate(new)
         return rows + new
     gone = set(arg)
-    spec.leave(arg)
+    speculator.leave(arg)
     return [r for r in rows if r not in gone]

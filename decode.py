@@ -333,7 +333,11 @@ class Output:
              "rounds": self.rounds, "verify_seconds": self.verify_s,
              "capture_seconds": self.capture_s,
              "mean_tokens_per_round": (new - b) / self.row_rounds if self.row_rounds else 0.0,
-             "acceptance_rate": self.accepted / self.proposed if self.proposed else 0.0,
+             # two ratios of the accepted tokens: over those proposed, and a, over the trials
+             # (spec_cache.acceptance_trials: a proposal stopped at the first rejection), the
+             # per-token acceptance that the fan-out and the docs call a
+             "accepted_per_proposed": self.accepted / self.proposed if self.proposed else 0.0,
+             "acceptance": self.accepted / self.trials if self.trials else 0.0,
              "proposed_tokens": self.proposed, "acceptance_trials": self.trials,
              "accept_len_histogram": self.hist}
         if mode == "ssd":

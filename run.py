@@ -471,7 +471,8 @@ def print_stats(s: dict):
             ("prefill s", f"{s['prefill_seconds']:.3f}"),
             ("decode tok/s", f"{s['decode_tok_s']:.1f}"), ("rounds", s["rounds"]),
             ("tokens/round", f"{s['mean_tokens_per_round']:.2f}"),
-            ("acceptance", f"{s['acceptance_rate']:.2f}")]
+            ("acceptance a", f"{s['acceptance']:.2f} (accepted / proposed "
+                             f"{s['accepted_per_proposed']:.2f})")]
     if s["capture_seconds"] > 0:  # CUDA graph captures, compiles (--compile): not decoding
         rows.insert(3, ("set-up s", f"{s['capture_seconds']:.1f} (captures, compiles)"))
     if s["mode"] == "ssd":

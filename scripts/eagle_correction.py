@@ -38,7 +38,7 @@ def one_pass(ids, target, a, correct: bool) -> dict:
         tot["seconds"] += s["decode_seconds"]
         tot["hits"] += s["hits"]
         tot["lookups"] += s["hits"] + s["misses"]
-        tot["accepted"] += s["acceptance_rate"] * s["proposed_tokens"]
+        tot["accepted"] += s["accepted_per_proposed"] * s["proposed_tokens"]
         tot["trials"] += s["acceptance_trials"]
         tot["rounds"] += s["rounds"]
     return {"tok/s": tot["tokens"] / tot["seconds"], "hit rate": tot["hits"] / tot["lookups"],

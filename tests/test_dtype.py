@@ -130,7 +130,7 @@ def fake_generate(calls):
         calls.append(kw)
         stats = dict(mode=kw["mode"], batch=len(prompts), new_tokens=len(prompts), prefill_seconds=0.1,
                      decode_seconds=0.1, decode_tok_s=0.0, rounds=1, verify_seconds=0.05, mean_tokens_per_round=1.0,
-                     acceptance_rate=0.0, accept_len_histogram=[1], proposed_tokens=0, acceptance_trials=0)
+                     accepted_per_proposed=0.0, acceptance=0.0, accept_len_histogram=[1], proposed_tokens=0, acceptance_trials=0)
         return GenerateResult([[5] for _ in prompts], None, stats)
     return gen
 
@@ -333,7 +333,7 @@ def check_against_ar(ar, res):
 def test_bf16_greedy_sd_emits_ar_tokens(ar, k):
     res = generate(PROMPTS, mode="sd", k=k, dtype="bfloat16", **KW)
     check_against_ar(ar, res)
-    assert 0 < res.stats["acceptance_rate"] < 1  # verifications of K + 1 tokens, accepted and rejected
+    assert 0 < res.stats["accepted_per_proposed"] < 1  # verifications of K + 1 tokens, accepted and rejected
 
 
 @pytest.mark.parametrize("k,fan_out,fallback", [(4, "geometric", "neural"), (3, "uniform", "ngram")])

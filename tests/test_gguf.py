@@ -154,7 +154,7 @@ def test_sd_with_itself_accepts_everything(smol, ar_run, untimed_forms):
     res = generate([PROMPT], mode="sd", draft="smollm2-135m", k=4, max_new_tokens=24,
                    tokenizer=smol[1], **KW)
     assert res.tokens[0] == ar_run.tokens[0][:24]
-    assert res.stats["acceptance_rate"] > 0.95, res.stats
+    assert res.stats["accepted_per_proposed"] > 0.95, res.stats
 
 
 @needs_smollm2
@@ -317,7 +317,7 @@ def test_bench_reads_a_gguf_target(converted, capsys):
                      "--max-new-tokens", "6", "--repeats", "1", "--warmup", "0", "--cores", "1", "--k", "2"])
     assert rc == 0
     rows = {r["engine"]: r for r in json.loads(capsys.readouterr().out.strip().splitlines()[-1])["results"]}
-    assert rows["sd"]["new_tokens"] == 6 and rows["sd"]["acceptance_rate"] == 1.0
+    assert rows["sd"]["new_tokens"] == 6 and rows["sd"]["accepted_per_proposed"] == 1.0
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -614,7 +614,7 @@ def int4_runs(int4_pair):
 @pytest.mark.parametrize("mode", ["sd", "ssd"])
 def test_law_with_a_quantized_pair_is_the_quantized_targets(int4_pair, int4_runs, mode):
     law, res = int4_pair[3], int4_runs[mode]
-    assert 0.1 < res.stats["acceptance_rate"] < 0.9, res.stats
+    assert 0.1 < res.stats["accepted_per_proposed"] < 0.9, res.stats
     emp = empirical_law(res.tokens, 3)
     assert tv(emp, law) < tv_bound(law, N_QLAW), (tv(emp, law), tv_bound(law, N_QLAW))
 

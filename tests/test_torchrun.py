@@ -191,7 +191,7 @@ def test_two_nodes_emit_the_tokens_of_tp1(pairs, tmp_path, start):
             if got_target == str(target):
                 assert tokens == ref, (kind, mode)
                 if mode != "ar":  # rounds that accepted and rounds that rejected
-                    assert 0 < stats["acceptance_rate"] < 1, (kind, mode, stats)
+                    assert 0 < stats["accepted_per_proposed"] < 1, (kind, mode, stats)
     assert nodes.all_gone()
 
 
