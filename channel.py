@@ -386,8 +386,9 @@ def speculator_main(cfg: DraftConfig, threads, ch: Channel, inbox, errors):
             if ch.features is not None:  # [c, layers * hidden] -> [c, layers, hidden]
                 features = [f.view(len(f), -1, speculator.model.config.hidden_size)
                             for f in ch.features_of(len(rows), long)]
-            ch.send_proposals(speculator.respond(rows, n, t, features=features,
-                                           round_seconds=round_seconds), speculator.capture_seconds())
+            proposals = speculator.respond(rows, n, t, features=features,
+                                           round_seconds=round_seconds)
+            ch.send_proposals(proposals, speculator.capture_seconds())
             speculator.pre_speculate(rows)  # the next round, while the verifier verifies this one
             ch.draft_blocks[0] = speculator.used_blocks()
         errors.put(("stats", speculator.stats()))
