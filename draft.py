@@ -1,11 +1,12 @@
 """The draft side of speculative decoding (SD): draft up to K tokens, follow the verifier's outcome.
 
 Read in this order: `Proposals` (what a round hands the verifier), `DraftSettings` (how the draft
-proposes), `Drafted` and `draft_k` (its inner loop), `Row` (all the draft keeps about one
-sequence), `Drafter` (plain SD: prefill, draft, follow the outcome), then `DraftConfig` and
-`load_draft`, which builds a Drafter or, for SSD, speculator.Speculator. SSD's speculator
-(`Branches`, `Speculator`, `in_row_order`) lives in speculator.py, read next: it builds on this
-file (a Drafter that pre-speculates), so this file imports it only inside load_draft.
+proposes) and `recorded_settings` (those a draft's checkpoint records), `Drafted` and `draft_k`
+(its inner loop), `Row` (all the draft keeps about one sequence), `Drafter` (plain SD: prefill,
+draft, follow the outcome), then `DraftConfig` and `load_draft`, which builds a Drafter or, for
+SSD, speculator.Speculator. SSD's speculator (`Branches`, `Speculator`, `in_row_order`) lives in
+speculator.py, read next: it builds on this file (a Drafter that pre-speculates), so this file
+imports it only inside load_draft.
 
 Invariant: a row's KV cache holds a prefix of its committed tokens + its proposals under
 verification; the rest is unfed (`Row.unfed`: the last bonus t, the last proposal, a fast
@@ -15,13 +16,16 @@ Used here before the reading order shows them: `draw`, `exp_noise`, `row_seed` a
 settings (saguaro_sample.py), the model's `forward_cached` and `prefill` (model.py), the cache's
 `length` and `truncate` (kv_cache.py), `to_host` and `device_index` (devices.py).
 """
+import dataclasses
+import json
 import numbers
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from fallback import FAST_BACKUPS, POLICIES
-from checkpoint import load_config, load_model, load_tokenizer, resolve
+from checkpoint import ALIASES, load_config, load_model, load_tokenizer, resolve
 from cpu_linear import ROWS, use_forms
 from devices import device_index, to_host
 from kv_cache import PagedKVCache
@@ -89,6 +93,26 @@ class DraftSettings:
         object.__setattr__(self, "fan_out", fan_out)  # normalised once (frozen: never after)
         if isinstance(fan_out, list):
             object.__setattr__(self, "budget", sum(fan_out))  # an explicit one is its own budget
+
+
+# The settings measured best for a draft with its target, which its checkpoint records in
+# config.json under "speculation": DraftSettings' fields (K, confidence, ...) and "quant", the
+# draft's weights (checkpoint.load_model's quant). generate() and run.py start from them, a value
+# given still wins, and a draft that records none gets DraftSettings' defaults.
+def recorded_settings(name) -> dict:
+    """The "speculation" entry of the local draft checkpoint `name` (a directory or an alias of
+    one) -> {field: value}; {} for anything else (a GGUF file, a model object, no entry)."""
+    if not isinstance(name, (str, Path)):
+        return {}
+    config = Path(str(ALIASES.get(str(name), name))).expanduser() / "config.json"
+    if not config.is_file():
+        return {}
+    settings = json.loads(config.read_text()).get("speculation", {})
+    fields = {f.name for f in dataclasses.fields(DraftSettings)} | {"quant"}
+    if not isinstance(settings, dict) or set(settings) - fields:
+        raise ValueError(f"{config}: its \"speculation\" entry must map fields of "
+                         f"draft.DraftSettings or \"quant\" to values, not {settings!r}")
+    return settings
 
 
 @dataclass

@@ -23,7 +23,7 @@ import torch
 from checkpoint import load_model, load_tokenizer
 from devices import DTYPES, check_device, resolve_dtype
 from quantize import QUANTS
-from draft import DraftSettings
+from draft import DraftSettings, recorded_settings
 from spec_policy import PRE_SPEC
 from engine import (LOADING, Engine, EngineConfig, Started, build_engine, default_devices,
                     kv_sizes, load_target, refuse_target_devices, threads_of)
@@ -67,12 +67,12 @@ def generate(prompts, target="tiny", draft="tiny-draft", mode="sd", max_new_toke
     (speculative speculative decoding with Saguaro) or "auto" (the fastest of the three, measured
     on these prompts first: generate_auto); default "sd", while the command line's --mode
     defaults to "ssd". parallel=False: ssd's speculator in this process (same tokens for a seed).
-    How the draft proposes is draft.DraftSettings, given whole as
-    draft_settings or by its fields (None: its default): k (K), confidence (stop a row's proposal
-    after a token the draft is less sure of), and ssd's fan_out, budget B, fixed_budget (B kept,
-    not adapted to the time), saguaro_c C, fallback policy, pre_spec ("always" every round, "auto"
-    only while that measures faster, "never" not at all: SD's schedule across two processes, what
-    the split alone costs).
+    How the draft proposes is draft.DraftSettings, given whole as draft_settings or by its fields
+    (None: the value the draft's checkpoint records, draft.recorded_settings, else DraftSettings'
+    default): k (K), confidence (stop a row's proposal after a token the draft is less sure of),
+    and ssd's fan_out, budget B, fixed_budget (B kept, not adapted to the time), saguaro_c C,
+    fallback policy, pre_spec ("always" every round, "auto" only while that measures faster,
+    "never" not at all: SD's schedule across two processes, what the split alone costs).
     target_devices: two or more devices (["cuda:0", ..., "cuda:3"]) run the target tensor parallel,
     one rank per device (it replaces target_device); torchrun=True: this process is rank 0 of a
     torchrun world and the target runs over all its ranks, on every node (the others run
@@ -80,9 +80,10 @@ def generate(prompts, target="tiny", draft="tiny-draft", mode="sd", max_new_toke
     target's KV cache in tokens (default: sized for the request); the draft gets the same plus room
     for SSD's branches. dtype: both models' weights and activations, "auto" (bfloat16 on CUDA,
     float32 on the CPU), "float32", "bfloat16" or "float16"; logits are float32 in every dtype.
-    quant / draft_quant: the target's / the draft's linear weights, "auto" (a GGUF file's own
-    precision, float for safetensors), "none" (float, in dtype), "int8" or "int4" (quantize.py:
-    weight-only, quantized at load); SD and SSD are exact with respect to the models as loaded.
+    quant / draft_quant: the target's / the draft's linear weights, "auto" (for the draft the
+    precision its checkpoint records, if it does; else a GGUF file's own, float for
+    safetensors), "none" (float, in dtype), "int8" or "int4" (quantize.py: weight-only, quantized
+    at load); SD and SSD are exact with respect to the models as loaded.
     graphs: None replays decode steps and verifications as CUDA graphs on CUDA (not with tensor
     parallelism) and runs them eagerly elsewhere; False turns graphs off; True pads them to the
     graphs' static shapes on any device (on the CPU, eagerly: the tests' check of that path).
@@ -102,9 +103,10 @@ def generate(prompts, target="tiny", draft="tiny-draft", mode="sd", max_new_toke
     if mode == "auto":
         return generate_auto(**locals())  # every parameter, as given
     prompts = check_request(prompts, max_new_tokens)
-    spec = settings_of(draft_settings, K=k, confidence=confidence, fan_out=fan_out, budget=budget,
-                       saguaro_c=saguaro_c, fallback=fallback, pre_spec=pre_spec,
+    spec = settings_of(draft_settings, draft, K=k, confidence=confidence, fan_out=fan_out,
+                       budget=budget, saguaro_c=saguaro_c, fallback=fallback, pre_spec=pre_spec,
                        fixed_budget=fixed_budget)
+    draft_quant = draft_quant_of(draft, draft_quant)
     cfg = EngineConfig(target=target, draft=draft, mode=mode, temperature=temperature, spec=spec,
                        seed=seed, ignore_eos=ignore_eos, parallel=parallel,
                        target_device=target_device, draft_device=draft_device,
@@ -183,14 +185,28 @@ def measure(prompts, mode, target, tokenizer, chat, kw) -> float:
     return (n1 - n0) / (t1 - t0) if t1 > t0 else res.stats["decode_tok_s"]  # one round timed
 
 
-def settings_of(given: DraftSettings | None, **fields) -> DraftSettings:
-    """generate()'s draft settings: the object given, or one from the fields given (None: the
-    default); both at once is refused, as one would silently win."""
+def settings_of(given: DraftSettings | None, draft, **fields) -> DraftSettings:
+    """generate()'s draft settings: the object given, or one from the fields given, a field not
+    given (None) taken from those the draft's checkpoint records (draft.recorded_settings), else
+    DraftSettings' default; an object and fields at once is refused, as one would silently win."""
     fields = {name: v for name, v in fields.items() if v is not None}
     if given is not None and fields:
         raise ValueError(f"draft_settings and {', '.join(fields)} given together: put "
                          f"{'them' if len(fields) > 1 else 'it'} in draft_settings")
-    return given if given is not None else DraftSettings(**fields)
+    recorded = {k: v for k, v in recorded_settings(draft).items() if k != "quant"}
+    return given if given is not None else DraftSettings(**{**recorded, **fields})
+
+
+def draft_quant_of(draft, quant: str) -> str:
+    """The draft's weights: `quant` as given, or for "auto" the precision its checkpoint records
+    with its settings ("quant"), else "auto" (checkpoint.load_model: a GGUF file's own, float for
+    safetensors)."""
+    return recorded_settings(draft).get("quant", "auto") if quant == "auto" else quant
+
+
+def recorded_or(value) -> str:
+    """What a draft-setting flag's help says its default is."""
+    return f"the draft's recorded value, else {value}"
 
 
 def check_request(prompts, max_new_tokens) -> list:
@@ -310,37 +326,38 @@ def add_algorithm_options(g, auto=False):
                         "decoding" + ("; auto: decode a few tokens of the prompt in each, say on "
                                       "stderr what each gave, and go on in the fastest" if auto
                                       else "") + " (default: %(default)s)")
-    g.add_argument("--k", type=int, default=SPEC.K, metavar="K",
+    g.add_argument("--k", type=int, default=None, metavar="K",
                    help="K: the most draft tokens proposed per round (sd, ssd) "
-                        "(default: %(default)s)")
-    g.add_argument("--confidence", type=float, default=SPEC.confidence, metavar="P",
+                        "(default: " + recorded_or(SPEC.K) + ")")
+    g.add_argument("--confidence", type=float, default=None, metavar="P",
                    help="sd, ssd: a row's proposal stops after the first token the draft gives a "
                         "probability below P (exact either way; 0: always K) "
-                        "(default: %(default)s)")
-    g.add_argument("--fan-out", default=SPEC.fan_out, metavar="F",
+                        "(default: " + recorded_or(SPEC.confidence) + ")")
+    g.add_argument("--fan-out", default=None, metavar="F",
                    help="ssd: how the B guesses per sequence spread over the K+1 depths: "
-                        f"{FAN_OUT_HELP} (default: %(default)s)")
-    g.add_argument("--budget", type=int, default=SPEC.budget, metavar="B",
+                        f"{FAN_OUT_HELP} (default: " + recorded_or(SPEC.fan_out) + ")")
+    g.add_argument("--budget", type=int, default=None, metavar="B",
                    help="ssd: B, outcome guesses (branches) pre-speculated per sequence per round; "
-                        "the ceiling of a budget that adapts to the measured time (default: "
-                        "%(default)s)")
-    g.add_argument("--fixed-budget", action="store_true",
+                        "the ceiling of a budget that adapts to the measured time "
+                        "(default: " + recorded_or(SPEC.budget) + ")")
+    g.add_argument("--fixed-budget", action="store_true", default=None,
                    help="ssd: keep B at --budget every round instead of adapting it to the "
                         "measured time (experiments: rules compared at equal B)")
-    g.add_argument("--saguaro-c", type=float, default=SPEC.saguaro_c, metavar="C",
+    g.add_argument("--saguaro-c", type=float, default=None, metavar="C",
                    help="ssd at T > 0: Saguaro sampling's C in [0, 1]; the draft's law is scaled "
                         "by C on the cached guesses, so the target's rejections land on them more "
-                        "often (1 = the plain law) (default: %(default)s)")
-    g.add_argument("--fallback", default=SPEC.fallback, choices=POLICIES,
+                        "often (1 = the plain law) (default: " + recorded_or(SPEC.saguaro_c) + ")")
+    g.add_argument("--fallback", default=None, choices=POLICIES,
                    help="ssd: who proposes after a cache miss: the draft (neural), a cheap n-gram "
                         "or random speculator, or auto (the draft while the batch is below the "
                         "critical batch size b*, estimated from this run's timings, n-gram from b* "
-                        "on) (default: %(default)s)")
-    g.add_argument("--pre-spec", default=SPEC.pre_spec, choices=PRE_SPEC,
+                        "on) (default: " + recorded_or(SPEC.fallback) + ")")
+    g.add_argument("--pre-spec", default=None, choices=PRE_SPEC,
                    help="ssd: always pre-speculate, as the paper does, auto: only while that "
                         "measures faster than letting the verifier work alone (on a CPU the "
                         "draft's work slows the verifier down), or never: SD's schedule with the "
-                        "draft in its own process, the control (default: %(default)s)")
+                        "draft in its own process, the control "
+                        "(default: " + recorded_or(SPEC.pre_spec) + ")")
     g.add_argument("--no-parallel", action="store_true",
                    help="ssd: run the verifier and the speculator interleaved in one process "
                         "(same tokens, slower)")
@@ -377,7 +394,8 @@ def add_device_options(g):
                         "dequantises; int8 / int4 quantize at load, weight-only "
                         "(default: %(default)s)")
     g.add_argument("--draft-quant", default="auto", choices=QUANTS,
-                   help="the same for the draft (default: %(default)s)")
+                   help="the same for the draft; auto: the precision its checkpoint records with "
+                        "its settings, else as for --quant (default: %(default)s)")
     g.add_argument("--no-graphs", action="store_true",
                    help="on CUDA, run decode steps and verifications eagerly instead of replaying "
                         "them as CUDA graphs (the CPU never uses graphs)")
@@ -408,9 +426,10 @@ def add_output_options(g):
 
 def generate_kwargs(a: argparse.Namespace) -> dict:
     """generate()'s arguments from the command line's (the prompt, stream and tokenizer aside)."""
-    spec = DraftSettings(K=a.k, confidence=a.confidence, fan_out=parse_fan_out(a.fan_out),
-                         budget=a.budget, saguaro_c=a.saguaro_c, fallback=a.fallback,
-                         pre_spec=a.pre_spec, fixed_budget=a.fixed_budget)
+    spec = settings_of(None, a.draft, K=a.k, confidence=a.confidence,
+                       fan_out=parse_fan_out(a.fan_out) if a.fan_out else None, budget=a.budget,
+                       saguaro_c=a.saguaro_c, fallback=a.fallback, pre_spec=a.pre_spec,
+                       fixed_budget=a.fixed_budget)
     return dict(target=a.target, draft=a.draft, mode=a.mode, max_new_tokens=a.max_new_tokens,
                 temperature=a.temperature, draft_settings=spec, seed=a.seed,
                 ignore_eos=a.ignore_eos, parallel=not a.no_parallel,
@@ -418,7 +437,7 @@ def generate_kwargs(a: argparse.Namespace) -> dict:
                 draft_device=a.draft_device or a.device, target_threads=a.target_threads,
                 draft_threads=a.draft_threads, kv_tokens=a.kv_tokens,
                 tp_timeout=a.tp_timeout, dtype=a.dtype, graphs=False if a.no_graphs else None,
-                quant=a.quant, draft_quant=a.draft_quant,
+                quant=a.quant, draft_quant=draft_quant_of(a.draft, a.draft_quant),
                 compile=False if a.no_compile else (True if a.compile else None),
                 prefix_caching=False if a.no_prefix_caching else None,
                 target_devices=a.target_devices.split(",") if a.target_devices else None)

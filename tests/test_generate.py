@@ -621,3 +621,33 @@ def test_cli_builds_the_target_tokenizer_once(monkeypatch, capsys):
     assert run.main(["--mode", "sd", "--max-new-tokens", "4", "--prompt", "def f():"]) == 0
     assert calls.count("tiny") == 1, calls  # and the draft's once, for the pairing check
     assert capsys.readouterr().out.startswith("def f():")  # a plain prompt is continued in place
+
+
+def test_a_draft_records_its_settings_and_a_value_given_wins(tmp_path):
+    """A draft checkpoint's config.json may record the settings measured best with its target
+    ("speculation": DraftSettings' fields and "quant"): generate() and the command line start from
+    them, a value given (argument or flag) wins, a draft without them gets DraftSettings'
+    defaults, and an entry that is no field of DraftSettings is refused in one line."""
+    draft = tmp_path / "draft"
+    shutil.copytree(Path(run.__file__).parent / "checkpoints" / "tiny-draft", draft)
+    config = json.loads((draft / "config.json").read_text())
+    (draft / "config.json").write_text(json.dumps({**config, "speculation": {
+        "K": 2, "confidence": 0.3, "quant": "int8"}}))
+    args = lambda *flags: run.generate_kwargs(run.parser().parse_args(["--draft", str(draft),
+                                                                        *flags]))
+    kw = args()
+    assert (kw["draft_settings"].K, kw["draft_settings"].confidence) == (2, 0.3)
+    assert kw["draft_quant"] == "int8"
+    kw = args("--k", "3", "--draft-quant", "none")
+    assert (kw["draft_settings"].K, kw["draft_settings"].confidence) == (3, 0.3)
+    assert kw["draft_quant"] == "none"
+    default = run.generate_kwargs(run.parser().parse_args(["--draft", "tiny-draft"]))
+    assert default["draft_settings"] == run.SPEC and default["draft_quant"] == "auto"
+    # generate(): K from the record (the histogram has K + 1 entries), the weights int8
+    res = generate([[1, 5, 9, 23]], draft=str(draft), mode="sd", max_new_tokens=8)
+    assert len(res.stats["accept_len_histogram"]) == 3
+    assert len(generate([[1, 5, 9, 23]], draft=str(draft), mode="sd", max_new_tokens=8,
+                        k=1).stats["accept_len_histogram"]) == 2
+    (draft / "config.json").write_text(json.dumps({**config, "speculation": {"Kay": 2}}))
+    with pytest.raises(ValueError, match="speculation.*DraftSettings"):
+        args()
