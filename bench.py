@@ -52,13 +52,13 @@ from bench_report import (add_agreement, add_counters, add_speedups, add_theory,
 from bench_peers import HF, llama_cpp_problem, llama_cpp_run
 from checkpoint import load_config, load_model, load_tokenizer
 from devices import DTYPES
-from draft import DraftSettings
+from draft import DraftSettings, recorded_settings
 from spec_policy import PRE_SPEC
 from fallback import POLICIES
 from quantize import QUANTS
 from spec_cache import FAN_OUTS
 from engine import default_devices, split_cores
-from run import encode, generate
+from run import encode, generate, recorded_or
 from scripts.prompt_sets import heldout_code_prompts, heldout_prose_prompts, humaneval_prompts
 
 MODES = ("ar", "sd", "ssd", "hf", "hf-assisted", "llama.cpp")
@@ -142,7 +142,7 @@ def spec_grid(a, mode) -> list[tuple[str, DraftSettings]]:
         kw = dict(zip(axes, values))
         label = "".join(f" {LABEL.get(f, f + '=')}{format(v, 'g') if isinstance(v, float) else v}"
                         for f, v in kw.items() if len(axes[f]) > 1)
-        out.append((label, DraftSettings(**kw, fixed_budget=a.fixed_budget)))
+        out.append((label, DraftSettings(**{**a.recorded, **kw}, fixed_budget=a.fixed_budget)))
     return out
 
 
@@ -266,8 +266,8 @@ def tune(a, batches, hf, target=None):
     the fastest."""
     T = a.temperatures[0]
     ts, td = split_cores(a.cores)
-    base = DraftSettings(fan_out=a.fan_out[0], saguaro_c=a.saguaro_c[0],
-                         fixed_budget=a.fixed_budget, **{f: v[0] for f, v in a.sweep.items()})
+    base = DraftSettings(**{**a.recorded, "fan_out": a.fan_out[0], "saguaro_c": a.saguaro_c[0],
+                            **{f: v[0] for f, v in a.sweep.items()}}, fixed_budget=a.fixed_budget)
     grid = [Config("ssd", T, 1, replace(base, K=K, budget=B, fallback=f), ts, td,
                    f"ssd k={K} B={B} {f}", a.quant[0])
             for K in TUNE_K for B in TUNE_BUDGET for f in TUNE_FALLBACK]
@@ -357,9 +357,9 @@ def add_sweep_args(ap):
     ap.add_argument("--batch-sizes", type=csv(int), default=[1], metavar="B[,B...]",
                     help="batch sizes to sweep, in sequences decoded together, comma-separated "
                          "(default: 1)")
-    ap.add_argument("--k", type=csv(int), default=[SPEC.K], metavar="K[,K...]",
+    ap.add_argument("--k", type=csv(int), default=None, metavar="K[,K...]",
                     help="the most draft tokens per round for sd, ssd and hf-assisted, "
-                         f"comma-separated to sweep (default: {SPEC.K})")
+                         f"comma-separated to sweep (default: {recorded_or(SPEC.K)})")
     ap.add_argument("--sweep", type=sweep_arg, action="append", default=[],
                     metavar="FIELD=V[,V...]",
                     help="sd and ssd: sweep any field of draft.DraftSettings by name, e.g. "
@@ -368,30 +368,30 @@ def add_sweep_args(ap):
 
 def add_ssd_args(ap):
     """The axes only ssd sweeps."""
-    ap.add_argument("--fan-out", type=csv(str), default=[SPEC.fan_out],
+    ap.add_argument("--fan-out", type=csv(str), default=None,
                     metavar="KIND[,KIND...]",
                     help="ssd: how the budget of guesses is spread over depths, comma-separated "
                          f"rules of {', '.join(FAN_OUTS)} (geometric: the paper's Theorem 12; "
                          "run.py also takes explicit F_0..F_K) "
-                         f"(default: {SPEC.fan_out})")
-    ap.add_argument("--saguaro-c", type=csv(float), default=[SPEC.saguaro_c],
+                         f"(default: {recorded_or(SPEC.fan_out)})")
+    ap.add_argument("--saguaro-c", type=csv(float), default=None,
                     metavar="C[,C...]",
                     help="ssd: Saguaro sampling constant C in [0, 1], comma-separated; 1 is plain "
                          "sampling, a lower C trades acceptance for cache hits; no effect at "
-                         f"temperature 0 (default: {SPEC.saguaro_c:g})")
-    ap.add_argument("--fallback", type=csv(str), default=[SPEC.fallback],
+                         f"temperature 0 (default: {recorded_or(SPEC.saguaro_c)})")
+    ap.add_argument("--fallback", type=csv(str), default=None,
                     metavar="KIND[,KIND...]",
                     help="ssd: proposals after a cache miss: auto (neural below the critical "
                          "batch size b*, n-gram from b* on), neural, ngram or random; "
-                         f"comma-separated (default: {SPEC.fallback})")
-    ap.add_argument("--pre-spec", type=csv(str), default=[SPEC.pre_spec],
+                         f"comma-separated (default: {recorded_or(SPEC.fallback)})")
+    ap.add_argument("--pre-spec", type=csv(str), default=None,
                     metavar="KIND[,KIND...]",
                     help="ssd: always, auto (pre-speculate while it measures faster) and/or "
                          "never (SD's schedule across the two processes, the control), "
-                         f"comma-separated (default: {SPEC.pre_spec})")
-    ap.add_argument("--budget", type=csv(int), default=[SPEC.budget], metavar="B[,B...]",
+                         f"comma-separated (default: {recorded_or(SPEC.pre_spec)})")
+    ap.add_argument("--budget", type=csv(int), default=None, metavar="B[,B...]",
                     help="ssd: fan-out budget B, in branches pre-speculated per sequence per "
-                         f"round, comma-separated (default: {SPEC.budget})")
+                         f"round, comma-separated (default: {recorded_or(SPEC.budget)})")
     ap.add_argument("--fixed-budget", action="store_true",
                     help="ssd: keep B at --budget every round instead of adapting it to the "
                          "measured time, so that fan-out rules compare at equal B (default: off)")
@@ -481,6 +481,12 @@ def parse_args(argv):
         add(ap)
     a = ap.parse_args(argv)
     a.sweep = dict(a.sweep)  # field -> values
+    # a flag not given: the value the draft's checkpoint records (run.py's rule), else the default
+    a.recorded = {f: v for f, v in recorded_settings(a.draft).items() if f != "quant"}
+    for f in ("K", *SSD_AXES):
+        flag = "k" if f == "K" else f
+        if getattr(a, flag) is None:
+            setattr(a, flag, [a.recorded.get(f, getattr(SPEC, f))])
     check_args(a)
     return a
 

@@ -3,6 +3,8 @@ defaults are run.generate's; a tiny end-to-end run prints a JSON line with every
 figures."""
 import inspect
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 
@@ -69,6 +71,24 @@ def test_defaults_are_run_generates():
     assert {("sd", 0.0, 8), ("sd", 0.5, 8)} < got and ("ssd", 0.5, 4) in got and len(got) == 6
     with pytest.raises(SystemExit):  # not a field, or one with a flag of its own
         bench.parse_args(["--sweep", "nonsense=1"])
+
+
+def test_bench_starts_from_the_drafts_recorded_settings(tmp_path):
+    """As run.py does: a draft that records its settings (config.json "speculation") gets them
+    in every row where no flag sweeps that field; a flag given wins."""
+    draft = tmp_path / "draft"
+    shutil.copytree(Path(bench.__file__).parent / "checkpoints" / "tiny-draft", draft)
+    config = json.loads((draft / "config.json").read_text())
+    (draft / "config.json").write_text(json.dumps({**config, "speculation": {
+        "K": 2, "confidence": 0.3, "budget": 5}}))
+    a = bench.parse_args(["--draft", str(draft), "--modes", "sd,ssd"])
+    assert (a.k, a.budget) == ([2], [5])
+    got = {(c.engine, c.spec.K, c.spec.confidence, c.spec.budget) for c in bench.make_configs(a, 2)}
+    assert got == {("sd", 2, 0.3, 5), ("ssd", 2, 0.3, 5)}
+    a = bench.parse_args(["--draft", str(draft), "--modes", "sd", "--k", "3",
+                          "--sweep", "confidence=0"])
+    assert {(c.spec.K, c.spec.confidence) for c in bench.make_configs(a, 2)
+            if c.engine == "sd"} == {(3, 0.0)}
 
 
 def test_prompts_deterministic_and_batches():
