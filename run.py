@@ -67,12 +67,11 @@ def generate(prompts, target="tiny", draft="tiny-draft", mode="sd", max_new_toke
     (speculative speculative decoding with Saguaro) or "auto" (the fastest of the three, measured
     on these prompts first: generate_auto); default "sd", while the command line's --mode
     defaults to "ssd". parallel=False: ssd's speculator in this process (same tokens for a seed).
-    How the draft proposes is draft.DraftSettings, given whole as
-    draft_settings or by its fields (None: its default): k (K), confidence (stop a row's proposal
-    after a token the draft is less sure of), and ssd's fan_out, budget B, fixed_budget (B kept,
-    not adapted to the time), saguaro_c C, fallback policy, pre_spec ("always" every round, "auto"
-    only while that measures faster, "never" not at all: SD's schedule across two processes, what
-    the split alone costs).
+    How the draft proposes is draft.DraftSettings, given whole as draft_settings or by its fields
+    (None: its default): k (K), confidence (stop a row's proposal after a token the draft is less
+    sure of), and ssd's fan_out, budget B, fixed_budget (B kept, not adapted to the time),
+    saguaro_c C, fallback policy, pre_spec ("always" every round, "auto" only while that measures
+    faster, "never" not at all: SD's schedule across two processes, what the split alone costs).
     target_devices: two or more devices (["cuda:0", ..., "cuda:3"]) run the target tensor parallel,
     one rank per device (it replaces target_device); torchrun=True: this process is rank 0 of a
     torchrun world and the target runs over all its ranks, on every node (the others run
@@ -83,14 +82,12 @@ def generate(prompts, target="tiny", draft="tiny-draft", mode="sd", max_new_toke
     quant / draft_quant: the target's / the draft's linear weights, "auto" (a GGUF file's own
     precision, float for safetensors), "none" (float, in dtype), "int8" or "int4" (quantize.py:
     weight-only, quantized at load); SD and SSD are exact with respect to the models as loaded.
-    graphs: None replays decode steps and verifications as CUDA graphs on CUDA (not with tensor
-    parallelism) and runs them eagerly elsewhere; False turns graphs off; True pads them to the
-    graphs' static shapes on any device (on the CPU, eagerly: the tests' check of that path).
-    compile: None compiles the layers of those graphs (torch.compile, fused kernels) on CUDA and
-    not elsewhere; False: not at all; True: also on the CPU, where each step runs the model's body
-    as one compiled graph (model.compiled_body; graphs=None then means the static shapes). It
-    needs a C++ compiler and takes seconds per model, thread count and graph the first time
-    (Inductor caches it on disk), reported as `capture_seconds`, not as decoding.
+    graphs, compile (model.Transformer.use_graphs has the details): graphs=None replays decode
+    steps and verifications as CUDA graphs on CUDA (not with tensor parallelism), eagerly
+    elsewhere; True pads them to static shapes on any device; False turns them off. compile=None
+    compiles those graphs' layers (torch.compile) on CUDA only; True also on the CPU, each step's
+    body as one graph (model.compiled_body). Compiling needs a C++ compiler and seconds per model,
+    thread count and graph the first time (cached on disk), reported as `capture_seconds`.
     prefix_caching: a prompt that starts with full KV blocks another prompt cached reuses them, on
     the target's cache and the draft's (kv_cache.py); the tokens are the same either way. None: on,
     except with an EAGLE head (eagle.py), where it is not implemented.
