@@ -343,9 +343,13 @@ def place(w, target, name: str, tp: TP | None):
     if isinstance(target, QuantRows) and kind and target.holds(kind.bits, kind.group, kind.mins):
         target.copy_integers(*w.integers())
         return
-    n = target.shape[dim] if dim is not None else 0  # this rank's share: [rank * n, (rank + 1) n)
+    if dim is None:
+        t = w.read()
+    else:
+        n = target.shape[dim]  # this rank's share: [rank * n, (rank + 1) * n) along dim
+        t = w.read(dim, tp.rank * n, n)
     with torch.no_grad():
-        target.copy_(w.read(dim, tp.rank * n if dim is not None else 0, n))
+        target.copy_(t)
 
 
 # --------------------------------------------------------------------------------------------------
