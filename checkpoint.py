@@ -1,13 +1,14 @@
-"""Checkpoints: short names (aliases), resolving a name to a local directory or file, streaming
-safetensors into a model's parameters, and `load_model` / `load_config` / `load_tokenizer`, which
-take any name resolve() does; which layers are quantized in how many bits (`quant_plan`). With
-gguf_format.py (a GGUF file's header, config, tensors and blocks) the one place that knows
-checkpoint formats.
+"""Checkpoints: short names (aliases), resolving a name to a local directory or file, and
+`load_model` / `load_config` / `load_tokenizer`, which take any name resolve() does. The formats
+only read: a safetensors directory (here) or a GGUF file (gguf_format.py) yields its config and its
+tensors by name; the one loader (`load_weights`) places each into the model, slicing it for tensor
+parallelism and quantizing it on the way (which layers in how many bits: `quant_plan`).
 """
 import importlib.util
 import json
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -16,10 +17,10 @@ import torch.nn as nn
 import cpu_kernels
 from devices import check_device, resolve_dtype
 from config import ModelConfig
-from gguf_format import (GGUF_INTEGERS, GGUFFile, check_gguf_magic, gguf_config, gguf_param_name,
-                         load_gguf_weights, read_gguf)
-from model import TP, Transformer, over_vocab, tp_split_dim, vocab_maps
-from quantize import BLOCK, check_quant, pack_layers, quantize_layers
+from gguf_format import GGUFFile, check_gguf_magic, gguf_checkpoint, read_gguf
+from model import TP, Transformer, over_vocab, vocab_maps
+from quantize import (BLOCK, QuantLinear, QuantRows, check_quant, pack_layers, quantize_layers,
+                      split_rows)
 
 REPO = Path(__file__).resolve().parent
 
@@ -46,7 +47,7 @@ PACKAGED = {
 
 
 # --------------------------------------------------------------------------------------------------
-# Loading HF checkpoints
+# Names to files
 
 def packaged_file(alias: str) -> Path:
     """The GGUF file of a PACKAGED alias, located without importing its package."""
@@ -97,85 +98,6 @@ def resolve(name_or_path) -> Path:
                                 f"directory") from None
 
 
-def read_tensor(f, fname, name, param, tp: TP | None):
-    """Read tensor `name` from an open safetensors file, checking its stored shape against the
-    config. With TP only this rank's slice of a split tensor is read from disk."""
-    dim = tp_split_dim(name) if tp else None
-    if dim is None:
-        t = f.get_tensor(name)
-        stored, want = tuple(t.shape), tuple(param.shape)
-    else:
-        s = f.get_slice(name)
-        n = param.shape[dim]  # this rank's share: [rank * n, (rank + 1) * n) along dim
-        stored = tuple(s.get_shape())
-        want = tuple(d * tp.world if i == dim else d for i, d in enumerate(param.shape))
-        if stored == want:
-            lo = tp.rank * n
-            t = s[lo:lo + n] if dim == 0 else s[:, lo:lo + n]
-    if stored != want:
-        raise ValueError(f"tensor {name!r} has shape {stored} in {fname}, the config implies "
-                         f"{want}")
-    return t
-
-
-def open_shard(file: Path):
-    """safe_open, a damaged file (a download cut short) refused in one line."""
-    from safetensors import SafetensorError, safe_open
-    try:
-        return safe_open(file, framework="pt", device="cpu")
-    except SafetensorError as e:
-        raise ValueError(f"{file} is not a readable safetensors file ({e}): download or copy it "
-                         f"again") from None
-
-
-def load_weights(model: Transformer, path: Path):
-    """Stream tensors from safetensors (one file or index-listed shards) straight into the model's
-    parameters (already on their device, in their dtype), one at a time, so no memory ever holds
-    a second copy of the checkpoint."""
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (path / "model.safetensors").exists():
-        files = ["model.safetensors"]
-    else:
-        raise FileNotFoundError(f"{path} has neither model.safetensors nor "
-                                f"model.safetensors.index.json")
-    params = model.checkpoint_params()
-    filled = set()
-    for fname in files:
-        if not (path / fname).exists():
-            raise FileNotFoundError(f"checkpoint shard {path / fname} is missing")
-        with open_shard(path / fname) as f:
-            for name in f.keys():
-                if name == "lm_head.weight" and model.config.tie_word_embeddings:
-                    continue  # a tied checkpoint may store the head: it is the embedding
-                if name not in params:
-                    raise ValueError(f"unexpected tensor {name!r} in {fname}: not a parameter of "
-                                     f"this {model.config.model_type} model")
-                t = read_tensor(f, fname, name, params[name], model.tp)
-                with torch.no_grad():
-                    params[name].copy_(t)  # converts dtype and device on the way: no temporary
-                filled.add(name)
-    missing = sorted(set(params) - filled)
-    if missing:
-        raise ValueError(f"checkpoint {path} is missing tensor {missing[0]!r}"
-                         + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
-
-
-def materialize(model: nn.Module, device, dtype):
-    """Give the parameters of a model built on the meta device storage on `device`, allocated
-    directly in `dtype` and once each (a tied head shares the embedding's): loading needs the
-    weights' memory and no more (to_empty would allocate float32 first, and the tied tensor twice).
-    Contents are uninitialised."""
-    new = {}  # id(meta parameter) -> its replacement
-    for module in model.modules():
-        for name, p in list(module.named_parameters(recurse=False)):
-            if id(p) not in new:
-                new[id(p)] = nn.Parameter(torch.empty(p.shape, device=device, dtype=dtype),
-                                          requires_grad=False)
-            setattr(module, name, new[id(p)])
-
-
 def load_model(name_or_path, device="cpu", dtype=None, tp: TP | None = None,
                tokenizer: bool = True, vocab_size: int | None = None, quant: str = "auto",
                compile_quant: bool = True):
@@ -194,28 +116,22 @@ def load_model(name_or_path, device="cpu", dtype=None, tp: TP | None = None,
     device = check_device(device)
     dtype = resolve_dtype(dtype, device)
     path = resolve(name_or_path)
-    gguf_file = read_gguf(path) if path.is_file() else None
-    if gguf_file:
-        cfg = gguf_config(gguf_file)
-    else:
-        cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    cfg, weights, gguf_file = gguf_checkpoint(path) if path.is_file() else hf_checkpoint(path)
     if vocab_size is not None:
         cfg = cfg.over_target_vocab(vocab_size)
     with torch.device("meta"):
         model = Transformer(cfg, tp)
     # tensor parallelism slices float weights only: a GGUF file's own precision (auto) is
     # dequantised there as before, an explicit int8 / int4 refused
-    plan = quant_plan("none" if quant == "auto" and model.tp else quant, cfg, gguf_file)
+    plan = quant_plan("none" if quant == "auto" and model.tp else quant, model,
+                      weights if gguf_file else None)
     if plan is not None:
         if model.tp is not None:
             raise ValueError(f"quant={quant!r} with tensor parallelism is not implemented: load "
                              f"the model with quant='none' (--quant none), or on one device")
         quantize_layers(model, plan, device, dtype, compiled=compile_quant)
     materialize(model, device, dtype)
-    if gguf_file:
-        load_gguf_weights(model, gguf_file)
-    else:
-        load_weights(model, path)
+    load_weights(model, weights, path)
     if plan is not None and compile_quant:
         pack_layers(model, device)  # the CPU kernels, where the CPU vectorises them
         for layer in model.model.layers:  # then each layer in one C++ call, where it can
@@ -230,10 +146,214 @@ def load_config(name_or_path) -> ModelConfig:
     """The config of a model (HF directory or GGUF file, by any name resolve() takes) without its
     weights."""
     path = resolve(name_or_path)
-    if path.is_file():
-        return gguf_config(read_gguf(path))
-    return ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    return (gguf_checkpoint(path) if path.is_file() else hf_checkpoint(path))[0]
 
+
+# --------------------------------------------------------------------------------------------------
+# Reading an HF directory: its config, and its safetensors' tensors by name (a GGUF file's:
+# gguf_format.gguf_checkpoint). Nothing here touches a model.
+
+def hf_checkpoint(path: Path):
+    """-> (config, (name, SafetensorsWeight) pairs, None: no GGUF header) of an HF directory; the
+    pairs are read as they are iterated, one shard open at a time."""
+    cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    return cfg, safetensors_weights(path), None
+
+
+def safetensors_weights(path: Path):
+    """Every tensor of the directory's safetensors (one file or index-listed shards), by name."""
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (path / "model.safetensors").exists():
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(f"{path} has neither model.safetensors nor "
+                                f"model.safetensors.index.json")
+    for fname in files:
+        if not (path / fname).exists():
+            raise FileNotFoundError(f"checkpoint shard {path / fname} is missing")
+        with open_shard(path / fname) as f:
+            for name in f.keys():
+                yield name, SafetensorsWeight(f, name, fname)
+
+
+def open_shard(file: Path):
+    """safe_open, a damaged file (a download cut short) refused in one line."""
+    from safetensors import SafetensorError, safe_open
+    try:
+        return safe_open(file, framework="pt", device="cpu")
+    except SafetensorError as e:
+        raise ValueError(f"{file} is not a readable safetensors file ({e}): download or copy it "
+                         f"again") from None
+
+
+@dataclass
+class SafetensorsWeight:
+    """One tensor of an open safetensors file, as place() reads it (as gguf_format.GGUFWeight):
+    its key, file and shape, and read(), whole or a tensor-parallel rank's slice from disk."""
+    f: object   # the open file (safe_open)
+    key: str    # its name there, which is ours
+    file: str
+    blocks = None  # floats only: no integers to keep
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.f.get_slice(self.key).get_shape())
+
+    def read(self, dim: int | None = None, lo: int = 0, n: int = 0) -> torch.Tensor:
+        """The tensor, or its part [lo, lo + n) along dim (only that part is read)."""
+        if dim is None:
+            return self.f.get_tensor(self.key)
+        s = self.f.get_slice(self.key)
+        return s[lo:lo + n] if dim == 0 else s[:, lo:lo + n]
+
+
+# --------------------------------------------------------------------------------------------------
+# Which layers are quantized, in how many bits (quantize.py has the layouts)
+
+def quant_plan(quant: str, model: Transformer, gguf_weights: list | None) -> dict | None:
+    """-> {layer name: (bits, group, mins)} for quantize.quantize_layers (a layer it leaves out
+    stays float), or None for a float model. model: built on the meta device, not yet quantized;
+    gguf_weights: a GGUF file's (name, GGUFWeight) pairs, None for safetensors.
+    int8 is per output channel from safetensors, in groups of 32 (Q8_0's) from a GGUF file. With
+    int4 the LM head and the embedding are int8, as llama.cpp's Q4 files keep them at 6 or 8 bits:
+    the head decides every token and is where 4 bits cost agreement most.
+    auto on a GGUF file: each layer in the layout that holds its tensors' block types exactly
+    (gguf_format.GGUF_INTEGERS): int4 where all are 4-bit, else int8 in the smallest group among
+    them (16 with Q6_K), with mins where one has a min; a layer with any other type stays float."""
+    check_quant(quant)
+    if quant == "none" or (quant == "auto" and gguf_weights is None):
+        return None
+    if quant != "auto":  # a layer whose inputs do not split into int4 blocks refuses (QuantLinear)
+        bits, group = (8 if quant == "int8" else 4), (BLOCK if gguf_weights is not None else None)
+        layouts = {name: (bits, group, bits == 4) for name, m in model.named_modules()
+                   if type(m) is nn.Linear}
+        return {**layouts, "lm_head": (8, group, False), "model.embed_tokens": (8, group, False)}
+    kinds = {}  # module -> the block types of its tensors (None: float or another type)
+    for name, w in gguf_weights:
+        if len(w.shape) != 2:
+            continue
+        parent, _, leaf = name.rpartition(".")[0].rpartition(".")
+        module = f"{parent}.{FUSED.get(leaf, leaf)}".lstrip(".")  # the layer it fills
+        kinds.setdefault(module, []).append(w.blocks)
+    if model.config.tie_word_embeddings:
+        kinds["lm_head"] = kinds["model.embed_tokens"]
+    if all(k is None for ks in kinds.values() for k in ks):
+        return None  # a float file (F32 / F16 / BF16)
+    return {module: (4, BLOCK, True) if all(k.bits == 4 for k in ks)
+            else (8, min(k.group for k in ks), any(k.mins for k in ks))
+            for module, ks in kinds.items() if None not in ks}
+
+
+# the fused layers of model.py -> the checkpoint's layers whose rows they hold, in order
+PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+FUSED = {part: fused for fused, parts in PARTS.items() for part in parts}  # q_proj -> qkv_proj
+
+
+# --------------------------------------------------------------------------------------------------
+# Placing the tensors into the model
+
+def materialize(model: nn.Module, device, dtype):
+    """Give the parameters of a model built on the meta device storage on `device`, allocated
+    directly in `dtype` and once each (a tied head shares the embedding's): loading needs the
+    weights' memory and no more (to_empty would allocate float32 first, and the tied tensor twice).
+    Contents are uninitialised."""
+    new = {}  # id(meta parameter) -> its replacement
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            if id(p) not in new:
+                new[id(p)] = nn.Parameter(torch.empty(p.shape, device=device, dtype=dtype),
+                                          requires_grad=False)
+            setattr(module, name, new[id(p)])
+
+
+def load_weights(model: Transformer, weights, path: Path):
+    """The checkpoint's tensors, (name, weight) pairs as a format yields them (hf_checkpoint,
+    gguf_format.gguf_checkpoint), one at a time straight into the model's parameters, already on
+    their device and in their dtype (place): no memory ever holds a second copy of the
+    checkpoint."""
+    params = checkpoint_params(model)
+    filled = set()
+    for name, w in weights:
+        if name == "lm_head.weight" and model.config.tie_word_embeddings:
+            continue  # a tied checkpoint may store the head: it is the embedding
+        if name not in params:
+            raise ValueError(f"unexpected tensor {w.key!r} in {w.file}: not a parameter of this "
+                             f"{model.config.model_type} model")
+        place(w, params[name], name, model.tp)
+        filled.add(name)
+    missing = sorted(set(params) - filled)
+    if missing:
+        raise ValueError(f"checkpoint {path} is missing tensor {missing[0]!r}"
+                         + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+
+
+def checkpoint_params(model: Transformer) -> dict:
+    """The model's parameters under their Hugging Face checkpoint names: q_proj, k_proj, v_proj,
+    gate_proj and up_proj are views of the rows of the fused qkv_proj / gate_up_proj they fill
+    (PARTS); a tied lm_head is left out (it is the embedding). The loader copies into these; a
+    checkpoint can be written from them (a float model's). A quantized layer's weight is its
+    QuantRows (quantize.py), which copy_ quantizes."""
+    params = {}
+    # a quantized layer's storage is buffers: its weight appears here as all of its rows
+    quantized = [(f"{name}.weight", split_rows(m, [m.out_features])[0]) for name, m in
+                 model.named_modules() if isinstance(m, QuantLinear)
+                 and not (name == "lm_head" and model.config.tie_word_embeddings)]
+    for name, p in [*model.named_parameters(), *quantized]:  # a tied lm_head appears once,
+        module, _, leaf = name.rpartition(".")  # as embed_tokens; ...self_attn.qkv_proj, weight
+        parent, _, layer = module.rpartition(".")  # model.layers.3.self_attn, qkv_proj
+        if layer not in PARTS:
+            params[name] = p
+            continue
+        owner = model.get_submodule(parent)  # its Attention (the q, k, v sizes) or MLP
+        sizes = owner.sizes if layer == "qkv_proj" else [owner.inter] * 2
+        rows = split_rows(owner.get_submodule(layer), sizes) if leaf == "weight" else p.split(sizes)
+        params.update({f"{parent}.{part}.{leaf}": r for part, r in zip(PARTS[layer], rows)})
+    return params
+
+
+# Tensor parallelism (model.py) splits these tensors across ranks along this dimension, by their
+# names' last two parts; every rank holds the others (norms) whole. q/k/v by output rows (whole
+# heads), their biases with their rows, o_proj by input columns (its partial sums all-reduced);
+# the MLP by intermediate units likewise; the embedding and the head by vocabulary rows.
+TP_SPLIT = {"q_proj.weight": 0, "k_proj.weight": 0, "v_proj.weight": 0, "q_proj.bias": 0,
+            "k_proj.bias": 0, "v_proj.bias": 0, "o_proj.weight": 1,
+            "gate_proj.weight": 0, "up_proj.weight": 0, "down_proj.weight": 1,
+            "embed_tokens.weight": 0, "lm_head.weight": 0}
+
+
+def tp_split_dim(name: str) -> int | None:
+    """The dimension of checkpoint tensor `name` that tensor parallelism splits (None: none)."""
+    return TP_SPLIT.get(".".join(name.split(".")[-2:]))  # ...q_proj.weight -> q_proj.weight
+
+
+def place(w, target, name: str, tp: TP | None):
+    """One tensor of the checkpoint into its parameter, or into a quantized layer's rows
+    (QuantRows), its shape checked against the config's. With tensor parallelism only this
+    rank's slice is read. A GGUF file's integers go into a quantized layer as they are where its
+    layout holds their block type (QuantRows.holds: no float copy, no rounding); anything else is
+    read as float and copied, converted to the parameter's dtype and device (or quantized)."""
+    dim = tp_split_dim(name) if tp else None
+    want = tuple(d * tp.world if i == dim else d for i, d in enumerate(target.shape))  # whole
+    if tuple(w.shape) != want:
+        raise ValueError(f"tensor {w.key!r} has shape {tuple(w.shape)} in {w.file}, the config "
+                         f"implies {want}")
+    kind = w.blocks
+    if isinstance(target, QuantRows) and kind and target.holds(kind.bits, kind.group, kind.mins):
+        target.copy_integers(*w.integers())
+        return
+    if dim is None:
+        t = w.read()
+    else:
+        n = target.shape[dim]  # this rank's share: [rank * n, (rank + 1) * n) along dim
+        t = w.read(dim, tp.rank * n, n)
+    with torch.no_grad():
+        target.copy_(t)
+
+
+# --------------------------------------------------------------------------------------------------
+# Tokenizers
 
 def load_tokenizer(name_or_path, gguf_file: GGUFFile | None = None):
     """The model's transformers tokenizer, or None when it has none. A GGUF file's is built from its
@@ -278,49 +398,7 @@ def gguf_tokenizer(path: Path) -> Path:
 
 
 # --------------------------------------------------------------------------------------------------
-# Which layers are quantized, in how many bits (quantize.py has the layouts)
-
-def quant_plan(quant: str, cfg: ModelConfig, g: GGUFFile | None):
-    """-> layout_of(name) -> (bits, group, mins) | None for quantize.quantize_layers, or None for
-    a float model. int8 is per output channel from safetensors, in groups of 32 (Q8_0's) from a
-    GGUF file. With int4 the LM head and the embedding are int8, as llama.cpp's Q4 files keep
-    them at 6 or 8 bits: the head decides every token and is where 4 bits cost agreement most.
-    auto on a GGUF file: each layer in the layout that holds its tensors' block types exactly
-    (gguf_format.GGUF_INTEGERS): int4 where all are 4-bit, else int8 in the smallest group among
-    them (16 with Q6_K), with mins where one has a min; a layer with any other type stays float."""
-    check_quant(quant)
-    if quant == "none" or (quant == "auto" and g is None):
-        return None
-    if quant != "auto":  # a layer whose inputs do not split into int4 blocks refuses (QuantLinear)
-        bits, group = (8 if quant == "int8" else 4), (BLOCK if g is not None else None)
-        return lambda name: ((8, group, False) if name in ("lm_head", "model.embed_tokens")
-                             else (bits, group, bits == 4))
-    kinds = {}  # module -> the block types of its tensors (None: float or another type)
-    for t in g.tensors.values():
-        if t.name == "rope_freqs.weight" or len(t.shape) != 2:
-            continue
-        parent, _, leaf = gguf_param_name(t.name).rpartition(".")[0].rpartition(".")
-        module = f"{parent}.{FUSED.get(leaf, leaf)}".lstrip(".")  # the layer it fills
-        kinds.setdefault(module, []).append(GGUF_INTEGERS.get(t.qtype.name))
-    if cfg.tie_word_embeddings:
-        kinds["lm_head"] = kinds["model.embed_tokens"]
-    if all(k is None for ks in kinds.values() for k in ks):
-        return None  # a float file (F32 / F16 / BF16)
-
-    def layout_of(name):
-        ks = kinds.get(name, [None])
-        if None in ks:
-            return None
-        if all(k.bits == 4 for k in ks):
-            return 4, BLOCK, True
-        return 8, min(k.group for k in ks), any(k.mins for k in ks)
-    return layout_of
-
-
-# checkpoint layers -> the fused layer of model.py that holds their rows
-FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
-         "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
-
+# transformers' model of a draft with its own vocabulary, as this engine runs it (a reference)
 
 def hf_over_target_vocab(m):
     """A transformers model of a draft with its own vocabulary (config target_token_ids, see

@@ -1,11 +1,13 @@
 """What each architecture is, and a model's config: the one table (ARCHS) that the config, both
-checkpoint loaders (safetensors: checkpoint.py, GGUF: gguf_format.py), the layers (model.py) and
+checkpoint formats (safetensors: checkpoint.py, GGUF: gguf_format.py), the layers (model.py) and
 the tests read, and `ModelConfig`, built from an HF config.json by `from_hf`, which refuses in one
-line anything the engine does not implement.
+line anything the engine does not implement (and, with `check_tp`, a tensor-parallel size it does
+not split into).
 
 A new architecture is a row of ARCHS (and, if its layers differ in a way no field here says, the
 layers in model.py); nothing else keys on model_type.
 """
+import math
 from dataclasses import dataclass, field, replace
 
 
@@ -79,6 +81,21 @@ class ModelConfig:
         if V == self.vocab_size or self.token_ids is not None:
             return self
         return replace(self, vocab_size=V, padded_rows=self.rows)
+
+    def tp_sizes(self) -> list[int]:
+        """The tensor-parallel sizes this model splits evenly into (model.py splits the heads, the
+        MLP's intermediate units and the vocabulary: each must divide)."""
+        g = math.gcd(self.num_attention_heads, self.num_key_value_heads, self.intermediate_size,
+                     self.vocab_size)
+        return [w for w in range(1, g + 1) if g % w == 0]
+
+    def check_tp(self, world: int):
+        if world not in self.tp_sizes():
+            raise ValueError(f"tensor parallel size {world} does not divide num_attention_heads="
+                             f"{self.num_attention_heads} and num_key_value_heads="
+                             f"{self.num_key_value_heads} (with intermediate_size="
+                             f"{self.intermediate_size}, vocab_size={self.vocab_size}): valid TP "
+                             f"sizes are {', '.join(map(str, self.tp_sizes()))}")
 
     @classmethod
     def from_hf(cls, hf: dict) -> "ModelConfig":

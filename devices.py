@@ -33,6 +33,25 @@ def check_device(device) -> torch.device:
     return torch.device("cuda", index)
 
 
+def tp_backend(devices: list[str]) -> str:
+    """The process group's backend for a tensor-parallel target's devices (tp.py): NCCL over
+    distinct GPUs, gloo over CPUs; any other list refused in one line."""
+    kinds = {torch.device(d).type for d in devices}
+    if kinds == {"cpu"}:
+        return "gloo"
+    if kinds != {"cuda"}:
+        raise ValueError(f"target_devices={devices}: use only cuda:N devices (NCCL) or only cpu "
+                         f"(gloo), not a mix")
+    idx = [torch.device(d).index or 0 for d in devices]
+    if len(set(idx)) != len(idx):
+        raise ValueError(f"target_devices={devices} repeats a GPU: tensor parallelism needs one "
+                         f"GPU per rank")
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if max(idx) >= visible:
+        raise ValueError(f"target_devices={devices}: only {visible} GPUs are visible")
+    return "nccl"
+
+
 def resolve_dtype(dtype, device) -> torch.dtype:
     """The dtype of a model's weights and activations on `device`: "auto" (or None), a DTYPES
     name or a torch dtype. bf16/fp16 on CUDA need torch >= 2.8 (MM_FP32_OUT): an older one would
@@ -53,6 +72,17 @@ def resolve_dtype(dtype, device) -> torch.dtype:
         raise ValueError(f"{device} has no bfloat16 arithmetic (a GPU older than Ampere): use "
                          f"dtype float16 (--dtype float16) or float32")
     return resolved
+
+
+def matmul_fp32(x, w):
+    """x [..., in] @ w [out, in].T -> float32 [..., out] for bf16/fp16 x and w, never rounded to
+    their dtype (a product of two bf16 numbers is exact in float32). On CUDA cuBLAS reads the bf16
+    weight once; on the CPU the weight is upcast, a float32 copy per call (on CUDA that copy, 2 GB
+    for an 8B model's head, in every step and graph, is why torch < 2.8 is refused there)."""
+    if x.device.type in MM_FP32_OUT:
+        y = torch.mm(x.reshape(-1, x.shape[-1]), w.t(), out_dtype=torch.float32)
+        return y.view(*x.shape[:-1], -1)
+    return torch.nn.functional.linear(x.float(), w.float())
 
 
 # --------------------------------------------------------------------------------------------------

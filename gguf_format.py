@@ -1,6 +1,8 @@
 """GGUF files (llama.cpp, ollama, LM Studio): the header (metadata and the tensor index), the
-metadata as a ModelConfig, llama.cpp's tensor names as ours, dequantisation, and the block types
-kept as stored (quantize.py's layouts). checkpoint.py loads through it; nothing else reads GGUF.
+metadata as a ModelConfig, llama.cpp's tensor names as ours, and each tensor read by name
+(`gguf_checkpoint`): dequantised, or as the integers of its blocks, which quantize.py's layouts hold
+as they are. It only reads: checkpoint.py places what it yields into the model, and nothing else
+reads GGUF.
 
 A GGUF file is a header (metadata key/values, then an index of tensors: name, shape, quantisation
 type, offset) followed by the tensor data, 32-byte aligned. Each row of a weight is quantised on
@@ -18,8 +20,6 @@ from pathlib import Path
 import torch
 
 from config import ARCHS, ModelConfig
-from model import TP, Transformer, tp_split_dim
-from quantize import QuantRows
 
 # GGUF value types -> struct formats (type 8 is a string, 9 an array)
 GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q",
@@ -256,39 +256,66 @@ def unpermute_qk(w: torch.Tensor, head_dim: int) -> torch.Tensor:
     return per_head.transpose(1, 2).reshape(w.shape)
 
 
-def read_gguf_tensor(g: GGUFFile, t: GGUFTensor, name: str, param, tp: TP | None,
-                     cfg: ModelConfig):
-    """Dequantise one tensor to float32 (only this rank's rows with TP), checking its shape against
-    the config."""
-    gguf = import_gguf()
-    dim = tp_split_dim(name) if tp else None
-    # the whole tensor's shape
-    want = tuple(d * tp.world if i == dim else d for i, d in enumerate(param.shape))
-    if t.shape != want:
-        raise ValueError(f"tensor {t.name!r} has shape {t.shape} in {g.path.name}, the config "
-                         f"implies {want}")
-    raw = g.raw(t)  # [rows, bytes per row]
-    if dim == 0 and len(t.shape) > 1:  # rows are quantised independently: only this rank's rows
-        n = param.shape[0]
-        raw = raw[tp.rank * n:(tp.rank + 1) * n]
-    try:
-        w = gguf.quants.dequantize(raw, t.qtype)  # float32 [rows, in]
-    except NotImplementedError:
-        raise ValueError(f"tensor {t.name!r} in {g.path.name} is stored as {t.qtype.name}, which "
-                         f"the gguf package cannot dequantise: pip install -U gguf, or use a file "
-                         f"with common types (Q4_K_M, Q8_0, F16)") from None
-    w = torch.from_numpy(w.copy() if not w.flags.writeable else w)  # F32/F16: views of the file
-    if cfg.arch.gguf_qk_permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
-        w = unpermute_qk(w, cfg.head_dim)
-    if dim == 1 or (dim == 0 and len(t.shape) == 1):
-        # split by input columns (blocks run along the row), or a bias (one row): dequantised
-        # whole, then sliced
+# --------------------------------------------------------------------------------------------------
+# The checkpoint: its config and each tensor by our name, read only when the loader asks
+
+def gguf_checkpoint(path: Path):
+    """-> (config, [(our name, GGUFWeight)] for every tensor but rope_freqs.weight (the config's),
+    the header) of a GGUF file; nothing is read past the header until checkpoint.place asks."""
+    g = read_gguf(path)
+    cfg = gguf_config(g)
+    # llama.cpp's converter interleaved the rows of q and k (unpermute_qk undoes it, head by head)
+    qk = ("attn_q.weight", "attn_k.weight") if cfg.arch.gguf_qk_permuted else ()
+    weights = [(gguf_param_name(t.name),
+                GGUFWeight(t.name, g.path.name, t.shape, GGUF_INTEGERS.get(t.qtype.name), g, t,
+                           cfg.head_dim if t.name.endswith(qk) else None))
+               for t in g.tensors.values() if t.name != "rope_freqs.weight"]
+    return cfg, weights, g
+
+
+@dataclass
+class GGUFWeight:
+    """One tensor of a GGUF file, as checkpoint.place reads it: read() in float32 (whole, or a
+    tensor-parallel rank's slice) and, where its block type has integers, integers()."""
+    key: str                       # its name in the file (blk.3.attn_q.weight), for messages
+    file: str                      # the file's name
+    shape: tuple[int, ...]
+    blocks: "BlockType | None"     # its block type, where it has integers (GGUF_INTEGERS)
+    g: GGUFFile
+    t: GGUFTensor
+    head_dim: int | None           # its rows are in llama.cpp's q/k order, per head of this size
+
+    def read(self, dim: int | None = None, lo: int = 0, n: int = 0) -> torch.Tensor:
+        """The tensor dequantised to float32, or its part [lo, lo + n) along dim. Each row of a
+        weight is quantised on its own, so a slice of rows dequantises those rows only; a slice of
+        columns (blocks run along the row) or of a bias (one row) is cut from the whole."""
+        t, rows = self.t, dim == 0 and len(self.t.shape) > 1
+        raw = self.g.raw(t)  # [rows, bytes per row]
+        if rows:
+            raw = raw[lo:lo + n]
+        try:
+            w = import_gguf().quants.dequantize(raw, t.qtype)  # float32 [rows, in]
+        except NotImplementedError:
+            raise ValueError(f"tensor {t.name!r} in {self.file} is stored as {t.qtype.name}, which "
+                             f"the gguf package cannot dequantise: pip install -U gguf, or use a "
+                             f"file with common types (Q4_K_M, Q8_0, F16)") from None
+        w = torch.from_numpy(w.copy() if not w.flags.writeable else w)  # F32/F16: views of the file
+        if self.head_dim:
+            w = unpermute_qk(w, self.head_dim)
+        if rows:
+            return w.reshape(n, *t.shape[1:])
         w = w.reshape(t.shape)
-        n = param.shape[dim]
-        w = w.narrow(dim, tp.rank * n, n)
-    return w.reshape(param.shape)
+        return w if dim is None else w.narrow(dim, lo, n)
+
+    def integers(self):
+        """The integers of its blocks with their scales (and mins): gguf_integers, rows in ours."""
+        parts = gguf_integers(self.g.raw(self.t), self.t.qtype.name)
+        if self.head_dim:  # rows only: the scales and mins of a row move with it
+            parts = [p if p is None else unpermute_qk(p, self.head_dim) for p in parts]
+        return parts
 
 
+# --------------------------------------------------------------------------------------------------
 # GGUF's block types as integers: each block holds float16 fields and small integers, w = q * scale
 # (+ min) per group of 16 or 32 inputs, so the integers and the scales computed from the fields
 # (in float32, as gguf's own dequantisation does) are quantize.py's layouts exactly. Each function
@@ -404,44 +431,3 @@ def gguf_integers(raw, qtype: str):
             None if mins is None else mins.reshape(rows, -1))
 
 
-def stored_as(t: GGUFTensor, target: QuantRows) -> bool:
-    """Whether tensor t's blocks go into target's layer exactly, without a float copy."""
-    kind = GGUF_INTEGERS.get(t.qtype.name)
-    return kind is not None and target.holds(kind.bits, kind.group, kind.mins)
-
-
-def read_gguf_blocks(g: GGUFFile, t: GGUFTensor, target: QuantRows, cfg: ModelConfig):
-    """Tensor t's stored blocks for the rows of a quantized layer, checked against its shape."""
-    if t.shape != tuple(target.shape):
-        raise ValueError(f"tensor {t.name!r} has shape {t.shape} in {g.path.name}, the config "
-                         f"implies {tuple(target.shape)}")
-    parts = gguf_integers(g.raw(t), t.qtype.name)
-    if cfg.arch.gguf_qk_permuted and t.name.endswith(("attn_q.weight", "attn_k.weight")):
-        parts = [p if p is None else unpermute_qk(p, cfg.head_dim) for p in parts]  # rows only
-    return parts
-
-
-def load_gguf_weights(model: Transformer, g: GGUFFile):
-    """The tensors of a GGUF file one at a time straight into the model's parameters: dequantised,
-    or into a quantized layer as integers (gguf_integers) where its layout holds them."""
-    params = model.checkpoint_params()
-    filled = set()
-    for t in g.tensors.values():
-        if t.name == "rope_freqs.weight":
-            continue  # Llama 3's RoPE rescaling, already in the config
-        name = gguf_param_name(t.name)
-        if name not in params:
-            raise ValueError(f"unexpected tensor {t.name!r} in {g.path.name}: not a parameter of "
-                             f"this {model.config.model_type} model")
-        target = params[name]
-        if isinstance(target, QuantRows) and stored_as(t, target):  # the file's blocks as they are
-            target.copy_integers(*read_gguf_blocks(g, t, target, model.config))
-        else:
-            w = read_gguf_tensor(g, t, name, target, model.tp, model.config)
-            with torch.no_grad():
-                target.copy_(w)  # converts to the parameter's dtype and device (or quantizes)
-        filled.add(name)
-    missing = sorted(set(params) - filled)
-    if missing:
-        raise ValueError(f"{g.path.name} is missing tensor {missing[0]!r}"
-                         + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))

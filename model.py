@@ -20,11 +20,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from config import ModelConfig
-from devices import MM_FP32_OUT, to_device
+from devices import matmul_fp32, to_device
 from graphs import StaticSteps
 from kv_cache import (AttnMeta, PagedKVCache, define_paged_attention_op, paged_attention,
                       paged_attention_cpu, paged_attention_op)
-from quantize import QuantLinear, renamed, split_rows
+from quantize import QuantLinear, renamed
 
 
 # --------------------------------------------------------------------------------------------------
@@ -32,28 +32,14 @@ from quantize import QuantLinear, renamed, split_rows
 # MLP's intermediate units and of the vocabulary. Column-split layers (q, k, v, gate, up) need no
 # communication; the row-split ones (o_proj, down_proj) give partial sums that one all-reduce per
 # layer adds up. The caller has set up the process group (NCCL on CUDA, gloo on CPU); see engine.py.
+# The sizes a model splits into: config.ModelConfig.tp_sizes; each checkpoint tensor's split:
+# checkpoint.TP_SPLIT (the loader reads only this rank's slice).
 
 @dataclass
 class TP:
     rank: int
     world: int
     group: object = None  # a torch.distributed process group; None is the default group
-
-
-def tp_sizes(cfg: ModelConfig) -> list[int]:
-    """The tensor-parallel sizes this model splits evenly into (every split dimension divisible)."""
-    g = math.gcd(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size,
-                 cfg.vocab_size)
-    return [w for w in range(1, g + 1) if g % w == 0]
-
-
-def check_tp(cfg: ModelConfig, world: int):
-    if world not in tp_sizes(cfg):
-        raise ValueError(f"tensor parallel size {world} does not divide num_attention_heads="
-                         f"{cfg.num_attention_heads} and num_key_value_heads="
-                         f"{cfg.num_key_value_heads} (with intermediate_size="
-                         f"{cfg.intermediate_size}, vocab_size={cfg.vocab_size}): valid TP sizes "
-                         f"are {', '.join(map(str, tp_sizes(cfg)))}")
 
 
 # Below this many elements (256 KB in float32: verifying 8 tokens at hidden size 8192) an all-reduce
@@ -74,26 +60,8 @@ def all_reduce(x, tp: TP | None):
     return y.to(x.dtype)
 
 
-def tp_split_dim(name: str) -> int | None:
-    """The dimension of a checkpoint tensor that tensor parallelism splits across ranks (None:
-    replicated: norms). Each layer declares its tensors' (TP_SPLIT: Attention, MLP, Transformer)."""
-    tensor = ".".join(name.split(".")[-2:])  # ...self_attn.q_proj.weight -> q_proj.weight
-    return {**Attention.TP_SPLIT, **MLP.TP_SPLIT, **Transformer.TP_SPLIT}.get(tensor)
-
-
 # --------------------------------------------------------------------------------------------------
 # Layers
-
-def matmul_fp32(x, w):
-    """x [..., in] @ w [out, in].T -> float32 [..., out] for bf16/fp16 x and w, never rounded to
-    their dtype (a product of two bf16 numbers is exact in float32). On CUDA cuBLAS reads the bf16
-    weight once; on the CPU the weight is upcast, a float32 copy per call (on CUDA that copy, 2 GB
-    for an 8B model's head, in every step and graph, is why torch < 2.8 is refused there)."""
-    if x.device.type in MM_FP32_OUT:
-        y = torch.mm(x.reshape(-1, x.shape[-1]), w.t(), out_dtype=torch.float32)
-        return y.view(*x.shape[:-1], -1)
-    return F.linear(x.float(), w.float())
-
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -156,27 +124,13 @@ class Attention(nn.Module):
         self.nh, self.nkv = cfg.num_attention_heads // world, cfg.num_key_value_heads // world
         self.hd = cfg.head_dim
         # q_proj, k_proj and v_proj fused into one GEMM, rows [q | k | v]: one kernel instead of
-        # three; the loaders fill each part from the checkpoint's own tensor (checkpoint_params)
+        # three; the loader fills each part from the checkpoint's own tensor (checkpoint.PARTS)
         self.sizes = [self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd]
         self.qkv_proj = nn.Linear(cfg.hidden_size, sum(self.sizes), bias=cfg.arch.qkv_bias)
         self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
         if cfg.arch.qk_norm:
             self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
-
-    # tensor parallelism (tp_split_dim): q/k/v by output rows (whole heads), biases with their
-    # rows; o_proj by input columns, its partial sums all-reduced
-    TP_SPLIT = {"q_proj.weight": 0, "k_proj.weight": 0, "v_proj.weight": 0, "q_proj.bias": 0,
-                "k_proj.bias": 0, "v_proj.bias": 0, "o_proj.weight": 1}
-
-    def fused_parts(self) -> dict:
-        """The checkpoint's tensor names -> the rows of qkv_proj's weight (and bias) they fill."""
-        parts = dict(zip(("q_proj.weight", "k_proj.weight", "v_proj.weight"),
-                         split_rows(self.qkv_proj, self.sizes)))
-        if self.qkv_proj.bias is not None:
-            parts.update(zip(("q_proj.bias", "k_proj.bias", "v_proj.bias"),
-                             self.qkv_proj.bias.split(self.sizes)))
-        return parts
 
     def qkv(self, x, cos, sin):
         # x [..., hidden] -> q [..., nh, hd], k and v [..., nkv, hd], RoPE applied to q and k
@@ -214,13 +168,6 @@ class MLP(nn.Module):
         # rows [gate | up] fused into one GEMM
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=False)
         self.down_proj = nn.Linear(self.inter, cfg.hidden_size, bias=False)
-
-    # by intermediate units: gate/up by output rows, down_proj by input columns (all-reduced)
-    TP_SPLIT = {"gate_proj.weight": 0, "up_proj.weight": 0, "down_proj.weight": 1}
-
-    def fused_parts(self) -> dict:
-        return dict(zip(("gate_proj.weight", "up_proj.weight"),
-                        split_rows(self.gate_up_proj, [self.inter] * 2)))
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).split(self.inter, -1)
@@ -355,14 +302,12 @@ PREFILL_CHUNK = 2048
 # The model
 
 class Transformer(nn.Module):
-    TP_SPLIT = {"embed_tokens.weight": 0, "lm_head.weight": 0}  # by vocabulary rows
-
     def __init__(self, cfg: ModelConfig, tp: TP | None = None):
         super().__init__()
         self.config = cfg  # the whole model's; with TP the layers hold 1/world of the split dims
         self.tp = tp if tp is not None and tp.world > 1 else None
         if self.tp:
-            check_tp(cfg, self.tp.world)
+            cfg.check_tp(self.tp.world)
             if cfg.rows != cfg.vocab_size:
                 raise ValueError("a draft with its own vocabulary (target_token_ids) or padded "
                                  "rows is not implemented with tensor parallelism: run it on one "
@@ -459,27 +404,6 @@ class Transformer(nn.Module):
     def capture_seconds(self) -> float:
         """Seconds this model has spent capturing CUDA graphs (StaticSteps.capture_graph)."""
         return self.static.capture_seconds if self.static is not None else 0.0
-
-    def checkpoint_params(self) -> dict:
-        """The parameters under their Hugging Face checkpoint names: q_proj, k_proj, v_proj,
-        gate_proj and up_proj are views of the rows of the fused qkv_proj / gate_up_proj they
-        fill; a tied lm_head is left out (it is the embedding). Loaders copy into these; a
-        checkpoint can be written from them (a float model's).
-        A quantized layer's weight is its QuantRows (quantize.py), which copy_ quantizes."""
-        params = {}
-        # a quantized layer's storage is buffers: its weight appears here as all of its rows
-        quantized = [(f"{name}.weight", m.rows(0, m.out_features)) for name, m in
-                     self.named_modules() if isinstance(m, QuantLinear)
-                     and not (name == "lm_head" and self.config.tie_word_embeddings)]
-        for name, p in [*self.named_parameters(), *quantized]:  # a tied lm_head appears once,
-            module = name.rpartition(".")[0]  # as embed_tokens; model.layers.3.self_attn.qkv_proj
-            if module.endswith(("qkv_proj", "gate_up_proj")):
-                parent = module.rpartition(".")[0]  # model.layers.3.self_attn
-                for part, view in self.get_submodule(parent).fused_parts().items():
-                    params[f"{parent}.{part}"] = view
-            else:
-                params[name] = p
-        return params
 
     def new_cache(self, num_tokens: int, block_size: int = 16, reuse: bool = False,
                   prefix_caching: bool = False) -> PagedKVCache:

@@ -468,17 +468,17 @@ class QuantEmbedding(QuantLinear):
 # --------------------------------------------------------------------------------------------------
 # Swapping the layers of a model (built on the meta device, before its weights are loaded)
 
-def quantize_layers(model: nn.Module, layout_of, device, dtype, compiled: bool = True):
-    """Replace the model's nn.Linear layers (and its embedding, where `layout_of` names it) with
+def quantize_layers(model: nn.Module, layouts: dict, device, dtype, compiled: bool = True):
+    """Replace the model's nn.Linear layers (and its embedding) that `layouts` names with
     quantized ones whose storage is allocated on `device` (contents uninitialised: the loader
-    fills them). layout_of(name) -> (bits, group, mins) or None (kept in float) for "lm_head",
-    "model.embed_tokens" and each layer's name (model.layers.3.self_attn.qkv_proj): 8 or 4 bits,
-    the int8 group size (None: per output channel), whether an int8 layer has mins.
+    fills them). layouts: {name: (bits, group, mins)} for "lm_head", "model.embed_tokens" and each
+    layer's name (model.layers.3.self_attn.qkv_proj): 8 or 4 bits, the int8 group size (None: per
+    output channel), whether an int8 layer has mins; a layer it does not name stays float.
     compiled: the CPU/GPU product through torch.compile (else eager)."""
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             full = f"{name}.{child_name}".lstrip(".")
-            if type(child) is not nn.Linear or (layout := layout_of(full)) is None:
+            if type(child) is not nn.Linear or (layout := layouts.get(full)) is None:
                 continue
             bits, group, mins = layout
             layer = QuantLinear(child.in_features, child.out_features, bits, group,
@@ -490,7 +490,7 @@ def quantize_layers(model: nn.Module, layout_of, device, dtype, compiled: bool =
     emb = model.model.embed_tokens
     if model.config.tie_word_embeddings and isinstance(head, QuantLinear):
         model.model.embed_tokens = QuantEmbedding.tied(head, dtype)  # the head's rows, read back
-    elif (layout := layout_of("model.embed_tokens")) is not None:
+    elif (layout := layouts.get("model.embed_tokens")) is not None:
         model.model.embed_tokens = QuantEmbedding(emb.num_embeddings, emb.embedding_dim,
                                                   *layout, device=device, dtype=dtype)
 

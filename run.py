@@ -80,41 +80,36 @@ def generate(prompts, target="tiny", draft="tiny-draft", mode="sd", max_new_toke
     target's KV cache in tokens (default: sized for the request); the draft gets the same plus room
     for SSD's branches. dtype: both models' weights and activations, "auto" (bfloat16 on CUDA,
     float32 on the CPU), "float32", "bfloat16" or "float16"; logits are float32 in every dtype.
-    quant / draft_quant: the target's / the draft's linear weights, "auto" (for the draft the
-    precision its checkpoint records, if it does; else a GGUF file's own, float for
-    safetensors), "none" (float, in dtype), "int8" or "int4" (quantize.py: weight-only, quantized
-    at load); SD and SSD are exact with respect to the models as loaded.
-    graphs: None replays decode steps and verifications as CUDA graphs on CUDA (not with tensor
-    parallelism) and runs them eagerly elsewhere; False turns graphs off; True pads them to the
-    graphs' static shapes on any device (on the CPU, eagerly: the tests' check of that path).
-    compile: None compiles the layers of those graphs (torch.compile, fused kernels) on CUDA and
-    not elsewhere; False: not at all; True: also on the CPU, where each step runs the model's body
-    as one compiled graph (model.compiled_body; graphs=None then means the static shapes). It
-    needs a C++ compiler and takes seconds per model, thread count and graph the first time
-    (Inductor caches it on disk), reported as `capture_seconds`, not as decoding.
+    quant / draft_quant: the target's / the draft's linear weights, "auto" (the precision the
+    draft's checkpoint records, else a GGUF file's own, float for safetensors), "none" (float),
+    "int8" or "int4" (quantize.py); SD and SSD are exact with respect to the models as loaded.
+    graphs, compile (model.Transformer.use_graphs has the details): graphs=None replays decode
+    steps and verifications as CUDA graphs on CUDA (not with tensor parallelism), eagerly
+    elsewhere; True pads them to static shapes on any device; False turns them off. compile=None
+    compiles those graphs' layers (torch.compile) on CUDA only; True also on the CPU, each step's
+    body as one graph (model.compiled_body). Compiling needs a C++ compiler and seconds per model,
+    thread count and graph the first time (cached on disk), reported as `capture_seconds`.
     prefix_caching: a prompt that starts with full KV blocks another prompt cached reuses them, on
     the target's cache and the draft's (kv_cache.py); the tokens are the same either way. None: on,
     except with an EAGLE head (eagle.py), where it is not implemented.
-    stream(row, tokens_so_far) is called as tokens are accepted. tokenizer: the target's, when the
-    caller has it already (the CLI streams with it; a GGUF file's takes seconds to build), so it is
-    not built twice. target may also be a model load_model() gave (on its device, in its dtype; not
-    tensor parallel): calls that pass the same one (a bench sweep) load it once, and on a GPU replay
-    the CUDA graphs they captured on its KV pool."""
+    stream(row, tokens_so_far) is called as tokens are accepted. tokenizer: the target's, where
+    the caller has it (not built twice). target may also be a model load_model() gave (on its
+    device, in its dtype; not tensor parallel): calls that pass the same one (a bench sweep) load
+    it once, and on a GPU replay the CUDA graphs they captured on its KV pool."""
     if mode == "auto":
         return generate_auto(**locals())  # every parameter, as given
     prompts = check_request(prompts, max_new_tokens)
     spec = settings_of(draft_settings, draft, K=k, confidence=confidence, fan_out=fan_out,
                        budget=budget, saguaro_c=saguaro_c, fallback=fallback, pre_spec=pre_spec,
                        fixed_budget=fixed_budget)
-    draft_quant = draft_quant_of(draft, draft_quant)
     cfg = EngineConfig(target=target, draft=draft, mode=mode, temperature=temperature, spec=spec,
                        seed=seed, ignore_eos=ignore_eos, parallel=parallel,
                        target_device=target_device, draft_device=draft_device,
                        target_threads=target_threads, draft_threads=draft_threads,
                        kv_tokens=kv_tokens, target_devices=target_devices, tp_timeout=tp_timeout,
-                       dtype=dtype, graphs=graphs,
-                       block_size=block_size, torchrun=torchrun, compile=compile, quant=quant,
-                       draft_quant=draft_quant, prefix_caching=prefix_caching)
+                       dtype=dtype, graphs=graphs, block_size=block_size, torchrun=torchrun,
+                       compile=compile, quant=quant, prefix_caching=prefix_caching,
+                       draft_quant=draft_quant_of(draft, draft_quant))
     return generate_with(cfg, prompts, max_new_tokens, chat, stream, tokenizer)
 
 

@@ -28,8 +28,8 @@ import torch.multiprocessing as mp
 
 from channel import quick_exit, start_child
 from checkpoint import load_config, load_model
-from devices import check_device, to_device
-from model import TP, check_tp
+from devices import check_device, to_device, tp_backend
+from model import TP
 from verify import Verifier
 
 # How long a rank waits for the others in one collective before it gives up (seconds;
@@ -37,24 +37,6 @@ from verify import Verifier
 # ends the run after this long: gloo raises, NCCL's watchdog aborts. Loading the weights is not
 # under it (see TPWorkers.wait_ready), but a prefill is, and so is a worker's wait for a call.
 TP_TIMEOUT_S = 120.0
-
-
-def tp_backend(devices: list[str]) -> str:
-    """NCCL over distinct GPUs, gloo over CPUs."""
-    kinds = {torch.device(d).type for d in devices}
-    if kinds == {"cpu"}:
-        return "gloo"
-    if kinds != {"cuda"}:
-        raise ValueError(f"target_devices={devices}: use only cuda:N devices (NCCL) or only cpu "
-                         f"(gloo), not a mix")
-    idx = [torch.device(d).index or 0 for d in devices]
-    if len(set(idx)) != len(idx):
-        raise ValueError(f"target_devices={devices} repeats a GPU: tensor parallelism needs one "
-                         f"GPU per rank")
-    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if max(idx) >= visible:
-        raise ValueError(f"target_devices={devices}: only {visible} GPUs are visible")
-    return "nccl"
 
 
 def tp_store(world: int, timeout_s: float, port: int | None = None) -> dist.TCPStore:
@@ -70,7 +52,7 @@ def check_start(target, world: int, timeout_s: float):
     if not timeout_s > 0:
         raise ValueError(f"tp_timeout={timeout_s}: give the seconds a rank may wait in a "
                          f"collective, > 0")
-    check_tp(load_config(target), world)
+    load_config(target).check_tp(world)
     if dist.is_initialized():
         raise ValueError("this process already has a torch.distributed process group: the "
                          "tensor-parallel target needs its own (call generate() outside it)")

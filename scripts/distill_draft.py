@@ -92,7 +92,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # so `python scripts/distill_draft.py` imports the engine
     sys.path.insert(0, str(REPO))
 
-from checkpoint import load_model, resolve  # noqa: E402  (after the path is set)
+from checkpoint import checkpoint_params, load_model, resolve  # noqa: E402  (after the path is set)
 from model import vocab_maps  # noqa: E402
 from engine import check_pair  # noqa: E402  (the pairing run.py checks: the draft's kind)
 from run import encode as run_encode  # noqa: E402
@@ -502,7 +502,7 @@ def self_prompts(target, tok, n: int, seed0: int, args, work: Path, split: str,
 
 def target_state(target) -> dict:
     """The target's parameters under HF names, in float32 on the CPU (q/k/v, gate/up unpacked)."""
-    return {k: v.detach().float().cpu() for k, v in target.checkpoint_params().items()}
+    return {k: v.detach().float().cpu() for k, v in checkpoint_params(target).items()}
 
 
 # The draft has the target's architecture (config.ARCHS), so that every weight of a target layer
@@ -1082,7 +1082,7 @@ def new_draft(target, args, train_ex: list[dict]):
         c = draft.config
         origin = f"hidden {c.hidden_size}, {c.num_hidden_layers} layers, from {args.init_from}"
         if args.vocab and args.vocab != c.vocab_size:
-            E = target.checkpoint_params()["model.embed_tokens.weight"].detach().float().cpu()
+            E = checkpoint_params(target)["model.embed_tokens.weight"].detach().float().cpu()
             origin += f", its vocabulary grown from {c.vocab_size} to {args.vocab} rows"
             draft = grow_vocabulary(draft, E, train_ex, args.vocab,
                                     set(target.config.eos_token_ids))

@@ -64,7 +64,7 @@ from safetensors.torch import save_file  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils._pytree import tree_leaves  # noqa: E402
 
-from checkpoint import load_model, materialize
+from checkpoint import checkpoint_params, load_model, materialize
 from devices import MM_FP32_OUT, sync
 from kv_cache import PagedKVCache, paged_attention
 from config import ModelConfig
@@ -137,8 +137,9 @@ def random_quant_model(fields: dict, device, quant: str, dtype=torch.bfloat16, s
     with torch.device("meta"):
         model = Transformer(cfg)
     bits = 8 if quant == "int8" else 4
-    quantize_layers(model, lambda n: (8, None, False) if n in ("lm_head", "model.embed_tokens")
-                    else (bits, None, bits == 4), device, dtype)
+    layouts = {name: (8, None, False) if name == "lm_head" else (bits, None, bits == 4)
+               for name, m in model.named_modules() if type(m) is torch.nn.Linear}
+    quantize_layers(model, {**layouts, "model.embed_tokens": (8, None, False)}, device, dtype)
     materialize(model, device, dtype)
     g = torch.Generator(device=device).manual_seed(seed)
     for m in model.modules():
@@ -157,7 +158,7 @@ def random_quant_model(fields: dict, device, quant: str, dtype=torch.bfloat16, s
 def write_checkpoint(model, fields: dict, path: Path) -> Path:
     """Save a model as an HF-format directory (config.json, model.safetensors) at `path`."""
     path.mkdir(exist_ok=True)
-    state = model.checkpoint_params()  # HF names; a tied head is left out
+    state = checkpoint_params(model)  # HF names; a tied head is left out
     save_file({k: v.contiguous() for k, v in state.items()}, path / "model.safetensors",
               metadata={"format": "pt"})
     dtype = str(model.lm_head.weight.dtype).removeprefix("torch.")

@@ -73,9 +73,9 @@ def one(case: str, st_dir: str | None) -> dict:
 def write_float_safetensors(folder: Path):
     """The GGUF file's SmolLM2 weights as one float32 safetensors checkpoint (for -st cases)."""
     from safetensors.torch import save_file
-    from checkpoint import load_model
+    from checkpoint import checkpoint_params, load_model
     model = load_model("smollm2-135m", tokenizer=False, quant="none")[0]
-    save_file({k: v.contiguous() for k, v in model.checkpoint_params().items()},
+    save_file({k: v.contiguous() for k, v in checkpoint_params(model).items()},
               folder / "model.safetensors")
     cfg = model.config
     hf = dict(architectures=["LlamaForCausalLM"], model_type="llama",

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from conftest import make_checkpoint
 
 import cpu_linear
-from checkpoint import load_model
+from checkpoint import checkpoint_params, load_model
 from cpu_linear import FORMS, FormLinear, choose_forms, form_layers, use_forms
 from scripts.gpu_check import Allocations
 
@@ -139,12 +139,12 @@ def test_timed_once_per_machine_across_model_loads(ckpt, tmp_path, monkeypatch):
     monkeypatch.setattr(cpu_linear, "choose_forms",
                         lambda layers, M: timed.append(M) or real(layers, M))
     m, _ = load_model(ckpt)
-    params = m.checkpoint_params()
+    params = checkpoint_params(m)
     assert use_forms(m, [1, 3, 6, 40]) > 0 and timed == [3, 6]  # only 2..16 rows have a choice
     layers = form_layers(m)
     shapes = {(tuple(lin.weight.shape), id(lin.forms)) for lin in layers}
     assert len(layers) > len(shapes) == len({s for s, _ in shapes})  # one `forms` per shape
-    assert layers[-1] is m.lm_head and m.checkpoint_params().keys() == params.keys()
+    assert layers[-1] is m.lm_head and checkpoint_params(m).keys() == params.keys()
     chosen = {tuple(lin.weight.shape): dict(lin.forms) for lin in layers}
     record = json.loads(path.read_text())
     assert len(record) == 2 * len(shapes) and set(record.values()) <= set(FORMS)

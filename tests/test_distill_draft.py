@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import hf_model, make_checkpoint, one_line
-from checkpoint import load_model
+from checkpoint import checkpoint_params, load_model
 from scripts import distill_draft as dd
 
 REPO = Path(__file__).resolve().parent.parent
@@ -318,7 +318,7 @@ def test_init_from_with_a_larger_vocab_grows_the_drafts_vocabulary(tmp_path):
     torch.testing.assert_close(b, hf_model(grown)(x).logits.float(), atol=1e-4, rtol=1e-4)
 
     # the new rows: the target's rows of them under the map fitted on the tokens both have
-    E = load_model(target)[0].checkpoint_params()["model.embed_tokens.weight"].detach().float()
+    E = checkpoint_params(load_model(target)[0])["model.embed_tokens.weight"].detach().float()
     W_first = hf_model(first).get_input_embeddings().weight.detach().float()
     A = torch.linalg.lstsq(E[old_ids].double(), W_first[:-1].double()).solution.float()
     W_grown = hf_model(grown).get_input_embeddings().weight.detach().float()

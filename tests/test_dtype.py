@@ -35,10 +35,10 @@ import run
 import tp
 import verify as verify_module
 from channel import speculator_main
-from checkpoint import load_model, resolve
-from devices import DTYPES, MM_FP32_OUT, resolve_dtype
+from checkpoint import checkpoint_params, load_model, resolve
+from devices import DTYPES, MM_FP32_OUT, matmul_fp32, resolve_dtype
 from engine import same_gpu
-from model import FP32_REDUCE_MAX, TP, Transformer, all_reduce, matmul_fp32
+from model import FP32_REDUCE_MAX, TP, Transformer, all_reduce
 from run import GenerateResult, generate
 from scripts.gpu_check import Allocations
 from tp import tp_worker_main
@@ -97,10 +97,10 @@ def test_load_allocates_the_weights_once_in_their_dtype(which, dtype, random_lla
     if which == "tiny":
         assert m.lm_head.weight is m.model.embed_tokens.weight
     stored = load_file(path / "model.safetensors")  # and the weights are the checkpoint's, converted
-    for name, p in m.checkpoint_params().items():  # the packed q/k/v and gate/up parts included
+    for name, p in checkpoint_params(m).items():  # the packed q/k/v and gate/up parts included
         assert torch.equal(p, stored[name].to(dtype)), name
     tied = {"lm_head.weight"} if m.config.tie_word_embeddings else set()  # a tied head is the embedding
-    assert set(m.checkpoint_params()) == set(stored) - tied
+    assert set(checkpoint_params(m)) == set(stored) - tied
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -30,10 +30,11 @@ from conftest import KINDS, hf_model, make_checkpoint, one_line
 from safetensors.torch import load_file
 
 import checkpoint
-from checkpoint import REPO, load_config, load_model, materialize, resolve
+from checkpoint import (REPO, checkpoint_params, load_config, load_model, load_weights, materialize,
+                        resolve, tp_split_dim)
 from config import ModelConfig
-from gguf_format import gguf_config, load_gguf_weights, read_gguf
-from model import TP, Transformer, tp_split_dim
+from gguf_format import gguf_checkpoint
+from model import TP, Transformer
 from run import encode, generate
 
 HAVE_GGUF = importlib.util.find_spec("gguf") is not None
@@ -293,14 +294,14 @@ def test_each_rank_reads_its_slice_of_a_gguf_file(converted, kind):
     """With tensor parallelism each rank dequantises its own slice of every split tensor: rows of
     q/k/v (and of Qwen2's q/k/v biases), columns of o_proj/down_proj, vocabulary rows."""
     _, path = converted[kind]
-    full = load_model(path)[0].checkpoint_params()
-    g = read_gguf(path)
+    full = checkpoint_params(load_model(path)[0])
+    cfg, weights, _ = gguf_checkpoint(path)
     for rank in (0, 1):
         with torch.device("meta"):
-            part = Transformer(gguf_config(g), TP(rank, 2))
+            part = Transformer(cfg, TP(rank, 2))
         materialize(part, "cpu", torch.float32)
-        load_gguf_weights(part, g)
-        for name, p in part.checkpoint_params().items():
+        load_weights(part, weights, path)
+        for name, p in checkpoint_params(part).items():
             dim = tp_split_dim(name)
             want = full[name] if dim is None else full[name].chunk(2, dim)[rank]
             assert torch.equal(p, want), (kind, rank, name)

@@ -19,7 +19,7 @@ import cpu_kernels
 import huge_pages
 import quantize
 
-from checkpoint import load_model
+from checkpoint import checkpoint_params, load_model
 from gguf_format import GGUF_INTEGERS, gguf_integers
 from cpu_kernels import int4_cpu_reference, int8_cpu_reference
 from quantize import (QuantLinear, QuantRows, dequantize, int4_product,
@@ -520,7 +520,7 @@ def test_safetensors_quantized_at_load(make_ckpt, kind):
         for quant in ("int8", "int4"):
             model, _ = load_model(path, tokenizer=False, quant=quant, compile_quant=False)
             assert isinstance(model.lm_head, QuantLinear) and model.lm_head.bits == 8
-            params = model.checkpoint_params()
+            params = checkpoint_params(model)
             for name, t in tensors.items():
                 if name == "lm_head.weight" and model.config.tie_word_embeddings:
                     continue

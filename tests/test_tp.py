@@ -22,7 +22,7 @@ from conftest import make_checkpoint
 from safetensors.torch import load_file, save_file
 
 import tp
-from checkpoint import load_model
+from checkpoint import checkpoint_params, load_model
 from model import TP, Transformer
 from run import generate
 from tp import TensorArg, TPVerifier, TPWorkers, broadcast_header, tp_init, tp_store
@@ -66,7 +66,7 @@ def tp_logits(rank, world, paths) -> dict:
     for kind, path in paths.items():
         model, _ = load_model(path, tp=TP(rank, world))
         full, cached, kv_shape = logits_of(model)
-        res[kind] = (full.numpy(), cached.numpy(), tuple(kv_shape), tuple(model.checkpoint_params()["model.layers.0.self_attn.q_proj.weight"].shape))
+        res[kind] = (full.numpy(), cached.numpy(), tuple(kv_shape), tuple(checkpoint_params(model)["model.layers.0.self_attn.q_proj.weight"].shape))
     return res
 
 
