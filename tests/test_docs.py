@@ -129,6 +129,23 @@ def test_engine_lines_fit_100_columns():
     assert not long, "lines over 100 columns:\n" + "\n".join(long)
 
 
+def test_engine_files_and_functions_stay_short():
+    """A file is read top to bottom in one sitting and a function in one screen (issue 71, item
+    7): every engine file (top-level *.py) at most 600 lines, every function at most 60, its
+    docstring included."""
+    import ast
+    files = sorted(REPO.glob("*.py"))
+    long = [f"{f.name} ({n} lines)" for f in files
+            if (n := len(f.read_text(encoding="utf-8").splitlines())) > 600]
+    for f in files:
+        for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > 60:
+                    long.append(f"{f.name}:{node.lineno} {node.name} ({n} lines)")
+    assert not long, "over 600 lines a file or 60 a function:\n" + "\n".join(long)
+
+
 # ----------------------------------------------------------------------------------------------------
 # One reading order (issue 54): decode.py's docstring, the README and docs/design.md carry the same
 # "Reading order:" block, the README's file table lists the files in that order, and every engine
