@@ -651,3 +651,7 @@ def test_a_draft_records_its_settings_and_a_value_given_wins(tmp_path):
     (draft / "config.json").write_text(json.dumps({**config, "speculation": {"Kay": 2}}))
     with pytest.raises(ValueError, match="speculation.*DraftSettings"):
         args()
+    # the shipped real-pair draft's record is one the engine takes (its model card says why)
+    from quantize import QUANTS
+    shipped = run.settings_of(None, "smollm2-135m-draft")
+    assert shipped != run.SPEC and run.draft_quant_of("smollm2-135m-draft", "auto") in QUANTS
