@@ -34,7 +34,6 @@ import argparse
 import contextlib
 import hashlib
 import json
-import math
 import os
 import random
 import sys
