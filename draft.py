@@ -119,12 +119,12 @@ def recorded_settings(name) -> dict:
 class Drafted:
     """Draft steps so far for a batch of sequences. Step i feeds each sequence still drafting one
     token (its `first` tokens at i = 0, then x_i) and draws x_{i+1}; a proposal's last token is left
-    to the caller's next forward. A sequence stops after K tokens or sooner (`ended`)."""
-    tokens: list = field(default_factory=list)  # per step i: x_{i+1} [b] (0 where ended)
+    to the caller's next forward. A sequence stops after K tokens or sooner (`stopped_at`)."""
+    tokens: list = field(default_factory=list)  # per step i: x_{i+1} [b] (0 where stopped)
     q: list = field(default_factory=list)       # per step i: the law x_{i+1} came from [b, V]
     guess_probs: list = field(default_factory=list)  # per step i: `draw`'s guess_probs [b, V]
-    ended: list = field(default_factory=list)   # per sequence: its proposal length once it stopped
-                                                #   early, else None
+    stopped_at: list = field(default_factory=list)  # per sequence: the proposal length it
+                                                    #   stopped at, early; None while drafting
 
     @property
     def steps(self) -> int:
@@ -132,16 +132,16 @@ class Drafted:
 
     def drafting(self) -> list[int]:
         """The sequences still drafting."""
-        return [s for s, e in enumerate(self.ended) if e is None]
+        return [s for s, e in enumerate(self.stopped_at) if e is None]
 
     def lengths(self) -> list[int]:
         """Each sequence's proposal length so far."""
-        return [self.steps if e is None else e for e in self.ended]
+        return [self.steps if e is None else e for e in self.stopped_at]
 
     def rows(self, idx, which: list[int]) -> "Drafted":
         """These sequences' steps (idx: their positions as a device index, which: on the host)."""
         return Drafted([x[idx] for x in self.tokens], [x[idx] for x in self.q],
-                       [x[idx] for x in self.guess_probs], [self.ended[s] for s in which])
+                       [x[idx] for x in self.guess_probs], [self.stopped_at[s] for s in which])
 
     def stack(self):
         """-> tokens [b, W], q [b, W, V], guess_probs [b, W, V], lengths (b ints), W the longest
@@ -160,7 +160,7 @@ def draft_k(model: Transformer, cache: PagedKVCache, seqs, first, K, temperature
     samples Saguaro's q' (its set: the top F[i] + 1 tokens). confidence > 0: a sequence stops after
     a token its guess_probs give less (a host read per step). stop(step) -> True ends the drafting
     before that step (SSD: the outcome arrived); done continues an earlier call's steps."""
-    d = done if done is not None else Drafted(ended=[None] * len(seqs))
+    d = done if done is not None else Drafted(stopped_at=[None] * len(seqs))
     while d.steps < K and d.drafting() and not (stop is not None and stop(d.steps)):
         i, live = d.steps, d.drafting()
         every = len(live) == len(seqs)
@@ -179,7 +179,7 @@ def draft_k(model: Transformer, cache: PagedKVCache, seqs, first, K, temperature
             e = None if e is None else e.index_select(0, at)                   # [live, V]
             T = T.index_select(0, at) if isinstance(T, torch.Tensor) else T
         x, q, probs = draw(logits, T, e, None if F is None else F[i], c)
-        if not every:  # back to one slot per sequence; the ended ones' are never read
+        if not every:  # back to one slot per sequence; the stopped ones' are never read
             x = x.new_zeros(len(seqs)).index_copy_(0, at, x)
             q = q.new_zeros(len(seqs), q.shape[-1]).index_copy_(0, at, q)
             probs = probs.new_zeros(len(seqs), probs.shape[-1]).index_copy_(0, at, probs)
@@ -187,7 +187,7 @@ def draft_k(model: Transformer, cache: PagedKVCache, seqs, first, K, temperature
         if confidence > 0 and i + 1 < K:
             sure = to_host(probs.gather(1, x[:, None]).squeeze(1) >= confidence)
             for s in live:
-                d.ended[s] = None if sure[s] else i + 1
+                d.stopped_at[s] = None if sure[s] else i + 1
     return d
 
 
