@@ -185,11 +185,13 @@ def settings_of(given: DraftSettings | None, draft, **fields) -> DraftSettings:
     given (None) taken from those the draft's checkpoint records (draft.recorded_settings), else
     DraftSettings' default; an object and fields at once is refused, as one would silently win."""
     fields = {name: v for name, v in fields.items() if v is not None}
-    if given is not None and fields:
-        raise ValueError(f"draft_settings and {', '.join(fields)} given together: put "
-                         f"{'them' if len(fields) > 1 else 'it'} in draft_settings")
+    if given is not None:
+        if fields:
+            raise ValueError(f"draft_settings and {', '.join(fields)} given together: put "
+                             f"{'them' if len(fields) > 1 else 'it'} in draft_settings")
+        return given  # whole: the draft's record is not read
     recorded = {k: v for k, v in recorded_settings(draft).items() if k != "quant"}
-    return given if given is not None else DraftSettings(**{**recorded, **fields})
+    return DraftSettings(**{**recorded, **fields})
 
 
 def draft_quant_of(draft, quant: str) -> str:
