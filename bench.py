@@ -416,6 +416,9 @@ def add_machine_args(ap):
     ap.add_argument("--llama-cpp-python", default=sys.executable, metavar="PYTHON",
                     help="the Python that has llama-cpp-python, for the llama.cpp peer "
                          "(default: this one)")
+    ap.add_argument("--no-repack", action="store_true",
+                    help="the llama.cpp peer without its weight repacking (use_extra_bufts=False: "
+                         "its AMX repacking crashes on a real prompt on some Xeon guests)")
     ap.add_argument("--no-graphs", action="store_true",
                     help="on CUDA, run this engine's decode steps and verifications eagerly "
                          "instead of as CUDA graphs")

@@ -88,6 +88,7 @@ def llama_cpp_run(cfg, batches, a) -> dict:
     run_engine (timings only), through scripts/llama_cpp_peer.py in a.llama_cpp_python."""
     path = resolve(a.target)
     job = dict(model=str(path), threads=cfg.threads, max_new_tokens=a.max_new_tokens,
+               repack=not a.no_repack,
                prompts=[p for batch in batches for p in batch],
                n_ctx=max(len(p) for batch in batches for p in batch) + a.max_new_tokens + 8)
     peer = Path(__file__).resolve().parent / "scripts" / "llama_cpp_peer.py"

@@ -7,8 +7,18 @@ stdin: {"model": path, "threads": n, "prompts": [[ids]...], "max_new_tokens": n,
 Per prompt: the prompt's forward plus the first token is the prefill; each further token is one
 decode step (llama_cpp.Llama.eval of one token), the greedy token the argmax of its logits, as
 this engine's AR does.
+
+{"forwards": {"context": [ids], "sizes": [R...], "steps": n, "prefill": [ids]}} in the job
+times forwards instead (scripts/step_floor.py): the median of `steps` evals of R tokens after
+the context, each dropped again (what a verification of R tokens costs; R = 1 is a decode step),
+and the median of 3 evals of the prefill prompt from an empty cache. "logits_all": true keeps
+every row's logits, as a verification needs them (the decode job keeps the last row's).
+
+"repack": false turns llama.cpp's weight repacking off (use_extra_bufts=False): on some Xeon guests
+its AMX repacked weights crash on a real prompt.
 """
 import json
+import statistics
 import sys
 import time
 
@@ -16,10 +26,41 @@ import numpy as np
 from llama_cpp import Llama
 
 
+def forwards(llm, context: list, sizes: list, steps: int, prefill: list) -> dict:
+    """-> {"forward_ms": {R: median ms of an eval of R tokens after the context},
+    "prefill_ms": median ms of the prefill prompt's eval from an empty cache}."""
+    out = {"forward_ms": {}, "prefill_ms": None}
+    llm.reset()
+    llm.eval(context)
+    for R in sizes:
+        times = []
+        for _ in range(steps + 3):  # the first 3 warm up
+            llm.n_tokens = len(context)  # eval drops the cache past n_tokens before it writes
+            t0 = time.perf_counter()
+            llm.eval([5] * R)
+            times.append(time.perf_counter() - t0)
+        out["forward_ms"][R] = statistics.median(times[3:]) * 1e3
+    if prefill:
+        times = []
+        for _ in range(3):
+            llm.reset()
+            t0 = time.perf_counter()
+            llm.eval(prefill)
+            times.append(time.perf_counter() - t0)
+        out["prefill_ms"] = statistics.median(times) * 1e3
+    return out
+
+
 def main():
     job = json.load(sys.stdin)
+    extra = {} if job.get("repack", True) else {"use_extra_bufts": False}
     llm = Llama(job["model"], n_threads=job["threads"], n_threads_batch=job["threads"],
-                n_ctx=job["n_ctx"], logits_all=False, verbose=False)
+                n_ctx=job["n_ctx"], n_batch=max(512, job["n_ctx"]),
+                logits_all=job.get("logits_all", False),
+                verbose=False, **extra)
+    if "forwards" in job:
+        print(json.dumps(forwards(llm, **job["forwards"])))
+        return
     out = dict(new=0, first=0, prefill_s=0.0, decode_s=0.0)
     for ids in job["prompts"]:
         llm.reset()

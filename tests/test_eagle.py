@@ -360,3 +360,37 @@ def test_a_head_refuses_what_it_does_not_run_in_one_line(tmp_path):
 def make_other(tmp_path):
     from conftest import make_checkpoint
     return make_checkpoint(tmp_path / "other", "llama")
+
+
+def test_served_ssd_with_a_head_on_an_int8_target_is_exact(tmp_path):
+    """serve.py with an EAGLE head's directory as its draft and an int8 target: 9 greedy streams at
+    once, joining the running batch at different rounds, each give the text AR gives the prompt
+    alone on the same int8 target (the head's features come from quantized products, batched)."""
+    pytest.importorskip("httpx")
+    pytest.importorskip("openai")
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    import threading
+    from run import generate
+    from test_serve import MAX_NEW, PROMPTS, Server, stream_text
+    model, tok = load_model("tiny", quant="int8")
+    head = saved_head(model, tmp_path / "head")
+    alone = [generate(p, target=model, tokenizer=tok, mode="ar", max_new_tokens=MAX_NEW - i).text[0]
+             for i, p in enumerate(PROMPTS)]
+    server, texts = Server("--mode", "ssd", "--k", "3", "--draft", str(head), "--quant", "int8"), {}
+    try:
+        client = server.client()
+        threads = [threading.Thread(target=lambda i=i: texts.__setitem__(
+            i, stream_text(client, PROMPTS[i], MAX_NEW - i, delay=0.05 * i)))
+            for i in range(len(PROMPTS))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        m = server.metrics()
+    finally:
+        assert server.stop() == 0
+    assert [texts.get(i) for i in range(len(PROMPTS))] == alone
+    assert m['ssd_kv_blocks_used{cache="target"}'] == 0
+    assert m["ssd_spec_decode_num_draft_tokens_total"] > 0  # speculated: the head proposed
+    assert m["ssd_spec_cache_hits_total"] + m["ssd_spec_cache_misses_total"] > 0

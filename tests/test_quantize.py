@@ -638,7 +638,7 @@ def test_step_floor_compares_each_step_with_the_floor_measured_beside_it():
     from scripts import step_floor
     threads = torch.get_num_threads()
     out = step_floor.main(["--target", "tiny", "--threads", "1,2", "--rounds", "2", "--steps", "3",
-                           "--gib", "0.02", "--no-compile", "--verify", "2,5"])
+                           "--gib", "0.02", "--no-compile", "--verify", "2,5", "--prefill", "8"])
     assert torch.get_num_threads() == threads  # given back
     weights = weight_bytes(load_model("tiny", tokenizer=False)[0])
     assert out["weight_mib"] * 2**20 == weights
@@ -653,6 +653,26 @@ def test_step_floor_compares_each_step_with_the_floor_measured_beside_it():
         for R in (2, 5):
             assert out["verify_steps"][th][R] == pytest.approx(
                 statistics.median(r["verify_ms"][R] / r["step_ms"] for r in rows))
+        assert out["prefill_tok_s"][th] == pytest.approx(
+            8e3 / statistics.median(r["prefill_ms"] for r in rows))
+
+
+def test_step_floor_puts_llama_cpp_in_its_own_steps():
+    """llama.cpp's rows (its evals of 1 and R tokens, its prefill) summarised as the engine's are:
+    each R over the 1-token eval of the same round, medians over the rounds."""
+    from scripts import step_floor
+    rows = [dict(threads=1, step_ms=10.0, llama_cpp=dict(forward_ms={1: 4.0, 3: 6.0},
+                                                          prefill_ms=100.0)),
+            dict(threads=1, step_ms=12.0, llama_cpp=dict(forward_ms={1: 5.0, 3: 10.0},
+                                                          prefill_ms=200.0)),
+            dict(threads=1, step_ms=14.0, llama_cpp=dict(forward_ms={1: 6.0, 3: 9.0},
+                                                          prefill_ms=300.0)),
+            dict(threads=2, step_ms=1.0, llama_cpp=dict(forward_ms={1: 1.0, 3: 9.0},
+                                                         prefill_ms=1.0))]
+    out = step_floor.llama_cpp_summary(rows, 1, [3], 512)
+    assert out["step_ms"] == 5.0 and out["engine_step_ms"] == 12.0
+    assert out["verify_steps"] == {3: 1.5}  # 1.5, 2.0, 1.5: not 10 / 5 from the medians
+    assert out["prefill_tok_s"] == pytest.approx(512 / 0.2)
 
 
 # --------------------------------------------------------------------------------------------------
