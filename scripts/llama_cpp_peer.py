@@ -22,6 +22,7 @@ import statistics
 import sys
 import time
 
+import llama_cpp.llama_cpp as lib
 import numpy as np
 from llama_cpp import Llama
 
@@ -51,13 +52,26 @@ def forwards(llm, context: list, sizes: list, steps: int, prefill: list) -> dict
     return out
 
 
+def without_repacking():
+    """Llama() takes no use_extra_bufts (llama-cpp-python 0.3.36): its model parameters start from
+    llama_model_default_params, so the defaults it reads are given with repacking off."""
+    default = lib.llama_model_default_params
+
+    def params():
+        p = default()
+        p.use_extra_bufts = False
+        return p
+    lib.llama_model_default_params = params
+
+
 def main():
     job = json.load(sys.stdin)
-    extra = {} if job.get("repack", True) else {"use_extra_bufts": False}
+    if not job.get("repack", True):
+        without_repacking()
     llm = Llama(job["model"], n_threads=job["threads"], n_threads_batch=job["threads"],
                 n_ctx=job["n_ctx"], n_batch=max(512, job["n_ctx"]),
                 logits_all=job.get("logits_all", False),
-                verbose=False, **extra)
+                verbose=False)
     if "forwards" in job:
         print(json.dumps(forwards(llm, **job["forwards"])))
         return
