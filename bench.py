@@ -485,7 +485,7 @@ def parse_args(argv):
     a = ap.parse_args(argv)
     a.sweep = dict(a.sweep)  # field -> values
     # a flag not given: the value the draft's checkpoint records (run.py's rule), else the default
-    a.recorded = {f: v for f, v in recorded_settings(a.draft).items() if f != "quant"}
+    a.recorded = recorded_settings(a.draft)[0]
     for f in ("K", *SSD_AXES):
         flag = "k" if f == "K" else f
         if getattr(a, flag) is None:

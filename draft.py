@@ -99,20 +99,22 @@ class DraftSettings:
 # config.json under "speculation": DraftSettings' fields (K, confidence, ...) and "quant", the
 # draft's weights (checkpoint.load_model's quant). generate() and run.py start from them, a value
 # given still wins, and a draft that records none gets DraftSettings' defaults.
-def recorded_settings(name) -> dict:
+def recorded_settings(name) -> tuple[dict, str | None]:
     """The "speculation" entry of the local draft checkpoint `name` (a directory or an alias of
-    one) -> {field: value}; {} for anything else (a GGUF file, a model object, no entry)."""
+    one) -> ({DraftSettings field: value}, its "quant" or None); ({}, None) for anything else (a
+    GGUF file, a model object, no entry)."""
     if not isinstance(name, (str, Path)):
-        return {}
+        return {}, None
     config = Path(str(ALIASES.get(str(name), name))).expanduser() / "config.json"
     if not config.is_file():
-        return {}
+        return {}, None
     settings = json.loads(config.read_text()).get("speculation", {})
     fields = {f.name for f in dataclasses.fields(DraftSettings)} | {"quant"}
     if not isinstance(settings, dict) or set(settings) - fields:
         raise ValueError(f"{config}: its \"speculation\" entry must map fields of "
                          f"draft.DraftSettings or \"quant\" to values, not {settings!r}")
-    return settings
+    quant = settings.pop("quant", None)  # the draft's weights, not a DraftSettings field
+    return settings, quant
 
 
 @dataclass

@@ -99,7 +99,8 @@ def generate(prompts, target="tiny", draft="tiny-draft", mode="sd", max_new_toke
     if mode == "auto":
         return generate_auto(**locals())  # every parameter, as given
     prompts = check_request(prompts, max_new_tokens)
-    spec = settings_of(draft_settings, draft, K=k, confidence=confidence, fan_out=fan_out,
+    recorded, recorded_quant = recorded_settings(draft)
+    spec = settings_of(draft_settings, recorded, K=k, confidence=confidence, fan_out=fan_out,
                        budget=budget, saguaro_c=saguaro_c, fallback=fallback, pre_spec=pre_spec,
                        fixed_budget=fixed_budget)
     cfg = EngineConfig(target=target, draft=draft, mode=mode, temperature=temperature, spec=spec,
@@ -109,7 +110,7 @@ def generate(prompts, target="tiny", draft="tiny-draft", mode="sd", max_new_toke
                        kv_tokens=kv_tokens, target_devices=target_devices, tp_timeout=tp_timeout,
                        dtype=dtype, graphs=graphs, block_size=block_size, torchrun=torchrun,
                        compile=compile, quant=quant, prefix_caching=prefix_caching,
-                       draft_quant=draft_quant_of(draft, draft_quant))
+                       draft_quant=draft_quant_of(recorded_quant, draft_quant))
     return generate_with(cfg, prompts, max_new_tokens, chat, stream, tokenizer)
 
 
@@ -180,25 +181,23 @@ def measure(prompts, mode, target, tokenizer, chat, kw) -> float:
     return (n1 - n0) / (t1 - t0) if t1 > t0 else res.stats["decode_tok_s"]  # one round timed
 
 
-def settings_of(given: DraftSettings | None, draft, **fields) -> DraftSettings:
+def settings_of(given: DraftSettings | None, recorded: dict, **fields) -> DraftSettings:
     """generate()'s draft settings: the object given, or one from the fields given, a field not
-    given (None) taken from those the draft's checkpoint records (draft.recorded_settings), else
-    DraftSettings' default; an object and fields at once is refused, as one would silently win."""
+    given (None) taken from those the draft's checkpoint records (`recorded`, from
+    draft.recorded_settings), else DraftSettings' default; an object and fields at once is
+    refused, as one would silently win."""
     fields = {name: v for name, v in fields.items() if v is not None}
-    if given is not None:
-        if fields:
-            raise ValueError(f"draft_settings and {', '.join(fields)} given together: put "
-                             f"{'them' if len(fields) > 1 else 'it'} in draft_settings")
-        return given  # whole: the draft's record is not read
-    recorded = {k: v for k, v in recorded_settings(draft).items() if k != "quant"}
-    return DraftSettings(**{**recorded, **fields})
+    if given is not None and fields:
+        raise ValueError(f"draft_settings and {', '.join(fields)} given together: put "
+                         f"{'them' if len(fields) > 1 else 'it'} in draft_settings")
+    return given if given is not None else DraftSettings(**{**recorded, **fields})
 
 
-def draft_quant_of(draft, quant: str) -> str:
+def draft_quant_of(recorded_quant: str | None, quant: str) -> str:
     """The draft's weights: `quant` as given, or for "auto" the precision its checkpoint records
-    with its settings ("quant"), else "auto" (checkpoint.load_model: a GGUF file's own, float for
-    safetensors)."""
-    return recorded_settings(draft).get("quant", "auto") if quant == "auto" else quant
+    with its settings (draft.recorded_settings), else "auto" (checkpoint.load_model: a GGUF file's
+    own, float for safetensors)."""
+    return (recorded_quant or "auto") if quant == "auto" else quant
 
 
 def recorded_or(value) -> str:
@@ -423,7 +422,8 @@ def add_output_options(g):
 
 def generate_kwargs(a: argparse.Namespace) -> dict:
     """generate()'s arguments from the command line's (the prompt, stream and tokenizer aside)."""
-    spec = settings_of(None, a.draft, K=a.k, confidence=a.confidence,
+    recorded, recorded_quant = recorded_settings(a.draft)
+    spec = settings_of(None, recorded, K=a.k, confidence=a.confidence,
                        fan_out=parse_fan_out(a.fan_out) if a.fan_out else None, budget=a.budget,
                        saguaro_c=a.saguaro_c, fallback=a.fallback, pre_spec=a.pre_spec,
                        fixed_budget=a.fixed_budget)
@@ -434,7 +434,7 @@ def generate_kwargs(a: argparse.Namespace) -> dict:
                 draft_device=a.draft_device or a.device, target_threads=a.target_threads,
                 draft_threads=a.draft_threads, kv_tokens=a.kv_tokens,
                 tp_timeout=a.tp_timeout, dtype=a.dtype, graphs=False if a.no_graphs else None,
-                quant=a.quant, draft_quant=draft_quant_of(a.draft, a.draft_quant),
+                quant=a.quant, draft_quant=draft_quant_of(recorded_quant, a.draft_quant),
                 compile=False if a.no_compile else (True if a.compile else None),
                 prefix_caching=False if a.no_prefix_caching else None,
                 target_devices=a.target_devices.split(",") if a.target_devices else None)

@@ -40,6 +40,12 @@ from huge_pages import huge_page_slab  # noqa: E402
 from quantize import weight_bytes  # noqa: E402
 
 CONTEXT = 100  # tokens in the cache before the timed steps
+CONTEXT_IDS = list(range(100, 100 + CONTEXT))  # their ids, the same for llama.cpp
+
+
+def prompt_ids(n: int) -> list[int]:
+    """The ids of the n-token prompt whose prefill is timed (the same for llama.cpp)."""
+    return [1000 + i % 9000 for i in range(n)]
 
 
 def read_speed(x: torch.Tensor, tries: int = 3) -> float:
@@ -70,7 +76,7 @@ def prefill_seconds(model, cache, tokens: int) -> float:
     for _ in range(3):
         seq = cache.new_seq()
         t0 = time.perf_counter()
-        model.prefill(cache, [seq], [[1000 + i % 9000 for i in range(tokens)]])
+        model.prefill(cache, [seq], [prompt_ids(tokens)])
         times.append(time.perf_counter() - t0)
         cache.free(seq)
     return statistics.median(times)
@@ -81,8 +87,8 @@ def llama_cpp(a, threads: int, sizes: list[int]) -> dict:
     {"forward_ms": {R: ms}, "prefill_ms": ms or None}."""
     job = dict(model=str(resolve(a.target)), threads=threads, repack=not a.no_repack,
                n_ctx=CONTEXT + max(sizes) + a.prefill + 16, logits_all=True,
-               forwards=dict(context=list(range(100, 100 + CONTEXT)), sizes=sizes, steps=a.steps,
-                             prefill=[1000 + i % 9000 for i in range(a.prefill)]))
+               forwards=dict(context=CONTEXT_IDS, sizes=sizes, steps=a.steps,
+                             prefill=prompt_ids(a.prefill)))
     res = subprocess.run([a.llama_cpp_python, str(REPO / "scripts" / "llama_cpp_peer.py")],
                          input=json.dumps(job), text=True, capture_output=True)
     if res.returncode:
@@ -121,7 +127,7 @@ def main(argv=None) -> dict:
     big = huge_page_slab(int(a.gib * 2**30)).view(torch.float32).fill_(1)  # whole 2 MB pages
     rows, threads = [], torch.get_num_threads()
     with torch.no_grad():
-        model.prefill(cache, [seq], [list(range(100, 100 + CONTEXT))])
+        model.prefill(cache, [seq], [CONTEXT_IDS])
         for tokens in [1, *verify]:
             step_seconds(model, cache, seq, 5, tokens)  # the first forwards of a size compile
         try:

@@ -653,5 +653,6 @@ def test_a_draft_records_its_settings_and_a_value_given_wins(tmp_path):
         args()
     # the shipped real-pair draft's record is one the engine takes (its model card says why)
     from quantize import QUANTS
-    shipped = run.settings_of(None, "smollm2-135m-draft")
-    assert shipped != run.SPEC and run.draft_quant_of("smollm2-135m-draft", "auto") in QUANTS
+    recorded, recorded_quant = run.recorded_settings("smollm2-135m-draft")
+    shipped = run.settings_of(None, recorded)
+    assert shipped != run.SPEC and run.draft_quant_of(recorded_quant, "auto") in QUANTS
