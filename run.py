@@ -92,10 +92,9 @@ def generate(prompts, target="tiny", draft="tiny-draft", mode="sd", max_new_toke
     prefix_caching: a prompt that starts with full KV blocks another prompt cached reuses them, on
     the target's cache and the draft's (kv_cache.py); the tokens are the same either way. None: on,
     except with an EAGLE head (eagle.py), where it is not implemented.
-    stream(row, tokens_so_far) is called as tokens are accepted. tokenizer: the target's, where
-    the caller has it (not built twice). target may also be a model load_model() gave (on its
-    device, in its dtype; not tensor parallel): calls that pass the same one (a bench sweep) load
-    it once, and on a GPU replay the CUDA graphs they captured on its KV pool."""
+    stream(row, tokens_so_far) is called as tokens are accepted; tokenizer: the target's, where the
+    caller has it. target may also be a model load_model() gave (on its device, in its dtype, not
+    tensor parallel): calls with the same one (a bench sweep) load it once, reuse its graphs."""
     if mode == "auto":
         return generate_auto(**locals())  # every parameter, as given
     prompts = check_request(prompts, max_new_tokens)
