@@ -2,7 +2,7 @@
 `load_model` / `load_config` / `load_tokenizer`, which take any name resolve() does. The formats
 only read: a safetensors directory (here) or a GGUF file (gguf_format.py) yields its config and its
 tensors by name; the one loader (`load_weights`) places each into the model, slicing it for tensor
-parallelism and quantizing it on the way (which layers in how many bits: `quant_plan`).
+parallelism and quantizing it on the way (which layers in how many bits: `quantize.quantize_model`).
 """
 import importlib.util
 import json
@@ -15,12 +15,11 @@ import torch
 import torch.nn as nn
 
 import cpu_kernels
-from devices import check_device, resolve_dtype
+from devices import placement
 from config import ModelConfig
 from gguf_format import GGUFFile, check_gguf_magic, gguf_checkpoint, read_gguf
 from model import TP, Transformer, over_vocab, vocab_maps
-from quantize import (BLOCK, QuantLinear, QuantRows, check_quant, pack_layers, quantize_layers,
-                      split_rows)
+from quantize import QuantLinear, QuantRows, pack_layers, quantize_model, split_rows
 
 REPO = Path(__file__).resolve().parent
 
@@ -113,26 +112,18 @@ def load_model(name_or_path, device="cpu", dtype=None, tp: TP | None = None,
     for safetensors. compile_quant: quantized products in their fast forms, the CPU kernels
     (quantize.pack_layers) or torch.compile's, else eager: dequantise-and-multiply with the
     stored weights as they are (slower, compiles nothing: tests' reference)."""
-    device = check_device(device)
-    dtype = resolve_dtype(dtype, device)
+    device, dtype = placement(device, dtype)
     path = resolve(name_or_path)
     cfg, weights, gguf_file = gguf_checkpoint(path) if path.is_file() else hf_checkpoint(path)
     if vocab_size is not None:
         cfg = cfg.over_target_vocab(vocab_size)
     with torch.device("meta"):
         model = Transformer(cfg, tp)
-    # tensor parallelism slices float weights only: a GGUF file's own precision (auto) is
-    # dequantised there as before, an explicit int8 / int4 refused
-    plan = quant_plan("none" if quant == "auto" and model.tp else quant, model,
-                      weights if gguf_file else None)
-    if plan is not None:
-        if model.tp is not None:
-            raise ValueError(f"quant={quant!r} with tensor parallelism is not implemented: load "
-                             f"the model with quant='none' (--quant none), or on one device")
-        quantize_layers(model, plan, device, dtype, compiled=compile_quant)
+    kinds = block_kinds(model, weights) if gguf_file else None
+    quantized = quantize_model(model, quant, kinds, device, dtype, compiled=compile_quant)
     materialize(model, device, dtype)
     load_weights(model, weights, path)
-    if plan is not None and compile_quant:
+    if quantized and compile_quant:
         pack_layers(model, device)  # the CPU kernels, where the CPU vectorises them
         for layer in model.model.layers:  # then each layer in one C++ call, where it can
             layer.use_one_call()
@@ -210,27 +201,12 @@ class SafetensorsWeight:
 
 
 # --------------------------------------------------------------------------------------------------
-# Which layers are quantized, in how many bits (quantize.py has the layouts)
+# The block types of a GGUF file's layers (quantize.quantize_model chooses the layouts from them)
 
-def quant_plan(quant: str, model: Transformer, gguf_weights: list | None) -> dict | None:
-    """-> {layer name: (bits, group, mins)} for quantize.quantize_layers (a layer it leaves out
-    stays float), or None for a float model. model: built on the meta device, not yet quantized;
-    gguf_weights: a GGUF file's (name, GGUFWeight) pairs, None for safetensors.
-    int8 is per output channel from safetensors, in groups of 32 (Q8_0's) from a GGUF file. With
-    int4 the LM head and the embedding are int8, as llama.cpp's Q4 files keep them at 6 or 8 bits:
-    the head decides every token and is where 4 bits cost agreement most.
-    auto on a GGUF file: each layer in the layout that holds its tensors' block types exactly
-    (gguf_format.GGUF_INTEGERS): int4 where all are 4-bit, else int8 in the smallest group among
-    them (16 with Q6_K), with mins where one has a min; a layer with any other type stays float."""
-    check_quant(quant)
-    if quant == "none" or (quant == "auto" and gguf_weights is None):
-        return None
-    if quant != "auto":  # a layer whose inputs do not split into int4 blocks refuses (QuantLinear)
-        bits, group = (8 if quant == "int8" else 4), (BLOCK if gguf_weights is not None else None)
-        layouts = {name: (bits, group, bits == 4) for name, m in model.named_modules()
-                   if type(m) is nn.Linear}
-        return {**layouts, "lm_head": (8, group, False), "model.embed_tokens": (8, group, False)}
-    kinds = {}  # module -> the block types of its tensors (None: float or another type)
+def block_kinds(model: Transformer, gguf_weights: list) -> dict:
+    """-> {layer name: [the block type of each tensor it holds, None for float or a type without
+    integers]} of a GGUF file's (name, GGUFWeight) pairs, by model.py's (fused) layers."""
+    kinds = {}
     for name, w in gguf_weights:
         if len(w.shape) != 2:
             continue
@@ -239,11 +215,7 @@ def quant_plan(quant: str, model: Transformer, gguf_weights: list | None) -> dic
         kinds.setdefault(module, []).append(w.blocks)
     if model.config.tie_word_embeddings:
         kinds["lm_head"] = kinds["model.embed_tokens"]
-    if all(k is None for ks in kinds.values() for k in ks):
-        return None  # a float file (F32 / F16 / BF16)
-    return {module: (4, BLOCK, True) if all(k.bits == 4 for k in ks)
-            else (8, min(k.group for k in ks), any(k.mins for k in ks))
-            for module, ks in kinds.items() if None not in ks}
+    return kinds
 
 
 # the fused layers of model.py -> the checkpoint's layers whose rows they hold, in order
@@ -331,17 +303,16 @@ def tp_split_dim(name: str) -> int | None:
 def place(w, target, name: str, tp: TP | None):
     """One tensor of the checkpoint into its parameter, or into a quantized layer's rows
     (QuantRows), its shape checked against the config's. With tensor parallelism only this
-    rank's slice is read. A GGUF file's integers go into a quantized layer as they are where its
-    layout holds their block type (QuantRows.holds: no float copy, no rounding); anything else is
-    read as float and copied, converted to the parameter's dtype and device (or quantized)."""
+    rank's slice is read. A quantized layer's rows take the tensor themselves (QuantRows.take: a
+    GGUF file's integers as they are where they can); anything else is read as float and copied,
+    converted to the parameter's dtype and device."""
     dim = tp_split_dim(name) if tp else None
     want = tuple(d * tp.world if i == dim else d for i, d in enumerate(target.shape))  # whole
     if tuple(w.shape) != want:
         raise ValueError(f"tensor {w.key!r} has shape {tuple(w.shape)} in {w.file}, the config "
                          f"implies {want}")
-    kind = w.blocks
-    if isinstance(target, QuantRows) and kind and target.holds(kind.bits, kind.group, kind.mins):
-        target.copy_integers(*w.integers())
+    if isinstance(target, QuantRows):  # never split: tensor parallelism refuses quantizing
+        target.take(w)
         return
     if dim is None:
         t = w.read()

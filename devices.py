@@ -33,6 +33,12 @@ def check_device(device) -> torch.device:
     return torch.device("cuda", index)
 
 
+def placement(device, dtype) -> tuple[torch.device, torch.dtype]:
+    """Where a model runs and in what: check_device's device and resolve_dtype's dtype on it."""
+    device = check_device(device)
+    return device, resolve_dtype(dtype, device)
+
+
 def tp_backend(devices: list[str]) -> str:
     """The process group's backend for a tensor-parallel target's devices (tp.py): NCCL over
     distinct GPUs, gloo over CPUs; any other list refused in one line."""

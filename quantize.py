@@ -383,8 +383,9 @@ def products(model: nn.Module) -> dict[str, int]:
 
 class QuantRows:
     """Rows [lo, hi) of a QuantLinear, as a loader fills them (checkpoint.py): the float weight's
-    shape, copy_ from a float tensor (quantized here, one tensor at a time) or copy_integers from
-    integers with their scales (a GGUF file's blocks), copy_stored from the layout's tensors."""
+    shape; take a checkpoint's tensor, which goes through copy_ from a float tensor (quantized
+    here, one tensor at a time) or copy_integers from integers with their scales (a GGUF file's
+    blocks); copy_stored from the layout's tensors."""
 
     def __init__(self, layer: QuantLinear, lo: int, hi: int):
         self.layer, self.lo, self.hi = layer, lo, hi
@@ -400,6 +401,16 @@ class QuantRows:
     def copy_(self, w):
         self.copy_stored(*self.quantize(w.reshape(self.shape)))
         return self
+
+    def take(self, w):
+        """One tensor of a checkpoint (checkpoint.place): a GGUF file's integers as they are where
+        this layout holds their block type (no float copy, no rounding), else read as float and
+        quantized here."""
+        kind = w.blocks
+        if kind and self.holds(kind.bits, kind.group, kind.mins):
+            self.copy_integers(*w.integers())
+        else:
+            self.copy_(w.read())
 
     def holds(self, bits: int, group: int, has_mins: bool) -> bool:
         """Whether integers of `bits` bits (4: 0..15 or -8..7; 8: -128..127) with a scale (and a
@@ -467,6 +478,39 @@ class QuantEmbedding(QuantLinear):
 
 # --------------------------------------------------------------------------------------------------
 # Swapping the layers of a model (built on the meta device, before its weights are loaded)
+
+def quantize_model(model: nn.Module, quant: str, kinds: dict | None, device, dtype,
+                   compiled: bool = True) -> bool:
+    """Swap in the quantized layers that `quant` asks for (quantize_layers); -> whether any.
+    model: built on the meta device; kinds: a GGUF file's block types by layer
+    (checkpoint.block_kinds), None for safetensors.
+    int8 is per output channel from safetensors, in groups of 32 (Q8_0's) from a GGUF file. With
+    int4 the LM head and the embedding are int8, as llama.cpp's Q4 files keep them at 6 or 8 bits:
+    the head decides every token and is where 4 bits cost agreement most.
+    auto on a GGUF file: each layer in the layout that holds its tensors' block types exactly
+    (gguf_format.GGUF_INTEGERS): int4 where all are 4-bit, else int8 in the smallest group among
+    them (16 with Q6_K), with mins where one has a min; a layer with any other type stays float.
+    Tensor parallelism slices float weights only: there auto stays float, int8 / int4 refuse."""
+    check_quant(quant)
+    if getattr(model, "tp", None) is not None and quant in ("int8", "int4"):
+        raise ValueError(f"quant={quant!r} with tensor parallelism is not implemented: load "
+                         f"the model with quant='none' (--quant none), or on one device")
+    if quant == "none" or (quant == "auto" and (kinds is None or model.tp is not None)):
+        return False
+    if quant != "auto":  # a layer whose inputs do not split into int4 blocks refuses (QuantLinear)
+        bits, group = (8 if quant == "int8" else 4), (BLOCK if kinds is not None else None)
+        layouts = {name: (bits, group, bits == 4) for name, m in model.named_modules()
+                   if type(m) is nn.Linear}
+        layouts |= {"lm_head": (8, group, False), "model.embed_tokens": (8, group, False)}
+    elif all(k is None for ks in kinds.values() for k in ks):
+        return False  # a float file (F32 / F16 / BF16)
+    else:
+        layouts = {module: (4, BLOCK, True) if all(k.bits == 4 for k in ks)
+                   else (8, min(k.group for k in ks), any(k.mins for k in ks))
+                   for module, ks in kinds.items() if None not in ks}
+    quantize_layers(model, layouts, device, dtype, compiled)
+    return True
+
 
 def quantize_layers(model: nn.Module, layouts: dict, device, dtype, compiled: bool = True):
     """Replace the model's nn.Linear layers (and its embedding) that `layouts` names with

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from checkpoint import load_model, load_tokenizer
-from devices import DTYPES, check_device, resolve_dtype
+from devices import DTYPES, placement
 from quantize import QUANTS
 from draft import DraftSettings, recorded_settings
 from spec_policy import PRE_SPEC
@@ -519,11 +519,11 @@ def serve_rank(a: argparse.Namespace, env: TorchrunEnv):
     """Ranks 1.. of a torchrun world: this rank's slices of the target serve rank 0's verifier
     calls until it ends the run (every rank has the same flags: target, dtype, threads, timeout)."""
     refuse_target_devices(a.target_devices)
-    device = str(check_device(torchrun_device(a.target_device or a.device, env.local_rank)))
+    device, dtype = placement(torchrun_device(a.target_device or a.device, env.local_rank),
+                              a.dtype)
     threads, _ = threads_of(a.mode == "ssd" and not a.no_parallel, a.target_threads,
                             a.draft_threads, os.cpu_count() or 1)
-    serve_torchrun_rank(env, a.target, device, resolve_dtype(a.dtype, device), threads,
-                        a.tp_timeout)
+    serve_torchrun_rank(env, a.target, str(device), dtype, threads, a.tp_timeout)
 
 
 def main(argv=None):

@@ -179,6 +179,19 @@ def test_non_dividing_split_is_refused(ckpts):
         assert Transformer(cfg, TP(1, 2)).model.embed_tokens.num_embeddings == V // 2
 
 
+def test_quantizing_a_tensor_parallel_rank_is_refused(ckpts):
+    """A rank slices float weights only: int8 / int4 refuse in one line before any weight is read,
+    an unknown quant is named, and auto (a safetensors model's float) and none load."""
+    for quant, match in (("int8", "quant='int8' with tensor parallelism"),
+                         ("int4", "quant='int4' with tensor parallelism"), ("int2", "unknown quant")):
+        with pytest.raises(ValueError, match=match) as e:
+            load_model(ckpts["llama"], tp=TP(0, 2), quant=quant, tokenizer=False)
+        assert "\n" not in str(e.value)
+    for quant in ("auto", "none"):
+        model, _ = load_model(ckpts["llama"], tp=TP(1, 2), quant=quant, tokenizer=False)
+        assert type(model.model.layers[0].self_attn.qkv_proj) is torch.nn.Linear
+
+
 def test_dead_rank_fails_cleanly(ckpts):
     workers = TPWorkers(ckpts["llama"], ["cpu", "cpu"], threads=1)
     try:
