@@ -13,8 +13,12 @@ client count c send --requests streaming completions whose arrivals are a Poisso
                     tokens together; this charges each of them its share of the wait)
     decode tok/s    per request, tokens after the first over the time from the first to the last
                     (its median), the figure to compare with run.py's decode_tok_s
+    tok/round       SD and SSD: tokens a row-round, 1 + draft tokens accepted / row-rounds
+    accept          SD and SSD: draft tokens accepted / proposed
+    cache hits      SSD: rounds whose outcome the speculator had guessed / rounds
     prefix hits     the prompt tokens the target's prefix cache found, of those it looked up, over
-                    the run (serve.py's /metrics; prefix caching is off with -- --no-prefix-caching)
+                    the run (prefix caching is off with -- --no-prefix-caching)
+The last four are the growth of serve.py's /metrics counters over the row.
 
 Workloads for prefix caching: --shared-prefix N starts every prompt with the same system prompt of
 N tokens (the start of Python's argparse.py, code the tiny pair knows); --turns T makes each
@@ -70,7 +74,7 @@ def server_command(kind: str, a, port: int) -> list[str]:
         return ["transformers", "serve", "--continuous-batching", "--device", "cpu", "--dtype",
                 "float32", "--host", "127.0.0.1", "--port", str(port), a.hf_model or a.target]
     cmd = [sys.executable, str(REPO / "serve.py"), "--target", a.target, "--mode", kind,
-           "--host", "127.0.0.1", "--port", str(port), "--k", str(a.k)]
+           "--host", "127.0.0.1", "--port", str(port)] + (["--k", str(a.k)] if a.k else [])
     return cmd + (["--draft", a.draft] if kind != "ar" else []) + a.serve_args
 
 
@@ -168,16 +172,37 @@ def summarise(start, results, count_tokens) -> dict:
             "decode_tok_s_median": statistics.median(decode) if decode else 0.0}
 
 
-def prefix_tokens(base) -> tuple[float, float] | None:
-    """(looked up, found) prompt tokens of the target's prefix cache so far (serve.py's /metrics);
-    None from a server that does not say."""
+# serve.py's /metrics counters (metrics.py) a row's figures are read from, before and after it
+COUNTERS = {"prefix_looked": 'ssd_prefix_cache_queries_total{cache="target"}',
+            "prefix_found": 'ssd_prefix_cache_hits_total{cache="target"}',
+            "drafts": "ssd_spec_decode_num_drafts_total",  # row-rounds that verified a proposal
+            "proposed": "ssd_spec_decode_num_draft_tokens_total",
+            "accepted": "ssd_spec_decode_num_accepted_tokens_total",
+            "cache_hits": "ssd_spec_cache_hits_total", "cache_misses": "ssd_spec_cache_misses_total"}
+
+
+def server_counters(base) -> dict:
+    """COUNTERS' values now (those the server has: AR has no drafts, SD no cache)."""
     import httpx
-    counts = {}
+    values = {}
     for line in httpx.get(f"{base}/metrics", timeout=10).text.splitlines():
-        for name in ("queries", "hits"):
-            if line.startswith(f'ssd_prefix_cache_{name}_total{{cache="target"}} '):
-                counts[name] = float(line.split()[-1])
-    return (counts["queries"], counts["hits"]) if len(counts) == 2 else None
+        sample, _, value = line.rpartition(" ")
+        values[sample] = value
+    return {k: float(values[m]) for k, m in COUNTERS.items() if m in values}
+
+
+def counter_figures(before: dict, after: dict) -> dict:
+    """A row's figures from the counters' growth over it: the target's prefix cache hits (prompt
+    tokens found / looked up), tokens a row-round (1 + accepted / row-rounds), draft tokens
+    accepted / proposed, SSD's speculation cache hits / rounds. None where the server has none."""
+    d = {k: after[k] - before[k] for k in after.keys() & before.keys()}
+    ratio = lambda num, den: d[num] / d[den] if d.get(den) else None
+    rounds = d.get("cache_hits", 0) + d.get("cache_misses", 0)
+    hits = d["cache_hits"] / rounds if rounds else None
+    per_round = ratio("accepted", "drafts")
+    return {"prefix_hit_rate": ratio("prefix_found", "prefix_looked"),
+            "tokens_per_round": None if per_round is None else 1 + per_round,
+            "accept": ratio("accepted", "proposed"), "cache_hit_rate": hits}
 
 
 def tool_executable(tool: str, tool_bin: str | None) -> str:
@@ -312,7 +337,7 @@ def bench_server(kind, a, prompts, count_tokens, system="") -> list[dict]:
         # the first load's time to first token
         asyncio.run(run_load(base, model, prompts, 2, 2, 0, a.max_tokens, a.seed, a.chat))
         for c, tool in [(c, t) for c in a.clients for t in a.tools]:  # after the warm-up
-            before = prefix_tokens(base) if kind != "hf" else None
+            before = server_counters(base) if kind != "hf" else None
             if tool == "own":
                 start, results = asyncio.run(run_load(base, model, prompts, c, a.requests, a.rate,
                                                       a.max_tokens, a.seed, a.chat, system=system,
@@ -320,11 +345,8 @@ def bench_server(kind, a, prompts, count_tokens, system="") -> list[dict]:
                 figures = summarise(start, results, count_tokens)
             else:
                 figures = run_tool(tool, a, base, model, c, Path(a.log_dir) / f"{tool}-{kind}-{c}")
-            after = prefix_tokens(base) if before else None
-            hits = ((after[1] - before[1]) / (after[0] - before[0])
-                    if after and after[0] > before[0] else None)
-            rows.append({"server": kind, "clients": c, "load": tool, **figures,
-                         "prefix_hit_rate": hits})
+            counted = counter_figures(before, server_counters(base)) if before is not None else {}
+            rows.append({"server": kind, "clients": c, "load": tool, **figures, **counted})
             print(json.dumps(rows[-1]), flush=True)
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
@@ -338,15 +360,34 @@ def bench_server(kind, a, prompts, count_tokens, system="") -> list[dict]:
 
 def table(rows) -> str:
     head = ("| server | clients | load from | output tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms "
-            "| decode tok/s per request | prefix hits |\n|---|---|---|---|---|---|---|---|")
-    hits = lambda x: "-" if x is None else f"{100 * x:.0f}%"
-    decode = lambda x: "-" if x is None else f"{x:.1f}"  # the tools do not report it
+            "| decode tok/s per request | tok/round | accept | cache hits | prefix hits |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|")
+    pct = lambda x: "-" if x is None else f"{100 * x:.0f}%"
+    num = lambda x, f: "-" if x is None else f"{x:{f}}"  # the tools do not report decode tok/s
     lines = [f"| {r['server']} | {r['clients']} | {r.get('load', 'own')} | "
              f"{r['output_tok_s']:.1f} | {r['ttft_ms_p50']:.0f} / {r['ttft_ms_p99']:.0f} | "
              f"{r['itl_ms_p50']:.1f} / {r['itl_ms_p99']:.1f} | "
-             f"{decode(r['decode_tok_s_median'])} | {hits(r.get('prefix_hit_rate'))} |"
+             f"{num(r['decode_tok_s_median'], '.1f')} | {num(r.get('tokens_per_round'), '.2f')} | "
+             f"{num(r.get('accept'), '.2f')} | {pct(r.get('cache_hit_rate'))} | "
+             f"{pct(r.get('prefix_hit_rate'))} |"
              for r in rows]
     return "\n".join([head, *lines])
+
+
+def tool_tokenizer(target) -> str:
+    """The tokenizer the tools read, an absolute path (no hub): the target's directory, or for a
+    GGUF file the tokenizer load_tokenizer built from its header and kept (the tools read none)."""
+    from checkpoint import gguf_tokenizer, load_tokenizer, resolve
+    path = resolve(target).resolve()
+    if not path.is_file():
+        return str(path)
+    saved = gguf_tokenizer(path)
+    if not (saved / "tokenizer_config.json").exists():
+        load_tokenizer(path)  # builds it and keeps it there
+    if not (saved / "tokenizer_config.json").exists():
+        raise SystemExit(f"bench_serve: {path.name} has no tokenizer, or it could not be kept in "
+                         f"{saved.parent}: the tools need one as a folder")
+    return str(saved)
 
 
 def parse_args(argv=None):
@@ -358,7 +399,8 @@ def parse_args(argv=None):
     ap.add_argument("--draft", default="tiny-draft")
     ap.add_argument("--hf-model", default=None,
                     help="what transformers serve loads (default: the target's directory)")
-    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--k", type=int, default=None,
+                    help="serve.py's --k (default: its own, the K the draft's checkpoint records)")
     ap.add_argument("--clients", default="1,8", help="comma list of concurrent clients")
     ap.add_argument("--requests", type=int, default=16, help="requests per client count")
     ap.add_argument("--rate", type=float, default=0.0,
@@ -414,7 +456,7 @@ def main(argv=None):
     prompts = file_prompts(a.prompt_file) if a.prompt_file else DEFAULT_PROMPTS
     if "hf" in a.servers and a.hf_model is None:
         a.hf_model = str(resolve(a.target))
-    a.tokenizer = str(resolve(a.target).resolve())  # the tools' (an absolute path: no hub)
+    a.tokenizer = tool_tokenizer(a.target)
     system = shared_prefix(tok, a.shared_prefix) if a.shared_prefix else ""
     rows = [r for kind in a.servers
             for r in bench_server(kind, a, prompts, count_tokens, system)]

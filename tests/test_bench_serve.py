@@ -40,6 +40,11 @@ def test_args():
     assert a.servers == ["ar", "ssd"] and a.clients == [1, 8] and a.serve_args == ["--budget", "4"]
     assert bench_serve.server_command("ssd", a, 8123)[-2:] == ["--budget", "4"]
     assert "--draft" not in bench_serve.server_command("ar", a, 8123)
+    # K is serve.py's own (the draft's recorded settings) unless given
+    assert "--k" not in bench_serve.server_command("ssd", a, 8123)
+    a = bench_serve.parse_args(["--k", "3"])
+    cmd = bench_serve.server_command("sd", a, 8123)
+    assert cmd[cmd.index("--k") + 1] == "3"
     with pytest.raises(SystemExit):
         bench_serve.parse_args(["--servers", "vllm"])
     a = bench_serve.parse_args(["--shared-prefix", "1024", "--turns", "3"])

@@ -66,6 +66,18 @@ def test_a_gguf_files_tokenizer_is_built_once_and_read_back_the_same(tok, tmp_pa
     assert checkpoint.gguf_tokenizer(other) not in (first, saved)
 
 
+def test_the_load_tools_read_a_gguf_targets_tokenizer_from_its_kept_folder(tok):
+    """guidellm and aiperf load the tokenizer with AutoTokenizer.from_pretrained, which reads no
+    GGUF file: bench_serve hands them the folder load_tokenizer keeps (a directory target as it
+    is)."""
+    import bench_serve
+    from transformers import AutoTokenizer
+    folder = bench_serve.tool_tokenizer(TARGET)
+    assert folder == str(checkpoint.gguf_tokenizer(resolve(TARGET).resolve()))
+    assert AutoTokenizer.from_pretrained(folder).encode(PROMPT) == tok.encode(PROMPT)
+    assert bench_serve.tool_tokenizer(DRAFT) == str(resolve(DRAFT).resolve())
+
+
 def test_a_raw_prompt_is_fed_as_transformers_feeds_it(smol):
     """No chat template: the text's tokens alone, as transformers' tokenizer gives them. SmolLM2's
     BOS is <|im_start|>, which opens a chat turn: put before raw text (as this engine did), the

@@ -137,6 +137,32 @@ def test_exact_under_load(server, alone):
     assert m['ssd_prefix_cache_hits_total{cache="target"}'] < looked
 
 
+def test_bench_serve_reads_a_rows_counters_from_metrics(server, alone):
+    """bench_serve's per-row counters, read from this server's /metrics before and after a
+    request: what the engine's own counters say, in their ranges (AR has no proposal, SD no
+    speculation cache)."""
+    import bench_serve
+    before = bench_serve.server_counters(server.url)
+    assert stream_text(server.client(), PROMPTS[0], MAX_NEW) == alone[0]
+    after = bench_serve.server_counters(server.url)
+    f = bench_serve.counter_figures(before, after)
+    m = server.metrics()
+    looked = 'ssd_prefix_cache_queries_total{cache="target"}'
+    assert after["prefix_looked"] == m[looked] and 0 <= f["prefix_hit_rate"] <= 1
+    mode = server.proc.args[server.proc.args.index("--mode") + 1]
+    if mode == "ar":
+        assert f["tokens_per_round"] is f["accept"] is f["cache_hit_rate"] is None
+        return
+    rounds = after["drafts"] - before["drafts"]
+    assert rounds >= 1 and after["accepted"] == m["ssd_spec_decode_num_accepted_tokens_total"]
+    assert 1 <= f["tokens_per_round"] <= 4 and 0 <= f["accept"] <= 1  # K = 3
+    assert f["tokens_per_round"] == 1 + (after["accepted"] - before["accepted"]) / rounds
+    assert (f["cache_hit_rate"] is None) == (mode == "sd")
+    if mode == "ssd":
+        hits = after["cache_hits"] - before["cache_hits"]
+        assert f["cache_hit_rate"] == hits / (hits + after["cache_misses"] - before["cache_misses"])
+
+
 def test_openai_client(server, alone):
     client = server.client()
     assert [m.id for m in client.models.list().data] == ["tiny"]
