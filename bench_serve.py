@@ -178,7 +178,8 @@ COUNTERS = {"prefix_looked": 'ssd_prefix_cache_queries_total{cache="target"}',
             "drafts": "ssd_spec_decode_num_drafts_total",  # row-rounds that verified a proposal
             "proposed": "ssd_spec_decode_num_draft_tokens_total",
             "accepted": "ssd_spec_decode_num_accepted_tokens_total",
-            "cache_hits": "ssd_spec_cache_hits_total", "cache_misses": "ssd_spec_cache_misses_total"}
+            "cache_hits": "ssd_spec_cache_hits_total",
+            "cache_misses": "ssd_spec_cache_misses_total"}
 
 
 def server_counters(base) -> dict:

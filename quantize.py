@@ -492,7 +492,7 @@ def quantize_model(model: nn.Module, quant: str, kinds: dict | None, device, dty
     them (16 with Q6_K), with mins where one has a min; a layer with any other type stays float.
     Tensor parallelism slices float weights only: there auto stays float, int8 / int4 refuse."""
     check_quant(quant)
-    if getattr(model, "tp", None) is not None and quant in ("int8", "int4"):
+    if model.tp is not None and quant in ("int8", "int4"):
         raise ValueError(f"quant={quant!r} with tensor parallelism is not implemented: load "
                          f"the model with quant='none' (--quant none), or on one device")
     if quant == "none" or (quant == "auto" and (kinds is None or model.tp is not None)):
