@@ -21,20 +21,27 @@ def walk(fn):
     function entered or returned to."""
     seen, stack, steps = set(), [], []  # stack: (file, function) of the repository's frames
     skipping = [0]  # depth inside a function already read (its calls are not followed again)
+    names = {}  # a code's file as Python recorded it (tests/../model.py) -> model.py, or None
+
+    def repo_file(filename):
+        if filename not in names:
+            path = Path(filename).resolve()  # "<frozen os>" resolves into the cwd: not a file
+            names[filename] = path.name if path.parent == REPO and path.is_file() else None
+        return names[filename]
 
     def profile(frame, event, arg):
         if event not in ("call", "return"):
             return
-        path = Path(frame.f_code.co_filename)
-        if path.parent != REPO:
-            return
         code = frame.f_code
+        name = repo_file(code.co_filename)
+        if name is None:
+            return
         if event == "call":
             if skipping[0] or code in seen:
                 skipping[0] += 1
                 return
             seen.add(code)
-            stack.append((path.name, code.co_name))
+            stack.append((name, code.co_name))
             steps.append(("call", *stack[-1]))
         elif skipping[0]:
             skipping[0] -= 1

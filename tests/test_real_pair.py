@@ -78,6 +78,21 @@ def test_the_load_tools_read_a_gguf_targets_tokenizer_from_its_kept_folder(tok):
     assert bench_serve.tool_tokenizer(DRAFT) == str(resolve(DRAFT).resolve())
 
 
+def test_loading_the_target_reads_few_files_and_climbs_back_rarely(tok):
+    """Loading in one direction, held (scripts/load_path.py walks it as a reader following the
+    calls would): the real pair's target, a GGUF file into int4 kernels, reads at most 10 of the
+    engine's files and returns to a higher file at most 15 times (18 before devices.placement,
+    quantize.quantize_model and QuantRows.take); no format file calls into the model."""
+    from scripts import load_path
+    load_model(TARGET)  # first: the kernels built or loaded, as load_path.py does
+    files, stays, climbs = load_path.count(load_path.walk(lambda: load_model(TARGET)))
+    assert len(files) <= 10 and climbs <= 15, (files, climbs)
+    assert {"checkpoint.py", "gguf_format.py", "quantize.py", "model.py"} <= set(files)
+    reads = [file for file, _ in stays]
+    after_format = [reads[i + 1] for i, f in enumerate(reads[:-1]) if f == "gguf_format.py"]
+    assert "model.py" not in after_format  # what gguf_format.py calls: config.py, or it returns
+
+
 def test_a_raw_prompt_is_fed_as_transformers_feeds_it(smol):
     """No chat template: the text's tokens alone, as transformers' tokenizer gives them. SmolLM2's
     BOS is <|im_start|>, which opens a chat turn: put before raw text (as this engine did), the
