@@ -253,11 +253,13 @@ class Verifier:
         """Rows that left the batch (done or cancelled): their KV freed now. tokens: each one's
         prompt and output so far (None: unknown), whose full blocks the cache holds are
         registered first (prefix caching: a chat's next turn starts with them)."""
-        rows = [r for r in rows if self.seqs[r] is not None]
-        for r, toks in zip(rows, tokens or []):
-            s = self.seqs[r]
-            self.cache.register(s, toks[:self.cache.length(s)])
-        self.release(rows)
+        tokens = tokens if tokens is not None else [None] * len(rows)
+        live = [(r, toks) for r, toks in zip(rows, tokens) if self.seqs[r] is not None]
+        for r, toks in live:  # a row already freed keeps no blocks, and takes no one's tokens
+            if toks is not None:
+                s = self.seqs[r]
+                self.cache.register(s, toks[:self.cache.length(s)])
+        self.release([r for r, _ in live])
 
     def used_blocks(self) -> int:
         """KV blocks in use (the server's /metrics)."""

@@ -134,6 +134,24 @@ def test_rollback_never_writes_a_shared_block_and_a_rewritten_one_forgets_its_ha
     assert shared not in c.hash_of and len(c.cached) == 1
 
 
+def test_rows_leaving_register_their_own_tokens_when_one_already_left():
+    """Verifier.leave with a row already freed among those leaving: each live row registers its
+    own tokens (a shifted pairing would name one row's KV by another's prompt)."""
+    from verify import Verifier
+    c = cache(16)
+    p1, p2 = list(range(8)) + [0], list(range(50, 58)) + [0]
+    seqs = [c.new_seq(), c.new_seq()]  # each holding its prompt, not yet registered
+    for sid, p in zip(seqs, (p1, p2)):
+        c.append(sid, len(p))
+    v = SimpleNamespace(cache=c, seqs=[None, *seqs], gens=[0, 0, 0])
+    v.release = lambda rows: Verifier.release(v, rows)
+    Verifier.leave(v, [0, 1, 2], tokens=[list(range(100, 109)), p1, p2])
+    assert v.seqs == [None, None, None]
+    for p in (p1, p2):  # each prompt finds its own two blocks, the first row's tokens none
+        assert c.reuse_prefix(c.new_seq(), p + [1]) == 8
+    assert c.reuse_prefix(c.new_seq(), list(range(100, 109))) == 0
+
+
 def test_prefill_after_a_cached_prefix_equals_the_full_forward(tmp_path):
     model = load_model(make_checkpoint(tmp_path, "llama"), tokenizer=False)[0]
     tokens = torch.randint(0, 100, (23,), generator=torch.Generator().manual_seed(3)).tolist()
