@@ -108,8 +108,8 @@ def load_model(name_or_path, device="cpu", dtype=None, tp: TP | None = None,
     slices. vocab_size: a target's, for a draft whose embedding is padded to another size (its
     logits come out over the target's tokens: ModelConfig.padded_rows).
     quant: the linear layers' weights, "none" (float, dtype), "int8", "int4" (quantize.py), or
-    "auto": a GGUF file's own precision (its Q8_0 / Q4_0 / Q4_1 blocks kept as they are), float
-    for safetensors. compile_quant: quantized products in their fast forms, the CPU kernels
+    "auto": a GGUF file's own precision (its 4-bit blocks as int4, its 5- to 8-bit ones as int8),
+    float for safetensors. compile_quant: quantized products in their fast forms, the CPU kernels
     (quantize.pack_layers) or torch.compile's, else eager: dequantise-and-multiply with the
     stored weights as they are (slower, compiles nothing: tests' reference)."""
     device, dtype = placement(device, dtype)

@@ -20,8 +20,8 @@ KERNEL_CPUS = ("AVX2", "AVX512")  # torch's name for the vector instructions the
 
 
 def cache_dir() -> Path:
-    """Where this user's ssd files live, the one rule for all of them (this library,
-    cpu_linear's record of its forms): $XDG_CACHE_HOME/ssd, or ~/.cache/ssd where it is unset."""
+    """Where this user's ssd files live, the one rule for all of them (this library; the records
+    of records_dir() by default): $XDG_CACHE_HOME/ssd, or ~/.cache/ssd where it is unset."""
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ssd"
 
 

@@ -8,7 +8,7 @@ Which is fastest depends on the machine, the row count and the threads: W x^T wi
 AMD EPYC (SmolLM2-135M verifying 3 tokens on one thread: 61-73 ms against 124-138 ms plain) and
 is 2-3x slower on an AVX-512 Intel Xeon, whose BLAS multiplies 4 rows from memory in 1.6x the time
 of 3 unless W is packed (SmolLM2-135M's 3072 x 576 weights, one thread: 0.72 ms for 3 rows; 1.08
-plain, 0.74 packed for 4). docs/design.md section 10 has the measurements.
+plain, 0.74 packed for 4). docs/benchmarks.md, "The CPU's product forms", has the measurements.
 
 use_forms(model, rows) is called where a model is loaded for a run (engine.build_engine for the
 verifier, draft.load_draft for the draft), outside any decode clock: it swaps the model's

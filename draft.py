@@ -147,9 +147,12 @@ class Drafted:
 
     def stack(self):
         """-> tokens [b, W], q [b, W, V], guess_probs [b, W, V], lengths (b ints), W the longest
-        length (the steps taken)."""
-        return (torch.stack(self.tokens, 1), torch.stack(self.q, 1),
-                torch.stack(self.guess_probs, 1), self.lengths())
+        length: the steps these sequences took (SSD's hits: fewer than their batch of branches
+        took, whose every step rows() keeps; a step past W would be verified as padding)."""
+        lengths = self.lengths()
+        W = max(lengths)
+        return (torch.stack(self.tokens[:W], 1), torch.stack(self.q[:W], 1),
+                torch.stack(self.guess_probs[:W], 1), lengths)
 
 
 def draft_k(model: Transformer, cache: PagedKVCache, seqs, first, K, temperature, noise, *,

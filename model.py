@@ -31,7 +31,7 @@ from quantize import QuantLinear, renamed
 # Tensor parallelism (Megatron style): rank r of `world` holds 1/world of the q/k/v heads, of the
 # MLP's intermediate units and of the vocabulary. Column-split layers (q, k, v, gate, up) need no
 # communication; the row-split ones (o_proj, down_proj) give partial sums that one all-reduce per
-# layer adds up. The caller has set up the process group (NCCL on CUDA, gloo on CPU); see engine.py.
+# layer adds up. The caller has set up the process group (NCCL on CUDA, gloo on CPU); see tp.py.
 # The sizes a model splits into: config.ModelConfig.tp_sizes; each checkpoint tensor's split:
 # checkpoint.TP_SPLIT (the loader reads only this rank's slice).
 

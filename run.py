@@ -66,7 +66,7 @@ def generate(prompts, target="tiny", draft="tiny-draft", mode="sd", max_new_toke
     mode: "ar" (target only), "sd" (speculative decoding, up to k draft tokens per round), "ssd"
     (speculative speculative decoding with Saguaro) or "auto" (the fastest of the three, measured
     on these prompts first: generate_auto); default "sd", while the command line's --mode
-    defaults to "ssd". parallel=False: ssd's speculator in this process (same tokens for a seed).
+    defaults to "ssd". parallel=False: ssd's speculator in this process (design.md section 7).
     How the draft proposes is draft.DraftSettings, given whole as draft_settings or by its fields
     (None: the value the draft's checkpoint records, draft.recorded_settings, else DraftSettings'
     default): k (K), confidence (stop a row's proposal after a token the draft is less sure of),
@@ -310,9 +310,9 @@ def add_algorithm_options(g, auto=False):
     """The models and the algorithm (serve.py takes these too, without auto: it has no prompt to
     measure on before it starts)."""
     g.add_argument("--target", default="tiny", metavar="MODEL",
-                   help="target model: an HF directory, an HF hub id in the local cache, or an "
-                        "alias (llama-70b, llama-8b, llama-1b, qwen-8b, tiny, ...; see README) "
-                        "(default: %(default)s)")
+                   help="target model: an HF directory, a GGUF file, an HF hub id (downloaded "
+                        "if not cached), or an alias (llama-70b, llama-8b, llama-1b, qwen-8b, "
+                        "smollm2-135m, tiny, ...; see README) (default: %(default)s)")
     g.add_argument("--draft", default="tiny-draft", metavar="MODEL",
                    help="draft model (sd, ssd), same forms as --target; must share the target's "
                         "vocabulary (default: %(default)s)")
@@ -355,10 +355,13 @@ def add_algorithm_options(g, auto=False):
                         "(default: " + recorded_or(SPEC.pre_spec) + ")")
     g.add_argument("--no-parallel", action="store_true",
                    help="ssd: run the verifier and the speculator interleaved in one process "
-                        "(same tokens, slower)")
+                        "(slower; the same tokens where no timing steers: T = 0, or a fixed "
+                        "budget and fallback)")
 
 
-def add_device_options(g):
+def add_device_options(g, kv_default="sized for the prompt and --max-new-tokens",
+                       threads_default="all cores"):
+    """The device and memory flags (serve.py passes its own defaults' words)."""
     g.add_argument("--device", default=None,
                    help="device for both models, e.g. cpu or cuda:0 (default: target on cuda:0 "
                         "and draft on the next GPU if there are GPUs, else cpu)")
@@ -373,8 +376,8 @@ def add_device_options(g):
                         "stopped or hung peer) ends the run with an error naming the rank "
                         "(default: %(default)s)")
     g.add_argument("--target-threads", type=int, default=None, metavar="N",
-                   help="CPU threads of the target (default: all cores; in parallel ssd the "
-                        "larger half)")
+                   help=f"CPU threads of the target (default: {threads_default}; in parallel "
+                        f"ssd the larger half)")
     g.add_argument("--draft-threads", type=int, default=None, metavar="N",
                    help="CPU threads of the speculator process in parallel ssd (default: the "
                         "smaller half)")
@@ -385,15 +388,16 @@ def add_device_options(g):
                         "(default: %(default)s)")
     g.add_argument("--quant", default="auto", choices=QUANTS,
                    help="the target's linear weights: auto keeps a GGUF file's own precision "
-                        "(Q4_0 / Q4_1 as int4, Q8_0 as int8) and safetensors in --dtype; none "
-                        "dequantises; int8 / int4 quantize at load, weight-only "
+                        "(its 4-bit types as int4, its 5- to 8-bit ones as int8) and safetensors "
+                        "in --dtype; none dequantises; int8 / int4 quantize at load, weight-only "
                         "(default: %(default)s)")
     g.add_argument("--draft-quant", default="auto", choices=QUANTS,
                    help="the same for the draft; auto: the precision its checkpoint records with "
                         "its settings, else as for --quant (default: %(default)s)")
     g.add_argument("--no-graphs", action="store_true",
                    help="on CUDA, run decode steps and verifications eagerly instead of replaying "
-                        "them as CUDA graphs (the CPU never uses graphs)")
+                        "them as CUDA graphs (on the CPU only --compile's steps run as graphs; "
+                        "not with --no-graphs)")
     c = g.add_mutually_exclusive_group()
     c.add_argument("--no-compile", action="store_true",
                    help="on CUDA, replay the eager layers' kernels in the CUDA graphs instead of "
@@ -403,9 +407,8 @@ def add_device_options(g):
                         "as one torch.compile graph (needs a C++ compiler; some 20 s per model "
                         "and thread count the first time, reported apart from decoding)")
     g.add_argument("--kv-tokens", type=int, default=None, metavar="TOKENS",
-                   help="target KV cache size in tokens (default: sized for the prompt and "
-                        "--max-new-tokens); the draft's cache gets the same plus room for ssd's "
-                        "branches")
+                   help=f"target KV cache size in tokens (default: {kv_default}); the draft's "
+                        f"cache gets the same plus room for ssd's branches")
     g.add_argument("--no-prefix-caching", action="store_true",
                    help="compute every prompt's KV anew, instead of reusing the full KV blocks "
                         "of a prompt with the same start (both caches; the tokens are the same)")

@@ -48,7 +48,7 @@ import uuid
 
 import metrics
 import run
-from engine import Engine, EngineConfig, load_engine
+from engine import SERVE_KV_TOKENS, Engine, EngineConfig, load_engine
 from scheduler import Request
 
 try:
@@ -529,7 +529,9 @@ def parser() -> argparse.ArgumentParser:
     run.add_decoding_options(ap.add_argument_group("decoding (every request's defaults; "
                                                    "--max-new-tokens: max_tokens' default)"))
     run.add_algorithm_options(ap.add_argument_group("models and algorithm"))
-    run.add_device_options(ap.add_argument_group("devices and memory"))
+    run.add_device_options(ap.add_argument_group("devices and memory"),
+                           kv_default=f"{SERVE_KV_TOKENS}, shared by the running requests",
+                           threads_default="all cores but --http-cores")
     return ap
 
 

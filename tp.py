@@ -241,7 +241,8 @@ def broadcast_header(header=None, group=None):
 
 
 class TPVerifier:
-    """One rank of a tensor-parallel verifier, with Verifier's methods (prefill, verify, release).
+    """One rank of a tensor-parallel verifier, with Verifier's methods (prefill, add, verify,
+    release, leave).
 
     On rank 0 (the one given `workers`: TPWorkers or TorchrunWorld) each method is `call(name,
     *args, **kw)`: the call travels to ranks 1.., which receive it in serve(), and every rank makes

@@ -1,6 +1,6 @@
 """The GPU check: one command that measures what only a GPU can show, with no network.
 
-    python scripts/gpu_check.py                          # on a GPU: about 10 minutes
+    python scripts/gpu_check.py                          # on a GPU: about 3 minutes (an H200)
     python scripts/gpu_check.py --device cpu --quick     # every check at tiny sizes (CI runs it)
 
 Random-weight bf16 models shaped like Llama-3.2-1B and Llama-3.1-8B (built here, nothing is

@@ -127,6 +127,24 @@ def test_greedy_with_the_confidence_stop(ckpts, mode, parallel):  # noqa: F811
     assert 0 < s["proposed_tokens"] < 4 * sum(s["accept_len_histogram"]), s
 
 
+@pytest.mark.parametrize("parallel", [False, True])
+def test_a_round_is_as_wide_as_its_longest_proposal(ckpts, monkeypatch, parallel):  # noqa: F811
+    """SSD's hits with the stop: the verifier runs W + 1 positions, W the longest row's L, not the
+    steps the whole pre-speculation took (each padded position is a row of the target's forward)."""
+    widths = []
+    real = verify.Verifier.verify
+
+    def record(self, rows, tokens, q, deterministic, lengths):
+        widths.append((tokens.shape[1], max(lengths)))
+        return real(self, rows, tokens, q, deterministic, lengths)
+
+    monkeypatch.setattr(verify.Verifier, "verify", record)
+    res = gen(PROMPTS, ckpts["target"], ckpts["different"], mode="ssd", k=4,
+              confidence=CONFIDENCE, max_new_tokens=NEW, parallel=parallel)
+    assert res.tokens == ckpts["ref"] and res.stats["cache_hit_rate"] > 0, res.stats
+    assert [w for w, _ in widths] == [L for _, L in widths], widths
+
+
 # --------------------------------------------------------------------------------------------------
 # Temperature 1: the output law with the stop is the target's
 
