@@ -354,10 +354,16 @@ def load_engine(cfg: EngineConfig, max_batch: int) -> Engine:
     """A server's engine, loaded once for up to max_batch rows per round: the target's KV cache
     (cfg.kv_tokens, default SERVE_KV_TOKENS) is shared by every running request; the draft's adds
     each row's room for SSD's branches."""
+    if max_batch < 1:
+        raise ValueError(f"max_batch={max_batch}: a server needs room for at least one row a "
+                         f"round (serve.py --max-batch >= 1)")
+    kv_tokens = SERVE_KV_TOKENS if cfg.kv_tokens is None else cfg.kv_tokens
+    if kv_tokens < cfg.block_size:
+        raise ValueError(f"kv_tokens={kv_tokens} holds no KV block of {cfg.block_size} tokens: "
+                         f"give --kv-tokens at least the longest prompt + max_tokens")
     started = Started()
     try:
         loaded = load_target(cfg, started)
-        kv_tokens = cfg.kv_tokens or SERVE_KV_TOKENS
         draft_kv = kv_tokens + max_batch * branch_tokens(cfg.branch_budget, cfg.K, cfg.block_size)
         return build_engine(cfg, loaded, kv_tokens, draft_kv, max_batch, forget=True)
     except BaseException:

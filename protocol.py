@@ -126,7 +126,9 @@ def check_fields(body: CompletionRequest | ChatRequest, model_id: str, defaults)
     a BadRequest naming the field. defaults: the server's (max_new_tokens)."""
     for name, neutral in NEUTRAL.items():
         value = getattr(body, name, None)
-        if value is not None and value not in neutral:
+        # a bool matches a bool only: 0 == False, yet a completion's logprobs=0 asks for logprobs
+        if value is not None and not any(
+                value == v and isinstance(value, bool) == isinstance(v, bool) for v in neutral):
             raise BadRequest(f"{name}={value!r} is not supported: this engine samples one answer "
                              f"per prompt from the model's own law; leave {name} out", name,
                              "unsupported_parameter")

@@ -217,8 +217,15 @@ def check_request(prompts, max_new_tokens) -> list:
 
 
 def row_stream(stream, row):
-    """generate()'s stream(row, tokens) as one request's on_tokens."""
-    return None if stream is None else lambda tokens: stream(row, tokens)
+    """generate()'s stream(row, tokens) as one request's on_tokens; what it returns is dropped (a
+    true on_tokens would end the row as a server's stop string does)."""
+    if stream is None:
+        return None
+
+    def on_tokens(tokens) -> bool:
+        stream(row, tokens)
+        return False
+    return on_tokens
 
 
 def run_static(engine: Engine, requests: list[Request]) -> dict:
@@ -468,14 +475,15 @@ class Detokenizer:
 
 def text_printer(tokenizer):
     """A generate() stream that prints the first prompt's decoded text as it is accepted (nothing
-    without a tokenizer)."""
+    without a tokenizer); called once more with the answer and done=True, it prints the end of a
+    character the detokenizer held back."""
     detok, printed = Detokenizer(tokenizer), 0
 
-    def stream(row, tokens):
+    def stream(row, tokens, done=False):
         nonlocal printed
         if row != 0 or tokenizer is None:
             return
-        text = detok.add(tokens)
+        text = detok.add(tokens, done=done)
         sys.stdout.write(text[printed:])
         sys.stdout.flush()
         printed = len(text)
@@ -548,9 +556,10 @@ def main(argv=None):
             tokenizer = load_tokenizer(a.target)  # generate() uses it too: built once
             # a chat answer starts on its own line; a plain prompt is continued where it ends
             sys.stdout.write(a.prompt + ("\n\n" if a.chat else ""))
-        res = generate([a.prompt], **generate_kwargs(a), chat=a.chat,
-                       stream=text_printer(tokenizer),
+        printer = text_printer(tokenizer)
+        res = generate([a.prompt], **generate_kwargs(a), chat=a.chat, stream=printer,
                        tokenizer=tokenizer, torchrun=env is not None)
+        printer(0, res.tokens[0], done=True)
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130

@@ -109,6 +109,7 @@ class Scheduler:
         self.own, self.held = [0, 0], Counter()
         self.wake = threading.Condition()  # guards `waiting`; notified on submit and cancel
         self.submitted = self.finished = 0
+        self.down: str | None = None  # the error that ended the waiting too (fail): none will run
 
     # -- any thread
     def submit(self, req: Request) -> Request:
@@ -119,9 +120,13 @@ class Scheduler:
         if why:
             raise ValueError(why)
         with self.wake:
-            self.waiting.append(req)
             self.submitted += 1
-            self.wake.notify()
+            if self.down is None:
+                self.waiting.append(req)
+                self.wake.notify()
+                return req
+            req.error = self.down  # the engine went down after the caller looked: end it now
+        self.done(req, "error")
         return req
 
     def cancel(self, req: Request):
@@ -262,6 +267,7 @@ class Scheduler:
             self.running.clear()
             if waiting:
                 self.waiting.clear()
+                self.down = error
             # nothing runs: what the waiting need is reserved on admission
             self.own, self.held = [0, 0], Counter()
         for req in reqs:

@@ -166,15 +166,14 @@ class Reply:
         self.timer.tokens(len(tokens))
         if not self.each_round:
             return False
-        seen = len(self.text)
-        self.text = self.detok.add(tokens)
+        seen, text = len(self.text), self.detok.add(tokens)
         cut = -1
         if len(tokens) > self.min_tokens:  # a stop string ends within the new text: look from
             # where one could have started
-            cut = min((i for i in (self.text.find(s, max(seen - self.hold, 0)) for s in self.stop)
+            cut = min((i for i in (text.find(s, max(seen - self.hold, 0)) for s in self.stop)
                        if i >= 0), default=-1)
-        if cut >= 0:
-            self.text = self.text[:cut]
+        # one assignment: the asyncio thread may read it (ready) at any moment, never uncut
+        self.text = text[:cut] if cut >= 0 else text
         self.post(None)
         return cut >= 0
 
@@ -215,6 +214,20 @@ class Answer:
         body = ({"delta": {"content": text} if text or reason is None else {}} if delta
                 else {"message": {"role": "assistant", "content": text}})
         return {"index": index, **body, "logprobs": None, "finish_reason": reason}
+
+
+async def answered(http: HTTPRequest, queue: asyncio.Queue, n: int) -> bool:
+    """Wait for n replies' ends on the queue; False once the client has gone (asked every half
+    second: nothing else tells a handler that is not streaming)."""
+    while n:
+        try:
+            _, item = await asyncio.wait_for(queue.get(), timeout=0.5)
+        except asyncio.TimeoutError:
+            if await http.is_disconnected():
+                return False
+            continue
+        n -= item is not None
+    return True
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -287,9 +300,8 @@ class API:
             return StreamingResponse(self.events(f, answer, replies, reqs),
                                      media_type="text/event-stream")
         try:
-            left = len(reqs)
-            while left:
-                left -= (await queue.get())[1] is not None
+            if not await answered(http, queue, len(reqs)):
+                return error(499, "the client closed the connection", kind="client_closed")
         finally:
             self.cancel(reqs)  # the client went away: free its rows
         failed = [req for req in reqs if req.finish_reason == "error"]

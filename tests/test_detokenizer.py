@@ -37,3 +37,28 @@ def test_a_character_split_across_rounds_waits_for_its_last_byte():
     assert detok.add(ids[:1]) == "ok"
     assert detok.add(ids[:-1]) == "ok"  # the emoji's bytes are not all there yet: held back
     assert detok.add(ids) == "ok 😀"
+
+
+def test_the_cli_prints_an_answer_that_ends_inside_a_character(capsys):
+    """run.py's printer holds back a character's first bytes while more may come; an answer that
+    ends there (max_new_tokens) prints them at the end, as the whole decode does."""
+    from run import text_printer
+    tok = load_tokenizer("checkpoints/smollm2-135m-draft")
+    ids = tok.encode("ok 😀", add_special_tokens=False)[:-1]  # the emoji cut short
+    printer = text_printer(tok)
+    printer(0, ids[:1])
+    printer(0, ids)
+    assert capsys.readouterr().out == "ok"  # the emoji's bytes held back
+    printer(0, ids, done=True)
+    assert "ok" + capsys.readouterr().out == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_a_stream_callbacks_return_value_ends_no_row():
+    """generate()'s stream is told the tokens; whatever it returns (here the list it keeps) does
+    not stop a row, as a server's stop string does."""
+    from run import generate
+    seen = {}
+    res = generate([[1, 5, 9], [2, 6]], target="tiny", draft="tiny-draft", mode="sd",
+                   max_new_tokens=12, ignore_eos=True,
+                   stream=lambda row, tokens: seen.setdefault(row, []).extend(tokens) or seen[row])
+    assert [len(t) for t in res.tokens] == [12, 12]

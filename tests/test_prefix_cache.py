@@ -309,3 +309,16 @@ def test_greedy_tokens_equal_those_without_prefix_caching(tiny, mode, parallel):
         assert sched.used == [0, 0] and used[0] == 0 and (parallel or used[1] == 0), used
     finally:
         eng.started.stop()
+
+
+def test_a_request_submitted_after_the_engine_went_down_ends_with_its_error():
+    """fail() ends the running and the waiting; a request submitted after it (a handler that
+    looked at /health's state a moment before) ends at once with the error, never queued where no
+    thread will serve it."""
+    s = scheduler(True)
+    ended = []
+    s.submit(Request(list(range(13)), 2, on_done=ended.append))
+    s.fail("the speculator died")
+    late = s.submit(Request(list(range(13)), 2, on_done=ended.append))
+    assert [r.finish_reason for r in ended] == ["error", "error"] and late in ended
+    assert late.error == "the speculator died" and s.queue_length() == 0

@@ -200,6 +200,7 @@ BAD = [  # (body or raw bytes, the param the error names)
     ({"prompt": "x", "top_p": 0.5}, "top_p"),                      # cannot be honoured exactly
     ({"prompt": "x", "n": 2}, "n"),
     ({"prompt": "x", "logprobs": 2}, "logprobs"),
+    ({"prompt": "x", "logprobs": 0}, "logprobs"),                  # 0: the sampled tokens' ones
     ({"prompt": "x", "temperature": 2.5}, "temperature"),          # outside 0..2
     ({"prompt": "x", "temperature": "hot"}, "temperature"),
     ({"prompt": "x", "seed": 1.5}, "seed"),
@@ -303,6 +304,20 @@ def test_disconnect_frees_its_row(server, alone):
         assert m.get(key) == base.get(key), (cache, m)
     key = 'ssd_requests_finished_total{finished_reason="cancelled"}'
     assert m[key] == base[key] + 1 and m["ssd_requests_total"] == base["ssd_requests_total"] + 2
+
+
+def test_a_whole_answer_whose_client_left_is_cancelled(server):
+    """A request that is not streamed, its client gone before the answer (a timeout): its row
+    leaves (within a second), instead of decoding on to max_tokens."""
+    base = server.metrics()
+    body = {"prompt": PROMPTS[2], "max_tokens": 2000, "ignore_eos": True}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server.url + "/v1/completions", json=body, timeout=1.5)
+    m = idle_metrics(server)
+    assert m["ssd_num_requests_running"] == 0, m
+    key = 'ssd_requests_finished_total{finished_reason="cancelled"}'
+    assert m[key] == base[key] + 1, m
+    assert m["ssd_generation_tokens_total"] - base["ssd_generation_tokens_total"] < 2000, m
 
 
 def idle_metrics(server) -> dict:
@@ -507,6 +522,21 @@ def test_http_cores_are_left_to_the_http_side(monkeypatch):
     assert placed("--mode", "ar", "--http-cores", "9").target_threads == 1  # never below one
     with pytest.raises(ValueError, match="--http-cores=-1 must be >= 0"):
         placed("--http-cores", "-1")
+
+
+def test_a_server_with_no_room_is_refused_before_loading():
+    """--max-batch 0 would serve nothing (requests queued for good behind a healthy /health);
+    --kv-tokens 0 holds no block: both refused in one line, before a model loads."""
+    import engine
+    import serve
+
+    def load(*flags, max_batch=4):
+        return engine.load_engine(serve.engine_config(serve.parser().parse_args(list(flags))),
+                                  max_batch)
+    with pytest.raises(ValueError, match="max_batch=0: .* --max-batch >= 1"):
+        load(max_batch=0)
+    with pytest.raises(ValueError, match="kv_tokens=0 holds no KV block"):
+        load("--kv-tokens", "0")
 
 
 def speculator_pid(server_pid: int) -> int:
