@@ -328,8 +328,12 @@ class HeadCache(PagedKVCache):
         exist (the correction of what the head guessed there), kept for the rest."""
         here = max(0, min(len(g), self.length(sid) - start))
         self.g.view(-1, self.g.shape[-1])[self.slots(sid, start, here)] = g[:here]
-        if here < len(g):
-            self.pending[sid] = (start + here, g[here:])
+        first, rest = start + here, g[here:]
+        p0, before = self.pending.get(sid, (first, g[:0]))
+        if p0 + len(before) == first:  # an earlier outcome's g, not fed yet, comes right before
+            first, rest = p0, torch.cat([before, rest])
+        if len(rest):
+            self.pending[sid] = (first, rest)
         else:
             self.pending.pop(sid, None)
 
@@ -365,8 +369,9 @@ class HeadCache(PagedKVCache):
         self.g.view(-1, self.g.shape[-1])[self.slots(sid, start, len(h))] = g
 
     def truncate(self, sid: int, length: int):
+        if length < self.length(sid):  # what was pending followed the cut entries
+            self.pending.pop(sid, None)
         super().truncate(sid, length)
-        self.pending.pop(sid, None)  # what was pending followed the cut entries
 
     def free(self, sid: int):
         super().free(sid)
@@ -479,7 +484,10 @@ class EagleSpeculator(Speculator):
     A row pre-speculates once the target's features of its prompt have arrived (its first
     outcome, round 0, is always a miss)."""
     correct_hits = True
-    add = EagleDrafter.add  # no prefill: a row waits for its prompt's features
+
+    def add(self, prompts, **kw):
+        self.policy.rows_joined()
+        return EagleDrafter.add(self, prompts, **kw)  # no prefill: a row waits for its features
 
     def pre_speculate(self, rows):
         rows = [r for r in rows if self.cache.length(self.rows[r].seq) > 0

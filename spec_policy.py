@@ -15,6 +15,7 @@ estimates in spec_cache.py, b* (Theorem 17) in fallback.py.
 """
 import statistics
 import time
+from collections import deque
 
 import fallback
 from fallback import BACKUPS
@@ -26,9 +27,12 @@ PRE_SPEC = ("always", "auto", "never")  # --pre-spec; never: the control that pr
 DEFAULT_A_FAST = 0.1
 
 
-def recent_median(xs, window=64):
+WINDOW = 64  # the measurements a median reads: the last 64 (the older are dropped)
+
+
+def recent_median(xs, window=WINDOW):
     """Median of the last `window` measurements: robust to outliers, constant cost per round."""
-    recent = sorted(xs[-window:])
+    recent = sorted(list(xs)[-window:])
     return recent[len(recent) // 2]
 
 
@@ -118,13 +122,20 @@ class PreSpecGate:
         next proposals, goes out at `now`."""
         if self.open is not None:
             arm, verify, answer = self.open
-            if arm:
+            if arm:  # kept: on's first `settle` (left out) and the last `window`
                 self.on.append((tokens, verify + answer))
+                del self.on[self.settle:-self.window]
             else:
                 self.off.append((verify, answer))
+                del self.off[:-self.window]
         self.open = (None if self.sent is None or self.arm is None
                      else (self.arm, arrived - self.sent, now - arrived))
         self.sent = now
+
+    def rows_joined(self):
+        """Rows joined since the last answer: the round now open held their prefills (and, in a
+        server, the time it stood empty), which neither arm's rounds cost; it is not charged."""
+        self.open = self.sent = None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -145,9 +156,10 @@ class SpecPolicy:
         self.adaptive = not spec.fixed_budget and isinstance(spec.fan_out, str)
         # or none at all: skip pre-speculation in rounds where measuring says it does not pay
         self.gate = PreSpecGate() if spec.pre_spec == "auto" else None
-        self.round_seconds = []   # the verifier's rounds that had a pre-speculation beside them
-        self.pre_seconds = []     # pre-speculations
-        self.neural_seconds, self.fast_seconds = [], []  # backups, in rounds that missed a cache
+        # the last WINDOW of each (recent_median): the verifier's rounds that had a pre-speculation
+        # beside them, pre-speculations, and backups in rounds that missed a cache
+        self.round_seconds, self.pre_seconds = deque(maxlen=WINDOW), deque(maxlen=WINDOW)
+        self.neural_seconds, self.fast_seconds = deque(maxlen=WINDOW), deque(maxlen=WINDOW)
         self.busy_seconds, self.arrived_at = 0.0, None
         self.fallback_used = dict.fromkeys(BACKUPS, 0)
         self.b_star, self.b_star_terms = None, {}  # b* and what it was computed from (stats)
@@ -191,6 +203,11 @@ class SpecPolicy:
         return F
 
     # -- pre-speculation: whether, and the budget after it
+
+    def rows_joined(self):
+        """Rows joined the batch: the gate does not charge the round their prefills fell in."""
+        if self.gate is not None:
+            self.gate.rows_joined()
 
     def pre_speculate_now(self, b: int) -> bool:
         """Pre-speculate the round about to be verified (b rows)? always, never, or the gate's

@@ -63,6 +63,7 @@ class Speculator(Drafter):
         """As Drafter's; a new row's round 0 proposes nothing, its outcome will be (0, t0), and q_0
         [1, V] ranks its guesses of t0. Only a batch that starts empty pre-speculates round 0: a row
         joining a running batch misses once, and the fallback proposes its first round."""
+        self.policy.rows_joined()
         q0 = super().add(prompts, first=first, temps=temps, seeds=seeds)  # [b, V]
         for i, row in enumerate(self.rows[len(self.rows) - len(prompts):]):
             row.guess_probs = q0[i:i + 1]
@@ -276,6 +277,8 @@ class Speculator(Drafter):
         for m in self.spec_cache.drop_rows(rows):
             self.cache.free(self.branches.seqs[m])
         super().leave(rows)
+        if self.branches is not None and all(row is None for row in self.rows):
+            self.branches = None  # nobody left to answer: the next batch starts without them
 
 
 def in_row_order(parts, b: int, V: int | None):

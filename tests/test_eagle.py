@@ -273,6 +273,45 @@ def test_ssd_with_a_head_drafts_from_the_targets_features_after_each_outcome(tar
     assert hits >= 4 and differed >= 3
 
 
+def test_outcomes_with_no_forward_between_keep_every_verified_features(target):
+    """Two outcomes reach a row with no forward of the head between them (the round between
+    pre-speculated nothing, a fast backup proposed): the target's g of both stay pending, one
+    run from the cache's end, so the next forward feeds every verified token with them."""
+    from draft import DraftSettings
+    head = random_head(target)
+    spec = eagle.EagleSpeculator(eagle.EagleModel(head), DraftSettings(
+        K=3, fallback="ngram", pre_spec="never"), 0.0, 0, 4096)
+    H, prompt = target.config.hidden_size, list(range(5, 14))
+    spec.add([prompt])
+    spec.respond([0], torch.tensor([0]), torch.tensor([50]), features=[torch.randn(9, 3, H)])
+    spec.respond([0], torch.tensor([2]), torch.tensor([51]), features=[torch.randn(3, 3, H)])
+    seq, history = spec.rows[0].seq, spec.rows[0].history
+    start, g = spec.cache.pending[seq]
+    # the prompt, r, x_1, x_2: all but the bonus t, from the cache's end on
+    assert start == spec.cache.length(seq) and start + len(g) == len(history) - 1 == 12
+
+
+def test_a_batch_that_empties_leaves_no_branches_to_the_next(target):
+    """Every row leaves after a pre-speculation (a server between requests): its branches go with
+    them, so the next batch's first round, which an EAGLE head never pre-speculates, is not taken
+    for one that did (no lookups counted for a row nothing was cached for)."""
+    from draft import DraftSettings
+    spec = eagle.EagleSpeculator(eagle.EagleModel(random_head(target)), DraftSettings(K=2), 0.0,
+                                 0, 4096)
+    H = target.config.hidden_size
+    spec.add([list(range(5, 14))])
+    spec.respond([0], torch.tensor([0]), torch.tensor([50]), features=[torch.randn(9, 3, H)])
+    spec.pre_speculate([0])
+    assert spec.branches is not None
+    spec.leave([0])
+    assert spec.branches is None
+    spec.add([list(range(20, 30))])
+    spec.pre_speculate([1])  # no features of its prompt yet: nothing
+    before = spec.spec_cache.stats.lookups
+    spec.respond([1], torch.tensor([0]), torch.tensor([60]), features=[torch.randn(10, 3, H)])
+    assert spec.spec_cache.stats.lookups == before
+
+
 def saved_head(target, path, seed=0):
     head = random_head(target, seed=seed, vocab=min(200, target.config.vocab_size))
     eagle.save(head, path, {"target": "test"}, dtype=torch.float32)

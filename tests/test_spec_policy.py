@@ -145,3 +145,41 @@ def test_pre_speculate_now():
     assert not never.pre_speculate_now(4) and never.skipped == 1 and never.gate is None
     auto = SpecPolicy(DraftSettings(K=2, pre_spec="auto"))
     assert [auto.pre_speculate_now(1) for _ in range(8)] == [True] * 6 + [False] * 2  # warm-up, probe
+
+
+def gate_after_a_gap(joined: bool):
+    """A gate at 4 tokens per 11 s on (3 per 11 s off); after 40 rounds, one round on whose
+    verification held a 600 s gap (a server standing empty, then a request's prefill) and, if
+    `joined`, was told so; then 40 rounds more. -> (rate_on before the gap, rate_on after)."""
+    gate, clock, prev, before = PreSpecGate(), 0.0, None, None
+    for k in range(81):
+        arm = gate.choose(3)
+        if k == 40:
+            gate.arm = arm = True  # the gap's round pre-speculates
+            before = gate.rate_on()
+            if joined:
+                gate.rows_joined()
+        clock += 10.0 + (600.0 if k == 40 else 0.0)
+        arrived = clock
+        clock += 1.0
+        gate.answered({True: 4, False: 3}[prev] if prev is not None else 1, arrived, clock)
+        prev = arm
+    return before, gate.rate_on()
+
+
+def test_a_join_is_not_charged_to_the_gate():
+    """Rows joining (SpecPolicy.rows_joined): the round their prefill fell in is no arm's cost; on's
+    rate after is on's rate before. Negative control: charged, one such round in the window halves
+    it (and pre-speculation would be turned off for about 256 rounds)."""
+    before, after = gate_after_a_gap(joined=True)
+    assert after == pytest.approx(before)
+    before, after = gate_after_a_gap(joined=False)
+    assert after < before / 2
+
+
+def test_the_gate_keeps_a_window_not_a_history():
+    """A server's gate runs for ever: it keeps on's first `settle` rounds and the last `window` of
+    each arm, nothing older."""
+    gate = PreSpecGate(warmup=4, probe=2, probe_every=3, window=16, settle=2)
+    run_gate(gate, 2000, {True: 2.0, False: 1.0}, {True: 1.0, False: 1.0}, {True: 3, False: 2})
+    assert len(gate.on) == 2 + 16 and len(gate.off) == 16
