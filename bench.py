@@ -142,8 +142,15 @@ def spec_grid(a, mode) -> list[tuple[str, DraftSettings]]:
         kw = dict(zip(axes, values))
         label = "".join(f" {LABEL.get(f, f + '=')}{format(v, 'g') if isinstance(v, float) else v}"
                         for f, v in kw.items() if len(axes[f]) > 1)
-        out.append((label, DraftSettings(**{**a.recorded, **kw}, fixed_budget=a.fixed_budget)))
+        out.append((label, settings_of(a, kw)))
     return out
+
+
+def settings_of(a, kw) -> DraftSettings:
+    """A row's draft settings: the draft's recorded ones, then the row's own (kw); --fixed-budget
+    where given (a budget the checkpoint records fixed stays fixed)."""
+    fixed = a.fixed_budget or a.recorded.get("fixed_budget", False)
+    return DraftSettings(**{**a.recorded, **kw, "fixed_budget": fixed})
 
 
 def make_configs(a, cores):
@@ -266,8 +273,8 @@ def tune(a, batches, hf, target=None):
     the fastest."""
     T = a.temperatures[0]
     ts, td = split_cores(a.cores)
-    base = DraftSettings(**{**a.recorded, "fan_out": a.fan_out[0], "saguaro_c": a.saguaro_c[0],
-                            **{f: v[0] for f, v in a.sweep.items()}}, fixed_budget=a.fixed_budget)
+    base = settings_of(a, {"fan_out": a.fan_out[0], "saguaro_c": a.saguaro_c[0],
+                           **{f: v[0] for f, v in a.sweep.items()}})
     grid = [Config("ssd", T, 1, replace(base, K=K, budget=B, fallback=f), ts, td,
                    f"ssd k={K} B={B} {f}", a.quant[0])
             for K in TUNE_K for B in TUNE_BUDGET for f in TUNE_FALLBACK]
@@ -458,16 +465,22 @@ def check_args(a):
     if min(a.batch_sizes + a.k + a.budget + counts) < 1 or a.warmup < 0:
         raise ValueError("--batch-sizes, --k, --budget, --prompts, --repeats, --max-new-tokens "
                          "and --cores must be >= 1")
+    if a.max_new_tokens < 2:
+        raise ValueError("--max-new-tokens must be >= 2: the first token comes from the prefill, "
+                         "decoding's speed from the ones after it")
+
+
+FLAGGED = ("K", *SSD_AXES, "fixed_budget")  # DraftSettings' fields with flags of their own
 
 
 def sweep_arg(text: str) -> tuple[str, list]:
     """--sweep's "FIELD=V,V" -> (FIELD, values typed as the field's default)."""
     name, _, values = text.partition("=")
     fields = {f.name: f for f in dataclasses.fields(DraftSettings)}
-    if name not in fields or not values or name in ("K", *SSD_AXES):
+    if name not in fields or not values or name in FLAGGED:
         raise argparse.ArgumentTypeError(
             f"{text!r}: use FIELD=V[,V...] with a field of DraftSettings other than those with "
-            f"flags of their own: {', '.join(f for f in fields if f not in ('K', *SSD_AXES))}")
+            f"flags of their own: {', '.join(f for f in fields if f not in FLAGGED)}")
     kind = type(getattr(SPEC, name))
     parse = (lambda v: v.lower() in ("1", "true", "yes")) if kind is bool else kind
     return name, [parse(v) for v in values.split(",")]

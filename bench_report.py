@@ -33,19 +33,24 @@ def counters(cfg, s: dict) -> dict:
              accepted=sum(j * h for j, h in enumerate(hist)), proposed=s["proposed_tokens"],
              # for the paper's per-token a (capped-geometric MLE): accepted / trials
              trials=s["acceptance_trials"], hist=list(hist),
-             hits=0, misses=0, tok_hit=0.0, tok_miss=0.0, wait_s=0.0, busy_s=0.0,
-             fallback_rounds={}, b_star=None, hits_per_depth=[], lookups_per_depth=[], stopped=0,
-             skipped=0, budget_rounds=0.0, guesses_per_depth=[], rows_guessed=0)
+             hits=0, misses=0, tok_hit=0, tok_miss=0, rounds_hit=0, rounds_miss=0, wait_s=0.0,
+             busy_s=0.0, fallback_rounds={}, b_star=None, hits_per_depth=[], lookups_per_depth=[],
+             stopped=0, skipped=0, pre_rounds=0, budget_sum=0, guesses_per_depth=[],
+             rows_guessed=0)
     if cfg.engine == "ssd":
-        c.update(hits=s["hits"], misses=s["misses"],
-                 tok_hit=s["tokens_per_round_hit"] * s["hits"],  # one lookup per row-round
-                 tok_miss=s["tokens_per_round_miss"] * s["misses"],
+        # the tokens of row-rounds that hit and of the others (a round that pre-speculated nothing
+        # looked nothing up: it is no miss of the cache's, yet a round the fallback proposed)
+        (tok_hit, tok_miss), (rounds_hit, rounds_miss) = (s["tokens_hit_miss"],
+                                                          s["row_rounds_hit_miss"])
+        c.update(hits=s["hits"], misses=s["misses"], tok_hit=tok_hit, tok_miss=tok_miss,
+                 rounds_hit=rounds_hit, rounds_miss=rounds_miss,
                  wait_s=s["verifier_wait_seconds"], busy_s=s["draft_busy_seconds"],
                  fallback_rounds=dict(s["fallback_rounds"]), b_star=s["b_star"],
                  hits_per_depth=list(s["hits_per_depth"]),
                  lookups_per_depth=list(s["lookups_per_depth"]),
+                 # per pre-speculation decision (a batch's round 0 has one too): made or skipped
                  stopped=s["pre_speculation_stopped"], skipped=s["pre_speculation_skipped"],
-                 budget_rounds=s["mean_budget"] * s["rounds"],
+                 pre_rounds=s["pre_speculations"], budget_sum=s["budget_sum"],
                  guesses_per_depth=list(s["guesses_per_depth"]), rows_guessed=s["rows_guessed"])
     return c
 
@@ -96,15 +101,17 @@ def summarize(cfg, runs):
         looks = m["hits"] + m["misses"]
         row.update(hits=m["hits"], misses=m["misses"],
                    cache_hit_rate=m["hits"] / looks if looks else 0.0,
-                   tokens_per_round_hit=m["tok_hit"] / m["hits"] if m["hits"] else 0.0,
-                   tokens_per_round_miss=m["tok_miss"] / m["misses"] if m["misses"] else 0.0,
+                   tokens_per_round_hit=m["tok_hit"] / m["rounds_hit"] if m["rounds_hit"] else 0.0,
+                   tokens_per_round_miss=(m["tok_miss"] / m["rounds_miss"] if m["rounds_miss"]
+                                          else 0.0),
                    verifier_wait_seconds=m["wait_s"], draft_busy_seconds=m["busy_s"],
                    verifier_wait_pct=100 * m["wait_s"] / m["decode_s"],
                    draft_busy_pct=100 * m["busy_s"] / m["decode_s"],
                    fallback_rounds=m["fallback_rounds"], b_star=m["b_star"],
-                   stopped_pct=100 * m["stopped"] / m["rounds"] if m["rounds"] else 0.0,
-                   skipped_pct=100 * m["skipped"] / m["rounds"] if m["rounds"] else 0.0,
-                   mean_budget=m["budget_rounds"] / m["rounds"] if m["rounds"] else 0.0,
+                   # stopped: of the pre-speculations made; skipped: of the decisions
+                   stopped_pct=100 * m["stopped"] / max(m["pre_rounds"], 1),
+                   skipped_pct=100 * m["skipped"] / max(m["pre_rounds"] + m["skipped"], 1),
+                   mean_budget=m["budget_sum"] / max(m["pre_rounds"], 1),
                    hits_per_depth=m["hits_per_depth"], lookups_per_depth=m["lookups_per_depth"],
                    # the fan-out actually used: mean F_j per row-round guessed (round 0 included)
                    row_fan_out_mean=[g / max(m["rows_guessed"], 1) for g in m["guesses_per_depth"]])

@@ -344,6 +344,10 @@ class Output:
             s["tokens_per_round_hit"] = self.tok_hit / self.rounds_hit if self.rounds_hit else 0.0
             s["tokens_per_round_miss"] = (self.tok_miss / self.rounds_miss if self.rounds_miss
                                           else 0.0)
+            # the sums behind them (bench adds them over batches): row-rounds that hit, and the
+            # others (misses, and rounds that pre-speculated nothing)
+            s["row_rounds_hit_miss"] = [self.rounds_hit, self.rounds_miss]
+            s["tokens_hit_miss"] = [self.tok_hit, self.tok_miss]
         return s
 
 

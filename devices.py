@@ -101,13 +101,16 @@ def to_device(host: torch.Tensor, device, out: torch.Tensor | None = None) -> to
     page-locked memory without blocking: from pageable memory, or with a blocking copy, the host
     would wait for the GPU to finish its queue (a copy made straight on the device, as with
     torch.tensor(list, device=...) or indexing a device tensor with a list, waits as well). A
-    tensor already on the device is returned as it is."""
+    tensor already on the device is returned as it is. Into the CPU (a CUDA draft's proposals
+    for a CPU target) the copy blocks: the host reads the result next, and a non-blocking copy
+    from CUDA may not have landed yet."""
     device = torch.device(device) if out is None else out.device
     if device.type == "cuda" and host.device.type == "cpu" and not host.is_pinned():
         host = host.pin_memory()  # the caching host allocator keeps it until the copy has run
+    non_blocking = device.type == "cuda"
     if out is None:
-        return host.to(device, non_blocking=True)
-    return out.copy_(host, non_blocking=True)
+        return host.to(device, non_blocking=non_blocking)
+    return out.copy_(host, non_blocking=non_blocking)
 
 
 def device_index(idx: list[int], device) -> torch.Tensor:

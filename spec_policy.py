@@ -300,6 +300,7 @@ class SpecPolicy:
                 "gate_tok_s": (None if self.gate is None else
                                {"on": self.gate.rate_on(), "off": self.gate.rate_off()}),
                 "mean_budget": self.budget_sum / self.pre_rounds if self.pre_rounds else 0.0,
+                "pre_speculations": self.pre_rounds, "budget_sum": self.budget_sum,
                 "fixed_budget": not self.adaptive, "fan_out_prior": self.prior(),
                 # F_j per row-round guessed, round 0's rows (all of B at depth 0) included
                 "row_fan_out_mean": [s / rows for s in self.guesses_per_depth],

@@ -69,8 +69,11 @@ def test_defaults_are_run_generates():
     a = bench.parse_args(["--modes", "sd,ssd", "--sweep", "confidence=0,0.5", "--budget", "4,8"])
     got = {(c.engine, c.spec.confidence, c.spec.budget) for c in bench.make_configs(a, 2)}
     assert {("sd", 0.0, 8), ("sd", 0.5, 8)} < got and ("ssd", 0.5, 4) in got and len(got) == 6
-    with pytest.raises(SystemExit):  # not a field, or one with a flag of its own
-        bench.parse_args(["--sweep", "nonsense=1"])
+    for sweep in ("nonsense=1", "fixed_budget=0,1"):  # not a field, or one with a flag of its own
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--sweep", sweep])
+    with pytest.raises(ValueError, match="--max-new-tokens must be >= 2"):
+        bench.parse_args(["--max-new-tokens", "1"])  # no decoding to time
 
 
 def test_bench_starts_from_the_drafts_recorded_settings(tmp_path):
@@ -80,11 +83,12 @@ def test_bench_starts_from_the_drafts_recorded_settings(tmp_path):
     shutil.copytree(Path(bench.__file__).parent / "checkpoints" / "tiny-draft", draft)
     config = json.loads((draft / "config.json").read_text())
     (draft / "config.json").write_text(json.dumps({**config, "speculation": {
-        "K": 2, "confidence": 0.3, "budget": 5}}))
+        "K": 2, "confidence": 0.3, "budget": 5, "fixed_budget": True}}))
     a = bench.parse_args(["--draft", str(draft), "--modes", "sd,ssd"])
     assert (a.k, a.budget) == ([2], [5])
-    got = {(c.engine, c.spec.K, c.spec.confidence, c.spec.budget) for c in bench.make_configs(a, 2)}
-    assert got == {("sd", 2, 0.3, 5), ("ssd", 2, 0.3, 5)}
+    got = {(c.engine, c.spec.K, c.spec.confidence, c.spec.budget, c.spec.fixed_budget)
+           for c in bench.make_configs(a, 2)}
+    assert got == {("sd", 2, 0.3, 5, True), ("ssd", 2, 0.3, 5, True)}
     a = bench.parse_args(["--draft", str(draft), "--modes", "sd", "--k", "3",
                           "--sweep", "confidence=0"])
     assert {(c.spec.K, c.spec.confidence) for c in bench.make_configs(a, 2)
@@ -235,3 +239,20 @@ def test_a_sweep_loads_the_target_once(tmp_path, monkeypatch, capsys):
     rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["results"]
     assert len(rows) == 3 and all(r["new_tokens"] == 12 for r in rows)  # ar, sd k=2, sd k=3
     assert loads.count(str(target)) == 1, loads  # 3 configurations x (1 + 2 x 2 batches) runs
+
+
+def test_theory_terms_of_a_run_that_pre_speculates_nothing(tmp_path, capsys):
+    """--pre-spec never: no lookup hits or misses, yet every row-round is the fallback's: E_miss is
+    the tokens a round, the prediction is not zero, and every decision was a skip (a batch's round
+    0 decides too: a percentage of the decisions, not of the rounds)."""
+    target = make_checkpoint(tmp_path / "t", "llama")
+    draft = make_checkpoint(tmp_path / "d", "llama", seed=1, num_hidden_layers=1)
+    rc = bench.main(["--target", str(target), "--draft", str(draft), "--prompts", "1",
+                     "--max-new-tokens", "8", "--repeats", "1", "--warmup", "0", "--cores", "1",
+                     "--k", "2", "--modes", "ar,sd,ssd", "--pre-spec", "never"])
+    assert rc == 0
+    ssd = next(r for r in json.loads(capsys.readouterr().out.strip().splitlines()[-1])["results"]
+               if r["engine"] == "ssd")
+    assert ssd["hits"] == ssd["misses"] == 0
+    assert ssd["tokens_per_round_miss"] == pytest.approx(ssd["tokens_per_round"])
+    assert ssd["theory"]["ssd_pred"] > 0 and ssd["skipped_pct"] == 100 and ssd["stopped_pct"] == 0
