@@ -25,7 +25,9 @@ and one line to the table printed at the end:
                   a graph capture's own syncs are counted apart); on the CPU, the decode loop's
                   device-to-host reads (devices.to_host) and its host-to-device crossings, none of
                   which may bypass devices.to_device
-  greedy          AR, SD and SSD (one process and two) emit the same greedy tokens in bf16
+  greedy          AR, SD and SSD (one process and two) emit the same greedy tokens in bf16; on a
+                  GPU also SD with the target on the CPU and the draft on the GPU (the proposals
+                  cross to the host: devices.to_device's blocking copy)
   sampling        temperature 1: the joint law of the first 3 tokens from AR, SD and SSD (one
                   process and two) against the exact law (a 4-token vocabulary, enumerated on the
                   CPU), within the sampling noise of N rows (float32)
@@ -782,7 +784,8 @@ def count_host_syncs(device):
 
 def tiny_run(a, mode, prompts, **kw):
     return generate(prompts, target="tiny", draft="tiny-draft", mode=mode, k=K,
-                    target_device=a.device, draft_device=kw.pop("draft_device", a.device),
+                    target_device=kw.pop("target_device", a.device),
+                    draft_device=kw.pop("draft_device", a.device),
                     dtype="bfloat16", ignore_eos=True, target_threads=threads(a), **kw)
 
 
@@ -820,16 +823,24 @@ def check_host_syncs(a, prompts):
     return out
 
 
+def agreement(ref, toks) -> float:
+    """The share of the reference's tokens matched before each row's first difference."""
+    same = sum(next((i for i, (x, y) in enumerate(zip(r, t)) if x != y), len(r))
+               for r, t in zip(ref, toks))
+    return same / sum(len(x) for x in ref)
+
+
 def check_greedy(a, prompts):
     new = 16 if a.quick else 64
     ref = tiny_run(a, "ar", prompts, max_new_tokens=new).tokens
-    out, total = {}, sum(len(x) for x in ref)
+    out = {}
     for label, mode, kw in [("sd", "sd", {}), ("ssd_one_process", "ssd", {"parallel": False}),
                             ("ssd_two_processes", "ssd", {"parallel": True})]:
-        toks = tiny_run(a, mode, prompts, max_new_tokens=new, **kw).tokens
-        same = sum(next((i for i, (x, y) in enumerate(zip(r, t)) if x != y), len(r))
-                   for r, t in zip(ref, toks))
-        out[label] = same / total  # the share of AR's tokens matched before the first difference
+        out[label] = agreement(ref, tiny_run(a, mode, prompts, max_new_tokens=new, **kw).tokens)
+    if a.device != "cpu":  # a CPU target beside a GPU draft: its proposals cross to the host
+        ref = tiny_run(a, "ar", prompts, max_new_tokens=new, target_device="cpu").tokens
+        out["sd_cpu_target_gpu_draft"] = agreement(ref, tiny_run(
+            a, "sd", prompts, max_new_tokens=new, target_device="cpu").tokens)
     # bf16 near-ties may part sequences legitimately (tests/test_dtype.py); most must agree
     out["ok"] = min(out.values()) >= 0.9
     return out

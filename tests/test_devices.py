@@ -262,3 +262,19 @@ def test_cuda_bf16_without_the_float32_gemm_is_refused(monkeypatch):
     assert resolve_dtype("bfloat16", "cpu") == torch.bfloat16
     monkeypatch.setattr(devices, "MM_FP32_OUT", ("cuda", "meta"))
     assert resolve_dtype("auto", "cuda:0") == torch.bfloat16
+
+
+def test_a_copy_into_the_cpu_blocks(monkeypatch):
+    """to_device copies into a GPU without blocking (from page-locked memory), never into the CPU:
+    the host reads what lands there next (a CUDA draft's proposals for a CPU target), and a
+    non-blocking copy out of CUDA may not have landed yet. scripts/gpu_check.py's greedy check
+    runs that pair on a GPU."""
+    from devices import to_device
+    seen, real_to, real_copy = [], torch.Tensor.to, torch.Tensor.copy_
+    monkeypatch.setattr(torch.Tensor, "to",
+                        lambda self, *a, **kw: seen.append(kw["non_blocking"]) or real_to(self, *a))
+    monkeypatch.setattr(torch.Tensor, "copy_",
+                        lambda self, x, **kw: seen.append(kw["non_blocking"]) or real_copy(self, x))
+    to_device(torch.ones(3), "cpu")
+    to_device(torch.ones(3), "cpu", out=torch.zeros(3))
+    assert seen == [False, False]
