@@ -281,12 +281,11 @@ def tune(a, batches, hf, target=None):
     rows = measure(grid, batches, a, hf, target)
     best = max(rows, key=lambda r: r["decode_tok_s"])
     default = next(r for r in rows if all(r[k] == v for k, v in DEFAULTS.items()))
+    # every setting the runs had, named: run.py would otherwise take the draft's recorded ones
     flags = (f"--mode ssd --k {best['k']} --budget {best['budget']} --fallback {best['fallback']} "
-             f"--temperature {T:g}"
-             + (f" --fan-out {best['fan_out']}" if best["fan_out"] != SPEC.fan_out else "")
-             + (" --fixed-budget" if a.fixed_budget else "")
-             + (f" --saguaro-c {best['saguaro_c']:g}"
-                if best["saguaro_c"] != SPEC.saguaro_c else ""))
+             f"--temperature {T:g} --fan-out {best['fan_out']} --saguaro-c {best['saguaro_c']:g} "
+             f"--confidence {best['confidence']:g} --pre-spec {best['pre_spec']} "
+             f"--quant {best['quant']}" + (" --fixed-budget" if best["fixed_budget"] else ""))
     print(f"\ntune (temperature {T:g}, batch 1, median of {a.repeats} runs, decode tok/s):")
     for r in sorted(rows, key=lambda r: -r["decode_tok_s"]):
         print(f"  {r['label']:<24} {r['decode_tok_s']:>8.1f}  hit {r['cache_hit_rate']:.2f}  "

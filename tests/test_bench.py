@@ -256,3 +256,25 @@ def test_theory_terms_of_a_run_that_pre_speculates_nothing(tmp_path, capsys):
     assert ssd["hits"] == ssd["misses"] == 0
     assert ssd["tokens_per_round_miss"] == pytest.approx(ssd["tokens_per_round"])
     assert ssd["theory"]["ssd_pred"] > 0 and ssd["skipped_pct"] == 100 and ssd["stopped_pct"] == 0
+
+
+def test_tunes_command_names_every_setting_it_ran(tmp_path, monkeypatch, capsys):
+    """--tune prints a run.py command that reproduces its best row: the swept fields and the
+    quantization too, and the settings that equal the library's defaults, which run.py would
+    otherwise replace with the draft's recorded ones (smollm2-135m-draft records K = 1 and a
+    confidence of 0.4)."""
+    from dataclasses import asdict
+
+    def fake_measure(grid, batches, a, hf, target):
+        return [{**asdict(c.spec), "k": c.spec.K, "quant": c.quant, "label": c.label,
+                 "decode_tok_s": 100.0 + c.spec.K + c.spec.budget / 100,  # best: K 6, B 16
+                 "cache_hit_rate": 0.5, "verifier_wait_pct": 1.0} for c in grid]
+    monkeypatch.setattr(bench, "measure", fake_measure)
+    a = bench.parse_args(["--tune", "--sweep", "confidence=0", "--quant", "int8"])
+    bench.tune(a, [], None)
+    command = capsys.readouterr().out.split("use it: ")[1].splitlines()[0]
+    for flag in ("--k 6", "--budget 16", "--confidence 0", "--quant int8", "--fan-out geometric",
+                 "--saguaro-c 1", "--pre-spec always"):
+        assert flag in command, (flag, command)
+    import run
+    run.parser().parse_args(command.split()[2:])  # run.py takes every flag
