@@ -329,11 +329,24 @@ class SpeculatorProcess:
         """Stop the speculator and collect its counters."""
         self.ch.send_stop()
         # before join: a full pipe blocks the child's exit
-        kind, stats = self.errors.get(timeout=30)
+        kind, stats = self.report()
         if kind == "error":
             raise RuntimeError(f"speculator failed: {stats}")
         self.proc.join(timeout=30)
         return {**stats, "startup_seconds": self.startup_s}
+
+    def report(self, wait_s: float = 30.0):
+        """The child's last message, ("stats", counters) or ("error", text): waited for while it
+        lives (30 s at most), then a one-line error (it died without one: killed, out of memory)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            alive = self.proc.is_alive()
+            try:
+                return self.errors.get(timeout=0.1 if alive else 1.0)  # the dead's last words
+            except queue.Empty:
+                if not alive or time.monotonic() > deadline:
+                    raise RuntimeError(f"the speculator process {'died' if not alive else 'hung'}"
+                                       f" before reporting its counters") from None
 
     def close(self):
         """Stop the process however the run ended; raise its error unless the user interrupted."""

@@ -2,6 +2,7 @@
 and the page-locking calls a CUDA machine makes (checked against a fake cudart on the CPU)."""
 import math
 import os
+import time
 import pytest
 import torch
 
@@ -241,3 +242,19 @@ def test_a_child_that_exits_quickly_leaves_no_semaphore_behind(quick):
         from multiprocessing import resource_tracker
         resource_tracker.unregister(name, "semaphore")  # the tracker need not report the control's
     assert left is not quick
+
+
+def test_a_speculator_that_died_before_its_counters_is_one_error():
+    """SpeculatorProcess.stats waits for the child's last message while it lives; one that died
+    without it (killed, out of memory) is a one-line RuntimeError within a second or so, not 30 s
+    and a queue.Empty traceback. A dead child's last message is still read."""
+    import queue
+    from types import SimpleNamespace
+    from channel import SpeculatorProcess
+    dead = SimpleNamespace(proc=SimpleNamespace(is_alive=lambda: False), errors=queue.Queue())
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="speculator process died before reporting"):
+        SpeculatorProcess.report(dead)
+    assert time.monotonic() - start < 5
+    dead.errors.put(("stats", {"hits": 1}))
+    assert SpeculatorProcess.report(dead) == ("stats", {"hits": 1})
