@@ -55,8 +55,9 @@ resumable from --work-dir (run the same command again after a kill; nothing done
                generalising (more of the same data will not move it) from one still learning.
                --init-from starts from an earlier draft instead: a later sitting trains it
                further on more answers, so data answered in separate sittings adds up (the
-               prompt order is a function of --seed, so more --prompts of the same seed in the
-               same work dir answer only the new ones).
+               prompt order is a function of --seed, so more --prompts of the same seed answer
+               only the new ones: copy answers/ into the sitting's new work dir; a work dir
+               whose training started from another draft refuses).
                Held-out prompts are held out by content, so neither sitting trains on them.
                --vocab N with --init-from grows the earlier draft's own vocabulary to N rows
                with the commonest answer tokens it lacks (grow_vocabulary): a vocabulary chosen
@@ -358,6 +359,9 @@ def make_answers(target, tok, prompts: list[str], share: float | None, args, wor
             key += f"\n{greedy} T={args.sample_temp} seed={args.seed}"
         digest = hashlib.md5(key.encode()).hexdigest()[:8]
         path = folder / f"{split}_{c:05d}-{c + len(chunk):05d}_{digest}.pt"
+        # and what the name leaves out, kept in the file and checked (files from before carry none)
+        made = {"target": str(args.target), "max_new_tokens": args.max_new_tokens,
+                "topk": args.topk}
         if not path.exists():
             t0 = time.time()
             gen = torch.Generator().manual_seed(args.seed * 100_003 + c)
@@ -365,13 +369,17 @@ def make_answers(target, tok, prompts: list[str], share: float | None, args, wor
                           [0.0 if g else args.sample_temp for g in greedy], args.max_new_tokens,
                           args.topk, eos, gen)
             for ex, g in zip(part, greedy):
-                ex["greedy"] = g
+                ex["greedy"], ex["made_with"] = g, made
             torch.save(part, path.with_suffix(".tmp"))
             os.replace(path.with_suffix(".tmp"), path)
             n_tok = sum(len(ex["answer"]) for ex in part)
             log(work, f"answers {split} {c + len(chunk)}/{len(prompts)}: {n_tok} tokens in "
                       f"{time.time() - t0:.0f}s")
-        examples += torch.load(path)
+        part = torch.load(path)
+        if part and part[0].get("made_with", made) != made:
+            raise ValueError(f"{path} holds answers made with {part[0]['made_with']}, not {made}: "
+                             f"give another --work-dir, or the settings it was made with")
+        examples += part
     return examples
 
 
@@ -740,10 +748,17 @@ def evaluate(draft, examples: list[dict], device, batch_tokens: int) -> dict:
         overlap += torch.minimum(q_top, logp.exp()).sum().item()
         n += len(ids)
     draft.train()
-    rounds = {K: sum(greedy_sd_rounds(a.tolist(), K) for a in per_answer) for K in (2, 3, 4)}
-    sd = {K: n / max(r, 1) for K, r in rounds.items()}  # answers of one token take no round
     return {"agreement": agree / n, "kl": kl / n, "accept_t1_lower": overlap / n,
-            "sd_tokens_per_round": sd, "positions": int(n)}
+            "sd_tokens_per_round": sd_tokens_per_round([a.tolist() for a in per_answer]),
+            "positions": int(n)}
+
+
+def sd_tokens_per_round(agree: list[list[bool]], Ks=(2, 3, 4)) -> dict:
+    """Greedy SD's tokens a round over answers whose positions the draft agrees on (`agree`), at
+    each K: the tokens after each answer's first (the prefill's; one token takes no round) over
+    the rounds greedy_sd_rounds counts."""
+    emitted = sum(len(a) - 1 for a in agree)
+    return {K: emitted / max(sum(greedy_sd_rounds(a, K) for a in agree), 1) for K in Ks}
 
 
 def others(metrics: dict) -> str:
@@ -799,6 +814,11 @@ def train(draft, train_ex: list[dict], heldout: dict[str, list[dict]], args, wor
     step, epoch, epoch_start, spent = 0, 0, 0, 0.0
     if state_path.exists():
         st = torch.load(state_path, map_location=args.device)
+        init = str(args.init_from) if args.init_from else None
+        if st.get("init_from", init) != init:  # a resumed run gives the --init-from it started with
+            raise ValueError(f"{state_path} is a run started from {st['init_from']}, not "
+                             f"{init}: a new sitting needs a new --work-dir (its answers can be "
+                             f"copied over), or resume with the same --init-from")
         draft.load_state_dict(st["model"])
         opt.load_state_dict(st["opt"])
         step, epoch, epoch_start, spent = st["step"], st["epoch"], st["epoch_start"], st["seconds"]
@@ -807,7 +827,8 @@ def train(draft, train_ex: list[dict], heldout: dict[str, list[dict]], args, wor
     def save():
         tmp = state_path.with_suffix(".tmp")
         torch.save({"model": draft.state_dict(), "opt": opt.state_dict(), "step": step,
-                    "epoch": epoch, "epoch_start": epoch_start, "seconds": spent}, tmp)
+                    "epoch": epoch, "epoch_start": epoch_start, "seconds": spent,
+                    "init_from": str(args.init_from) if args.init_from else None}, tmp)
         os.replace(tmp, state_path)
 
     def measure() -> dict:

@@ -343,8 +343,9 @@ def main(argv=None):
         dargs.humaneval = HUMANEVAL_SIZE if humaneval_installed() else 0
     target, tok = dd.load_target(dargs)
     layers = args.layers or eagle.default_layers(target.config.num_hidden_layers)
-    heldout, _ = dd.heldout_sets(target, tok, dargs, work)
-    train_ex = dd.training_answers(target, tok, dargs, work, [])
+    heldout, heldout_prompts = dd.heldout_sets(target, tok, dargs, work)
+    # the held-out self turns are no training turns, as in distill_draft.py
+    train_ex = dd.training_answers(target, tok, dargs, work, heldout_prompts.get("self", []))
     t0 = time.time()
     sets = [("train", train_ex), *((f"heldout-{k}", ex) for k, ex in heldout.items())]
     for name, examples in sets:

@@ -94,6 +94,10 @@ def test_init_from_continues_an_earlier_draft_on_new_answers(tmp_path):
     new_prompts = {json.dumps(ex["prompt"]) for f in (tmp_path / "w3" / "answers").iterdir()
                    if f.name.startswith("train") for ex in torch.load(f)}
     assert new_prompts - first_prompts  # another seed: other prompts, new answers
+    # a sitting in the work dir of a run that started elsewhere refuses (it would resume that
+    # run's weights, not --init-from's, and say it started from --init-from)
+    with pytest.raises(ValueError, match="is a run started from None, not .*new --work-dir"):
+        dd.main([*common, "--out", str(tmp_path / "again"), "--work-dir", str(tmp_path / "w1")])
 
 
 def test_keep_init_exports_the_average_of_the_earlier_draft_and_the_trained_one(tmp_path):
@@ -178,6 +182,10 @@ def test_greedy_sd_rounds_are_the_rounds_the_engines_sd_takes():
             assert dd.greedy_sd_rounds(agree, K) == res.stats["rounds"], (prompt, K)
     # the extremes: every proposal accepted (K + 1 tokens a round), none (1), after the prefill's
     assert dd.greedy_sd_rounds([True] * 13, 3) == 3 and dd.greedy_sd_rounds([False] * 13, 3) == 12
+    # a draft that agrees everywhere makes K + 1 tokens a round, never more (the first token of
+    # an answer is the prefill's, no round's)
+    assert dd.sd_tokens_per_round([[True] * 13], (3,)) == {3: 4.0}
+    assert dd.sd_tokens_per_round([[False] * 13, [True]], (3,)) == {3: 1.0}
     assert dd.greedy_sd_rounds([False, True, True, False, True], 2) == 2  # 2 accepted + 1, 1
 
 
@@ -218,6 +226,19 @@ def test_a_work_dir_reused_with_other_prompts_answers_them(tmp_path):
     for bad in ("3", "-1", ""):
         with pytest.raises(Exception, match="give sets in 0..2"):
             dd.template_sets(bad)
+
+
+def test_a_work_dir_reused_with_longer_answers_is_refused(tmp_path):
+    """What an answer chunk's name leaves out (the target, --max-new-tokens, --topk) is kept in it
+    and checked: a work dir asked for longer answers refuses in one line instead of handing back
+    the shorter ones."""
+    target = tiny_target(tmp_path / "target")
+    common = ["--target", str(target), "--out", str(tmp_path / "o"), "--work-dir",
+              str(tmp_path / "w"), *ARGS, "--steps", "0"]
+    dd.main(common)
+    for flag, value in (("--max-new-tokens", "24"), ("--topk", "4")):
+        with pytest.raises(ValueError, match="holds answers made with .* another --work-dir"):
+            dd.main(common + [flag, value])
 
 
 def test_a_work_dir_reused_with_another_greedy_share_answers_again(tmp_path):
