@@ -460,10 +460,12 @@ def check_args(a):
         bad = [x for x in given if x not in known]
         if bad:
             raise ValueError(f"unknown {what}(s) {','.join(bad)}: use {use}")
-    counts = [a.prompts, a.repeats, a.max_new_tokens, a.cores]
-    if min(a.batch_sizes + a.k + a.budget + counts) < 1 or a.warmup < 0:
-        raise ValueError("--batch-sizes, --k, --budget, --prompts, --repeats, --max-new-tokens "
-                         "and --cores must be >= 1")
+    for flag, values in (("--batch-sizes", a.batch_sizes), ("--k", a.k), ("--budget", a.budget),
+                         ("--prompts", [a.prompts]), ("--repeats", [a.repeats]),
+                         ("--max-new-tokens", [a.max_new_tokens]), ("--cores", [a.cores]),
+                         ("--warmup", [a.warmup + 1])):  # --warmup may be 0
+        if min(values) < 1:
+            raise ValueError(f"{flag} must be >= {0 if flag == '--warmup' else 1}")
     if a.max_new_tokens < 2:
         raise ValueError("--max-new-tokens must be >= 2: the first token comes from the prefill, "
                          "decoding's speed from the ones after it")
@@ -547,6 +549,9 @@ def main(argv=None):
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
     settings = {k: v for k, v in vars(a).items()}
     print(json.dumps({"hardware": hw, "settings": settings,
                       "prompt_tokens": [len(x) for x in ids], "results": rows, "tune": tuned}))

@@ -22,8 +22,10 @@ def check_device(device) -> torch.device:
         d = torch.device(device)
     except (RuntimeError, TypeError):
         raise ValueError(f"device {device!r} is not a device name: use cpu or cuda:N") from None
-    if d.type != "cuda":
+    if d.type == "cpu":
         return d
+    if d.type != "cuda":  # mps, xpu, meta, ...: the engine's kernels and processes know neither
+        raise ValueError(f"device {device!r} is not supported: use cpu or cuda:N")
     if not torch.cuda.is_available():
         raise ValueError(f"device {device} requested but CUDA is not available: use --device cpu")
     index = torch.cuda.current_device() if d.index is None else d.index

@@ -563,6 +563,9 @@ def main(argv=None):
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader left (run.py | head): stop, without a word on a closed pipe
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"\nerror: {e}", file=sys.stderr)
         return 1

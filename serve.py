@@ -554,6 +554,8 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
         raise ValueError(f"--max-new-tokens={a.max_new_tokens} must be >= 1")
     if a.http_cores < 0:
         raise ValueError(f"--http-cores={a.http_cores} must be >= 0")
+    if not 0 <= a.port <= 65535:
+        raise ValueError(f"--port {a.port}: give a port in 0..65535")
     if not a.max_body_mb > 0:
         raise ValueError(f"--max-body-mb={a.max_body_mb} must be > 0")
     return EngineConfig(spec=kw.pop("draft_settings"), **kw, reserve_cores=a.http_cores)
@@ -566,6 +568,9 @@ def main(argv=None):
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # while loading (serving has its own: --grace)
+        print("\ninterrupted", file=sys.stderr)
+        return 130
     # healthy: the models are up; down: the engine will not serve again; error: the last one
     state = {"healthy": True, "down": False, "error": None, "restarts": 0}
     stopping = threading.Event()

@@ -278,3 +278,15 @@ def test_tunes_command_names_every_setting_it_ran(tmp_path, monkeypatch, capsys)
         assert flag in command, (flag, command)
     import run
     run.parser().parse_args(command.split()[2:])  # run.py takes every flag
+
+
+def test_a_bad_count_names_its_flag_and_ctrl_c_is_one_line(monkeypatch, capsys):
+    for flags, flag in ((["--k", "0"], "--k must be >= 1"), (["--cores", "0"], "--cores must be"),
+                        (["--warmup", "-1"], "--warmup must be >= 0")):
+        with pytest.raises(ValueError, match=flag):
+            bench.parse_args(flags)
+
+    def interrupted(argv):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(bench, "parse_args", interrupted)
+    assert bench.main([]) == 130 and capsys.readouterr().err.strip() == "interrupted"

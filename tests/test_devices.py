@@ -278,3 +278,10 @@ def test_a_copy_into_the_cpu_blocks(monkeypatch):
     to_device(torch.ones(3), "cpu")
     to_device(torch.ones(3), "cpu", out=torch.zeros(3))
     assert seen == [False, False]
+
+
+def test_a_device_type_the_engine_does_not_run_is_refused_in_one_line():
+    from devices import check_device
+    for name in ("mps", "xpu", "meta"):
+        with pytest.raises(ValueError, match=f"device '{name}' is not supported: use cpu or cuda:N"):
+            check_device(name)

@@ -238,3 +238,14 @@ def test_importing_the_engine_imports_no_build_machinery():
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_a_reader_that_leaves_ends_the_cli_without_a_traceback():
+    """run.py | head: the pipe closes while the answer streams; the CLI stops (exit 1), both
+    processes gone, and says nothing on stderr (a BrokenPipeError traceback before)."""
+    proc = subprocess.Popen([sys.executable, "run.py", "--max-new-tokens", "400", "--mode", "ssd"],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.read(8)
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 1 and "Traceback" not in err, err

@@ -537,6 +537,8 @@ def test_a_server_with_no_room_is_refused_before_loading():
         load(max_batch=0)
     with pytest.raises(ValueError, match="kv_tokens=0 holds no KV block"):
         load("--kv-tokens", "0")
+    with pytest.raises(ValueError, match="--port 99999: give a port in 0..65535"):
+        load("--port", "99999")
 
 
 def speculator_pid(server_pid: int) -> int:
