@@ -961,6 +961,17 @@ def shares(text: str) -> list[float]:
     return values
 
 
+def check_counts(ap, args, positive=(), at_least_0=()):
+    """Numeric flags a run could not use, refused before any data work (a --threads -1 or a
+    --gen-batch 0 failed after the target had loaded; a --steps -1 trained nothing)."""
+    for names, low, ok in ((positive, "> 0", lambda v: v > 0), (at_least_0, ">= 0",
+                                                                 lambda v: v >= 0)):
+        for name in names:
+            value = getattr(args, name)
+            if value is not None and not (ok(value) and math.isfinite(value)):
+                ap.error(f"--{name.replace('_', '-')} {value:g}: give a number {low}")
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", required=True, help="any model run.py loads (alias, dir, GGUF)")
@@ -1042,6 +1053,10 @@ def parse_args(argv=None):
     if args.keep_init and not args.init_from:
         ap.error(f"--keep-init {args.keep_init}: give --init-from, the draft whose weights "
                  f"the average keeps")
+    check_counts(ap, args, positive=("threads", "prompts", "self_max_tokens", "max_new_tokens",
+                                     "topk", "gen_batch", "hidden", "batch_tokens", "eval_every",
+                                     "save_every_s", "lr"),
+                 at_least_0=("steps", "warmup", "sample_temp"))
     if args.heldout < 1:  # the metrics' top level, as in earlier sittings, is this set's
         ap.error(f"--heldout {args.heldout}: give at least 1 held-out chat prompt")
     if not 0 <= args.seed < 128:  # training self seeds are --seed * 2**24 + i, below 2**31

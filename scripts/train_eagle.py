@@ -80,6 +80,8 @@ def parse_args(argv=None):
     args, data_argv = ap.parse_known_args(argv)
     if args.ttt < 1 or args.eval_k < 1:
         ap.error("--ttt and --eval-k: give at least 1")
+    dd.check_counts(ap, args, positive=("threads", "vocab", "batch_tokens", "lr", "eval_every",
+                                        "save_every_s"), at_least_0=("steps", "warmup"))
     return args, data_argv
 
 

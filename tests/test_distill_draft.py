@@ -644,3 +644,20 @@ def test_code_source_trains_on_raw_stdlib_prompts(tmp_path):
     _, tok = load_model("tiny")
     asked = [ex["prompt"] for f in sorted((work / "answers").glob("train-code_*")) for ex in torch.load(f)]
     assert asked == [dd.encode_raw(tok, p) for p in prompt_sets.code_prompts(4, seed=0)]  # no chat template
+
+
+def test_numbers_a_run_cannot_use_are_refused_before_any_work(capsys):
+    """--threads -1 or --gen-batch 0 failed after the target had loaded, --steps -1 trained
+    nothing: each is refused by parse_args, naming the flag (both scripts)."""
+    from scripts import train_eagle
+    base = ["--target", "tiny", "--out", "o"]
+    for bad in (["--threads", "-1"], ["--gen-batch", "0"], ["--steps", "-1"], ["--lr", "nan"],
+                ["--hidden", "0"], ["--eval-every", "0"], ["--sample-temp", "-1"]):
+        with pytest.raises(SystemExit):
+            dd.parse_args(base + bad)
+        assert f"{bad[0]} {bad[1]}: give a number" in capsys.readouterr().err
+    for bad in (["--threads", "0"], ["--batch-tokens", "0"], ["--steps", "-1"]):
+        with pytest.raises(SystemExit):
+            train_eagle.parse_args(base + ["--work-dir", "w"] + bad)
+        assert f"{bad[0]} {bad[1]}: give a number" in capsys.readouterr().err
+    assert dd.parse_args(base + ["--steps", "0", "--warmup", "0"]).steps == 0

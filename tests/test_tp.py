@@ -261,3 +261,12 @@ def test_call_forwards_any_verifier_method(ckpts, monkeypatch):
             torch.distributed.destroy_process_group()
     assert headers[-1] == ("stop", [], {}) and len(headers) == 4  # idle workers are stopped, not killed
     assert not mp.active_children()
+
+
+def test_a_tp_timeout_that_cannot_pass_or_overflows_is_refused():
+    """tp_timeout <= 0 never passes; infinity or 1e20 seconds overflowed in the process group
+    (a traceback): each refused in one line before a rank starts."""
+    import tp
+    for bad in (0, -1, float("nan"), float("inf"), 1e20):
+        with pytest.raises(ValueError, match=r"give the seconds a rank may wait in a collective"):
+            tp.check_start("tiny", 2, bad)
