@@ -14,7 +14,9 @@ decode.py's rounds: where the algorithm is. In `ssd` mode the speculator runs in
 import argparse
 import json
 import os
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -537,8 +539,15 @@ def serve_rank(a: argparse.Namespace, env: TorchrunEnv):
     serve_torchrun_rank(env, a.target, str(device), dtype, threads, a.tp_timeout)
 
 
+def interrupt(signum, frame):
+    """SIGTERM (kill, a job scheduler) ends a run as Ctrl-C does: its processes stopped, a line."""
+    raise KeyboardInterrupt
+
+
 def main(argv=None):
     a = parser().parse_args(argv)
+    if threading.current_thread() is threading.main_thread():  # only it may set a handler
+        signal.signal(signal.SIGTERM, interrupt)
     tokenizer = None
     try:
         env = torchrun_env()
@@ -563,7 +572,7 @@ def main(argv=None):
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:  # the reader left (run.py | head): stop, without a word on a closed pipe
+    except BrokenPipeError:  # the reader left (run.py | head): stop, with no word on a closed pipe
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
     except (ValueError, FileNotFoundError, RuntimeError) as e:

@@ -249,3 +249,21 @@ def test_a_reader_that_leaves_ends_the_cli_without_a_traceback():
     proc.stdout.close()
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 1 and "Traceback" not in err, err
+
+
+def test_sigterm_ends_the_cli_and_its_speculator_in_one_line():
+    """kill (SIGTERM) of run.py mid-answer: it stops as Ctrl-C does ('interrupted', 130), its
+    speculator's process gone, no traceback from either (the speculator's 'the verifier process
+    died' and a resource tracker's leaked semaphores before)."""
+    proc = subprocess.Popen([sys.executable, "run.py", "--max-new-tokens", "2000", "--mode", "ssd"],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.read(40)  # decoding
+    children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
+                              text=True).stdout.split()
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "interrupted" in err.decode(), err
+    assert "Traceback" not in err.decode() and "leaked" not in err.decode(), err
+    for pid in map(int, children):
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
