@@ -79,13 +79,19 @@ PROMPT_SETS = {"code": heldout_code_prompts, "prose": heldout_prose_prompts,
 
 def file_prompts(path, n=None):
     """One prompt per line, or JSONL with a "prompt" field per line."""
-    lines = [x for x in Path(path).read_text().splitlines() if x.strip()]
+    try:
+        lines = [x for x in Path(path).read_text().splitlines() if x.strip()]
+    except (IsADirectoryError, UnicodeDecodeError) as e:
+        raise ValueError(f"--prompt-file {path} is not a text file ({type(e).__name__}): give "
+                         f"one prompt per line, or JSONL with a 'prompt' field") from None
     if not lines:
         raise ValueError(f"--prompt-file {path} has no prompts: write one per line, or JSONL with "
                          f"a 'prompt' field")
     if all(x.lstrip().startswith("{") for x in lines):
         try:
             lines = [json.loads(x)["prompt"] for x in lines]
+            if not all(isinstance(x, str) for x in lines):
+                raise TypeError
         except (json.JSONDecodeError, KeyError, TypeError):
             raise ValueError(f"--prompt-file {path}: every JSONL line needs a string 'prompt' "
                              f"field") from None

@@ -404,7 +404,11 @@ def draft_kind(name: str):
     """The kind of the draft `name` names: an EAGLE head's directory (eagle.EagleDraft), else a
     checkpoint of a small language model (CheckpointDraft)."""
     import eagle  # eagle.py builds on this file's Drafter
-    return eagle.EagleDraft(name) if eagle.is_head(resolve(name)) else CheckpointDraft(name)
+    try:
+        path = resolve(name)
+    except FileNotFoundError as e:  # say which of the two models it is
+        raise FileNotFoundError(f"draft: {e}") from None
+    return eagle.EagleDraft(name) if eagle.is_head(path) else CheckpointDraft(name)
 
 
 @dataclass(frozen=True)

@@ -129,6 +129,16 @@ def chat_ids(messages, engine) -> list[int]:
                          "invalid_value") from None
 
 
+def check_default_length(engine, max_new_tokens: int):
+    """--max-new-tokens, every request's default max_tokens, must fit the context (else every
+    request that leaves max_tokens out is refused); the engine is stopped with the error."""
+    ctx = engine.config.max_position_embeddings
+    if max_new_tokens + 1 + engine.K > ctx:
+        engine.started.stop()
+        raise ValueError(f"--max-new-tokens {max_new_tokens} exceeds the target's context of "
+                         f"{ctx} tokens: give at most {ctx - 1 - engine.K}")
+
+
 def check_length(ids, max_tokens, engine, prompt_param, tokens_param):
     ctx = engine.config.max_position_embeddings
     if max_tokens + 1 + engine.K > ctx:
@@ -565,6 +575,7 @@ def main(argv=None):
     a = parser().parse_args(argv)
     try:
         engine = load_engine(engine_config(a), a.max_batch)
+        check_default_length(engine, a.max_new_tokens)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -153,9 +153,14 @@ def test_prompt_file(tmp_path):
     g = tmp_path / "p.txt"
     g.write_text("first\n\nsecond\n")
     assert bench.file_prompts(g, 1) == ["first"]
-    f.write_text('{"text": "a"}\n')
-    with pytest.raises(ValueError, match="prompt"):
-        bench.file_prompts(f)
+    for bad in ('{"text": "a"}\n', '{"prompt": 5}\n'):  # no prompt; one that is not text
+        f.write_text(bad)
+        with pytest.raises(ValueError, match="needs a string 'prompt' field"):
+            bench.file_prompts(f)
+    g.write_bytes(b"\xa0\xff\n")
+    for path in (g, tmp_path):  # not UTF-8 text; a folder
+        with pytest.raises(ValueError, match="is not a text file"):
+            bench.file_prompts(path)
 
 
 def test_humaneval_prompt_set():

@@ -476,6 +476,10 @@ def test_cli_bad_target_is_one_error_line(capsys, tmp_path):
     lines = [x for x in err.splitlines() if x.strip()]
     assert rc == 1
     assert len(lines) == 1 and lines[0].startswith("error: "), err
+    rc = run.main(["--draft", str(tmp_path / "no_such_draft"), "--mode", "sd", "--max-new-tokens",
+                   "2", "--json"])
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
+    assert rc == 1 and len(lines) == 1 and lines[0].startswith("error: draft: model "), lines
 
 
 @pytest.mark.parametrize("argv,hint", [([], True), (["--mode", "ssd", "--device", "cpu"], True),

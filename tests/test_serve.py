@@ -541,6 +541,19 @@ def test_a_server_with_no_room_is_refused_before_loading():
         load("--port", "99999")
 
 
+
+def test_a_default_max_tokens_past_the_context_is_refused_at_start(capsys):
+    """--max-new-tokens is every request's default max_tokens: past the context, every request
+    that leaves max_tokens out would be refused; the server refuses to start, its speculator
+    stopped."""
+    import serve
+    import torch.multiprocessing as mp
+    assert serve.main(["--max-new-tokens", "100000", "--mode", "ssd"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: --max-new-tokens 100000 exceeds the target's context")
+    assert not mp.active_children()
+
+
 def speculator_pid(server_pid: int) -> int:
     """The server's speculator: its child process started by multiprocessing's spawn (not the
     resource tracker)."""
