@@ -129,16 +129,6 @@ def chat_ids(messages, engine) -> list[int]:
                          "invalid_value") from None
 
 
-def check_default_length(engine, max_new_tokens: int):
-    """--max-new-tokens, every request's default max_tokens, must fit the context (else every
-    request that leaves max_tokens out is refused); the engine is stopped with the error."""
-    ctx = engine.config.max_position_embeddings
-    if max_new_tokens + 1 + engine.K > ctx:
-        engine.started.stop()
-        raise ValueError(f"--max-new-tokens {max_new_tokens} exceeds the target's context of "
-                         f"{ctx} tokens: give at most {ctx - 1 - engine.K}")
-
-
 def check_length(ids, max_tokens, engine, prompt_param, tokens_param):
     ctx = engine.config.max_position_embeddings
     if max_tokens + 1 + engine.K > ctx:
@@ -227,16 +217,14 @@ class Answer:
 
 
 async def answered(http: HTTPRequest, queue: asyncio.Queue, n: int) -> bool:
-    """Wait for n replies' ends on the queue; False once the client has gone (asked every half
-    second: nothing else tells a handler that is not streaming)."""
+    """Wait for n replies' ends; False once the client has gone (asked every 0.5 s: no one else
+    tells a handler that does not stream)."""
     while n:
-        try:
-            _, item = await asyncio.wait_for(queue.get(), timeout=0.5)
+        try:  # an item None is a reply's progress, not its end
+            n -= (await asyncio.wait_for(queue.get(), timeout=0.5))[1] is not None
         except asyncio.TimeoutError:
             if await http.is_disconnected():
                 return False
-            continue
-        n -= item is not None
     return True
 
 
@@ -575,7 +563,11 @@ def main(argv=None):
     a = parser().parse_args(argv)
     try:
         engine = load_engine(engine_config(a), a.max_batch)
-        check_default_length(engine, a.max_new_tokens)
+        try:  # every request's default max_tokens: within the context
+            check_length([], a.max_new_tokens, engine, "prompt", "--max-new-tokens")
+        except BadRequest as e:
+            engine.started.stop()
+            raise ValueError(str(e)) from None
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
