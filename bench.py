@@ -466,15 +466,14 @@ def check_args(a):
         bad = [x for x in given if x not in known]
         if bad:
             raise ValueError(f"unknown {what}(s) {','.join(bad)}: use {use}")
-    for flag, values in (("--batch-sizes", a.batch_sizes), ("--k", a.k), ("--budget", a.budget),
-                         ("--prompts", [a.prompts]), ("--repeats", [a.repeats]),
-                         ("--max-new-tokens", [a.max_new_tokens]), ("--cores", [a.cores]),
-                         ("--warmup", [a.warmup + 1])):  # --warmup may be 0
-        if min(values) < 1:
-            raise ValueError(f"{flag} must be >= {0 if flag == '--warmup' else 1}")
-    if a.max_new_tokens < 2:
-        raise ValueError("--max-new-tokens must be >= 2: the first token comes from the prefill, "
-                         "decoding's speed from the ones after it")
+    # --max-new-tokens >= 2: the first token comes from the prefill, decoding's speed from the rest
+    for flag, values, low in (("--batch-sizes", a.batch_sizes, 1), ("--k", a.k, 1),
+                              ("--budget", a.budget, 1), ("--prompts", [a.prompts], 1),
+                              ("--repeats", [a.repeats], 1), ("--cores", [a.cores], 1),
+                              ("--max-new-tokens", [a.max_new_tokens], 2),
+                              ("--warmup", [a.warmup], 0)):
+        if min(values) < low:
+            raise ValueError(f"{flag} must be >= {low}")
 
 
 FLAGGED = ("K", *SSD_AXES, "fixed_budget")  # DraftSettings' fields with flags of their own

@@ -329,9 +329,9 @@ class HeadCache(PagedKVCache):
         here = max(0, min(len(g), self.length(sid) - start))
         self.g.view(-1, self.g.shape[-1])[self.slots(sid, start, here)] = g[:here]
         first, rest = start + here, g[here:]
-        p0, before = self.pending.get(sid, (first, g[:0]))
-        if p0 + len(before) == first:  # an earlier outcome's g, not fed yet, comes right before
-            first, rest = p0, torch.cat([before, rest])
+        p0, before = self.pending.get(sid, (None, None))
+        if p0 is not None and p0 + len(before) == first:  # an earlier outcome's g, not fed yet,
+            first, rest = p0, torch.cat([before, rest])   # comes right before
         if len(rest):
             self.pending[sid] = (first, rest)
         else:

@@ -30,9 +30,10 @@ DEFAULT_A_FAST = 0.1
 WINDOW = 64  # the measurements a median reads: the last 64 (the older are dropped)
 
 
-def recent_median(xs, window=WINDOW):
-    """Median of the last `window` measurements: robust to outliers, constant cost per round."""
-    recent = sorted(list(xs)[-window:])
+def recent_median(xs):
+    """Median of xs, the last WINDOW measurements (a deque that keeps no more): robust to
+    outliers, constant cost per round."""
+    recent = sorted(xs)
     return recent[len(recent) // 2]
 
 

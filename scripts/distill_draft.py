@@ -812,9 +812,9 @@ def train(draft, train_ex: list[dict], heldout: dict[str, list[dict]], args, wor
     opt = torch.optim.AdamW(draft.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     state_path = work / "draft.pt"
     step, epoch, epoch_start, spent = 0, 0, 0, 0.0
+    init = str(args.init_from) if args.init_from else None  # kept: a resume must start alike
     if state_path.exists():
         st = torch.load(state_path, map_location=args.device)
-        init = str(args.init_from) if args.init_from else None
         if st.get("init_from", init) != init:  # a resumed run gives the --init-from it started with
             raise ValueError(f"{state_path} is a run started from {st['init_from']}, not "
                              f"{init}: a new sitting needs a new --work-dir (its answers can be "
@@ -828,7 +828,7 @@ def train(draft, train_ex: list[dict], heldout: dict[str, list[dict]], args, wor
         tmp = state_path.with_suffix(".tmp")
         torch.save({"model": draft.state_dict(), "opt": opt.state_dict(), "step": step,
                     "epoch": epoch, "epoch_start": epoch_start, "seconds": spent,
-                    "init_from": str(args.init_from) if args.init_from else None}, tmp)
+                    "init_from": init}, tmp)
         os.replace(tmp, state_path)
 
     def measure() -> dict:
@@ -964,12 +964,13 @@ def shares(text: str) -> list[float]:
 def check_counts(ap, args, positive=(), at_least_0=()):
     """Numeric flags a run could not use, refused before any data work (a --threads -1 or a
     --gen-batch 0 failed after the target had loaded; a --steps -1 trained nothing)."""
-    for names, low, ok in ((positive, "> 0", lambda v: v > 0), (at_least_0, ">= 0",
-                                                                 lambda v: v >= 0)):
-        for name in names:
-            value = getattr(args, name)
-            if value is not None and not (ok(value) and math.isfinite(value)):
-                ap.error(f"--{name.replace('_', '-')} {value:g}: give a number {low}")
+    for name in (*positive, *at_least_0):
+        value, strict = getattr(args, name), name in positive
+        if value is None:  # a default that leaves it to the run (--threads: torch's)
+            continue
+        if not (math.isfinite(value) and (value > 0 if strict else value >= 0)):
+            ap.error(f"--{name.replace('_', '-')} {value:g}: give a number "
+                     f"{'> 0' if strict else '>= 0'}")
 
 
 def parse_args(argv=None):
