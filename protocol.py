@@ -301,3 +301,24 @@ class ErrorBody(BaseModel):
 class ErrorResponse(BaseModel):
     """Every error's body, OpenAI's shape."""
     error: ErrorBody
+
+
+def openapi_schema(app, bodies: dict) -> dict:
+    """serve.py's /openapi.json: FastAPI's, with the request bodies (`bodies`: path -> model)
+    that the handlers parse themselves by the models above, and without the 422 that the server
+    never sends (a bad body is a 400)."""
+    from fastapi.openapi.utils import get_openapi  # serve.py's dependency, imported there first
+    schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    for path, model in bodies.items():
+        body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        components.update(body.pop("$defs", {}))
+        components[model.__name__] = body
+        schema["paths"][path]["post"]["requestBody"] = {"required": True, "content": {
+            "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+    for operations in schema["paths"].values():
+        for op in operations.values():
+            op["responses"].pop("422", None)
+    for unused in ("HTTPValidationError", "ValidationError"):  # (the 422's body)
+        components.pop(unused, None)
+    return schema

@@ -41,6 +41,7 @@ import json
 import os
 import secrets
 import signal
+import socket
 import sys
 import threading
 import time
@@ -54,7 +55,6 @@ from scheduler import Request
 try:
     import uvicorn
     from fastapi import Depends, FastAPI, Request as HTTPRequest
-    from fastapi.openapi.utils import get_openapi
     from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
     from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
     from pydantic import ValidationError
@@ -62,7 +62,7 @@ try:
 
     from protocol import (BadRequest, ChatCompletion, ChatRequest, Completion, CompletionRequest,
                           ErrorResponse, Health, Model, ModelList, check_fields, invalid,
-                          message_text)
+                          message_text, openapi_schema)
 except ImportError:
     sys.exit("serve.py needs FastAPI and uvicorn: pip install fastapi uvicorn")
 
@@ -420,7 +420,7 @@ def make_app(engine: Engine, model_id: str, defaults, state: dict, api_key=None)
     app.head("/metrics", include_in_schema=False)(api.metrics)  # a scraper's probe: no body
     app.exception_handler(HTTPException)(http_error)
     app.add_middleware(CatchAll)
-    schema = describe(app, {"/v1/completions": CompletionRequest,
+    schema = openapi_schema(app, {"/v1/completions": CompletionRequest,
                             "/v1/chat/completions": ChatRequest})
     app.openapi = lambda: schema  # (FastAPI's own would make it again, without the bodies)
     return app
@@ -460,26 +460,6 @@ class CatchAll:
             if not started and scope["type"] == "http":
                 await error(500, f"internal error ({type(e).__name__}); the server goes on",
                             kind="server_error", code="internal_error")(scope, receive, send)
-
-
-def describe(app: FastAPI, bodies: dict) -> dict:
-    """/openapi.json: FastAPI's, with the request bodies the handlers parse themselves (pydantic's
-    JSON parser, protocol.py) and without the 422 this server never sends (a bad body is a
-    400)."""
-    schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-    components = schema.setdefault("components", {}).setdefault("schemas", {})
-    for path, model in bodies.items():
-        body = model.model_json_schema(ref_template="#/components/schemas/{model}")
-        components.update(body.pop("$defs", {}))
-        components[model.__name__] = body
-        schema["paths"][path]["post"]["requestBody"] = {"required": True, "content": {
-            "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
-    for operations in schema["paths"].values():
-        for op in operations.values():
-            op["responses"].pop("422", None)
-    for unused in ("HTTPValidationError", "ValidationError"):  # (the 422's body)
-        components.pop(unused, None)
-    return schema
 
 
 def sse(obj) -> str:
@@ -545,6 +525,20 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
+def check_listen(host: str, port: int):
+    """Bind (host, port) a moment: a port in use or an unknown host refused before the models
+    load (minutes, for a large one), not after."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port,
+                                                             type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            s.bind(address)
+    except OSError as e:
+        raise ValueError(f"cannot listen on {host}:{port} ({e.strerror or e}): give another "
+                         f"--port or --host, or stop what holds it") from None
+
+
 def engine_config(a: argparse.Namespace) -> EngineConfig:
     """The engine of run.py's flags (--max-new-tokens: each request's default max_tokens)."""
     kw = run.generate_kwargs(a)
@@ -554,6 +548,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
         raise ValueError(f"--http-cores={a.http_cores} must be >= 0")
     if not 0 <= a.port <= 65535:
         raise ValueError(f"--port {a.port}: give a port in 0..65535")
+    check_listen(a.host, a.port)
     if not a.max_body_mb > 0:
         raise ValueError(f"--max-body-mb={a.max_body_mb} must be > 0")
     return EngineConfig(spec=kw.pop("draft_settings"), **kw, reserve_cores=a.http_cores)

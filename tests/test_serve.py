@@ -611,3 +611,20 @@ def test_speculator_killed_then_sigterm(target, alone):
     assert got == [alone[2]]
     assert s.proc.wait(timeout=60) == 0
     assert not Path(f"/proc/{new}").exists() or b"zombie" in Path(f"/proc/{new}/status").read_bytes()
+
+
+@pytest.mark.parametrize("flag", ["--port", "--host"])
+def test_a_port_in_use_or_an_unknown_host_is_refused_before_loading(flag, capsys, monkeypatch):
+    """Loading takes minutes for a large model: a port the server could not listen on, or a host
+    that does not resolve, is one line before it, not after."""
+    import serve
+    monkeypatch.setattr(serve, "load_engine", lambda *a: pytest.fail("the models were loaded"))
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        args = ["--port", str(port)] if flag == "--port" else ["--host", "no-such-host.invalid"]
+        assert serve.main(args) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    where = f"127.0.0.1:{port}" if flag == "--port" else "no-such-host.invalid:8000"
+    assert err.startswith(f"error: cannot listen on {where} (") and "--port or --host" in err
