@@ -411,8 +411,9 @@ def speculator_main(cfg: DraftConfig, threads, ch: Channel, inbox, errors):
         quick_exit(0)
     except KeyboardInterrupt:
         pass
-    except BaseException as e:  # reaches the user as one line; the traceback goes to stderr
-        traceback.print_exc()
+    except BaseException as e:  # reaches the user as one line; a bug's traceback goes to stderr
+        if not isinstance(e, ValueError):  # (bad input says what to do in its line)
+            traceback.print_exc()
         errors.put(("error", f"{type(e).__name__}: {e}"))
         sys.exit(1)
 

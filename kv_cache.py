@@ -26,6 +26,7 @@ computed again, never the tokens.
 """
 import hashlib
 import itertools
+import math
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -100,8 +101,17 @@ class PagedKVCache:
         self.block_size = block_size
         self.group = cfg.num_attention_heads // cfg.num_key_value_heads  # g: q heads per KV head
         self.num_blocks = -(-num_tokens // block_size)
-        self.kv = torch.zeros(cfg.num_hidden_layers, self.num_blocks, block_size, 2,
-                              cfg.num_key_value_heads, cfg.head_dim, device=device, dtype=dtype)
+        shape = (cfg.num_hidden_layers, self.num_blocks, block_size, 2, cfg.num_key_value_heads,
+                 cfg.head_dim)
+        try:
+            self.kv = torch.zeros(shape, device=device, dtype=dtype)
+        except RuntimeError as e:  # the allocator's own message names neither the cache nor a fix
+            if "alloc" not in str(e).lower():
+                raise
+            gib = math.prod(shape) * dtype.itemsize / 2**30
+            raise ValueError(f"a KV cache of {num_tokens} tokens ({gib:.1f} GiB) does not fit on "
+                             f"{device}: give fewer --kv-tokens, or with SSD a smaller --budget (the "
+                             f"draft's cache holds B branches a row)") from None
         # a float32 pool on a CPU is attended by cpu_kernels.cpp's op where it runs
         self.cpu_kernel = (self.kv.device.type == "cpu" and dtype == torch.float32
                            and cpu_kernels.available())

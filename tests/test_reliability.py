@@ -228,6 +228,20 @@ def test_kv_tokens_too_small(ckpt, mode):
     assert not mp.active_children()
 
 
+
+@pytest.mark.parametrize("flags", [["--kv-tokens", "100000000000000", "--mode", "sd"],
+                                   ["--budget", "10000000000", "--mode", "ssd"]])
+def test_a_kv_cache_that_does_not_fit_in_memory_is_one_line(flags):
+    """A cache past the machine's memory (the target's --kv-tokens, or SSD's branches of a huge
+    --budget in the speculator's process): the allocator's failure becomes one line that says
+    which cache and what to lower, with no traceback from either process."""
+    out = subprocess.run([sys.executable, "run.py", "--max-new-tokens", "8", *flags], cwd=REPO,
+                         capture_output=True, text=True, timeout=180)
+    last = out.stderr.strip().splitlines()[-1]
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert re.search(r"a KV cache of \d+ tokens \([\d.]+ GiB\) does not fit on cpu: give fewer "
+                     r"--kv-tokens, or with SSD a smaller --budget", last), last
+
 def test_importing_the_engine_imports_no_build_machinery():
     """`import run` (and the model) leaves torch's C++ build helpers and setuptools alone: they are
     imported when cpu_kernels.py builds or looks up its library, so a script that imported pip
