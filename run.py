@@ -188,6 +188,10 @@ def settings_of(given: DraftSettings | None, recorded: dict, **fields) -> DraftS
     draft.recorded_settings), else DraftSettings' default; an object and fields at once is
     refused, as one would silently win."""
     fields = {name: v for name, v in fields.items() if v is not None}
+    F, B = fields.get("fan_out"), fields.get("budget")
+    if isinstance(F, (list, tuple)) and B is not None and sum(F) != B:  # one would silently win
+        raise ValueError(f"fan_out={list(F)} makes B = {sum(F)} branches and budget={B} was given "
+                         f"too: an explicit fan-out is its own budget, leave --budget out")
     if given is not None and fields:
         raise ValueError(f"draft_settings and {', '.join(fields)} given together: put "
                          f"{'them' if len(fields) > 1 else 'it'} in draft_settings")
@@ -342,8 +346,8 @@ def add_algorithm_options(g, auto=False):
                         f"{FAN_OUT_HELP} (default: " + recorded_or(SPEC.fan_out) + ")")
     g.add_argument("--budget", type=int, default=None, metavar="B",
                    help="ssd: B, outcome guesses (branches) pre-speculated per sequence per round; "
-                        "the ceiling of a budget that adapts to the measured time "
-                        "(default: " + recorded_or(SPEC.budget) + ")")
+                        "the ceiling of a budget that adapts to the measured time; an explicit "
+                        "--fan-out is its own (default: " + recorded_or(SPEC.budget) + ")")
     g.add_argument("--fixed-budget", action="store_true", default=None,
                    help="ssd: keep B at --budget every round instead of adapting it to the "
                         "measured time (experiments: rules compared at equal B)")

@@ -661,3 +661,15 @@ def test_a_draft_records_its_settings_and_a_value_given_wins(tmp_path):
     recorded, recorded_quant = run.recorded_settings("smollm2-135m-draft")
     shipped = run.settings_of(None, recorded)
     assert shipped != run.SPEC and run.draft_quant_of(recorded_quant, "auto") in QUANTS
+
+
+def test_an_explicit_fan_out_and_another_budget_are_refused_not_one_ignored():
+    """An explicit fan-out F_0..F_K is its own budget B = sum F_j: a --budget that disagrees would
+    be silently dropped, so the two together are one line; a budget that agrees is taken."""
+    flags = lambda *f: run.generate_kwargs(run.parser().parse_args(["--fan-out", "2,1,1,0,0",
+                                                                    *f]))
+    with pytest.raises(ValueError, match=r"fan_out=\[2, 1, 1, 0, 0\] makes B = 4 branches and "
+                                         r"budget=8 was given too"):
+        flags("--budget", "8")
+    assert flags("--budget", "4")["draft_settings"].budget == 4
+    assert flags()["draft_settings"].budget == 4
