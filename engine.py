@@ -9,6 +9,7 @@ scheduler.py Scheduler. Between the two the caller sizes the KV caches: generate
 generate()'s parameters less the request's, so a setting cannot reach one caller and not the other.
 """
 import functools
+import numbers
 import os
 import threading
 import warnings
@@ -78,6 +79,9 @@ class EngineConfig:
             raise ValueError(f"temperature={self.temperature} must be >= 0")
         check_quant(self.quant)
         check_quant(self.draft_quant, "draft_quant")
+        if not (isinstance(self.seed, numbers.Integral) and not isinstance(self.seed, bool)
+                and -2**63 <= self.seed < 2**64):  # what a torch.Generator takes
+            raise ValueError(f"seed={self.seed!r}: use an integer in [-2**63, 2**64) (--seed)")
         if self.reserve_cores < 0:
             raise ValueError(f"reserve_cores={self.reserve_cores} must be >= 0")
         reads_target = self.mode != "ar" and draft_kind(self.draft).feature_layers is not None

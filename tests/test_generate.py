@@ -459,6 +459,9 @@ def test_bad_input(ckpts, bad_ckpts):
     expect_value_error("vocabulary", **{**base, "mode": "sd", "draft": bad_ckpts["other_vocab"]})
     expect_value_error("vocabulary", **{**base, "mode": "ssd", "parallel": False, "draft": bad_ckpts["other_vocab"]})
     expect_value_error("100", **{**base, "prompts": [[1, 100, 3]]})
+    for seed in (2**64, -2**63 - 1, 1.5, True):  # what no torch.Generator takes, named
+        expect_value_error(f"seed={seed!r}: use an integer in [-2**63, 2**64)",
+                           **{**base, "seed": seed})
 
 
 def test_bad_input_negative_token_id_is_named(ckpts):
