@@ -273,6 +273,10 @@ def place(cfg: EngineConfig) -> Placement:
     target_threads, draft_threads = threads_of(cfg.two_processes, cfg.target_threads,
                                                cfg.draft_threads,
                                                max(1, cores - cfg.reserve_cores))
+    if target_threads + (draft_threads or 0) > cores:
+        warnings.warn(f"{target_threads} target + {draft_threads or 0} draft threads on {cores} "
+                      f"cores: threads past the cores take turns and slow every step; give "
+                      f"fewer (--target-threads, --draft-threads)", stacklevel=4)
     return Placement(target_device, draft_device, target_devices, target_dtype, draft_dtype,
                      target_threads, draft_threads, cores, env)
 

@@ -676,3 +676,12 @@ def test_an_explicit_fan_out_and_another_budget_are_refused_not_one_ignored():
         flags("--budget", "8")
     assert flags("--budget", "4")["draft_settings"].budget == 4
     assert flags()["draft_settings"].budget == 4
+
+
+def test_more_threads_than_cores_is_a_warning(ckpts):
+    """Threads past the machine's cores take turns: the engine says so, naming the flags."""
+    import os
+    with pytest.warns(UserWarning, match=r"target \+ 0 draft threads on \d+ cores: threads past "
+                                         r"the cores take turns.*--target-threads"):
+        generate([PROMPTS[0]], target=ckpts["target"], mode="ar", max_new_tokens=2,
+                 target_threads=(os.cpu_count() or 1) + 1)
