@@ -85,8 +85,8 @@ def summarize(cfg, runs):
     tok_s = (m["new"] - m["first"]) / m["decode_s"]
     settings = asdict(cfg)
     spec = settings.pop("spec")  # its fields as the row's own: k (0 without a draft), fan_out, ...
-    K = spec.pop("K") if cfg.engine in ("sd", "ssd", "hf-assisted") else 0
-    row = {**settings, "k": K, **spec, "runs_tok_s": speeds, "decode_tok_s": tok_s,
+    K = spec.pop("K")  # the draft's; an engine without one reports k = 0 (and no K)
+    row = {**settings, "k": K if cfg.engine in ("sd", "ssd", "hf-assisted") else 0, **spec, "runs_tok_s": speeds, "decode_tok_s": tok_s,
            "tokens": m.get("tokens"),  # this engine's (add_agreement reads, then drops them)
            "decode_tok_s_per_seq": tok_s / cfg.batch, "decode_seconds": m["decode_s"],
            "prefill_seconds": m["prefill_s"], "new_tokens": m["new"]}
@@ -99,8 +99,12 @@ def summarize(cfg, runs):
                    acceptance_a=m["accepted"] / m["trials"] if m["trials"] else None)
     if cfg.engine == "ssd":
         looks = m["hits"] + m["misses"]
+        row_rounds = m["rounds_hit"] + m["rounds_miss"]
         row.update(hits=m["hits"], misses=m["misses"],
                    cache_hit_rate=m["hits"] / looks if looks else 0.0,
+                   # a round that pre-speculated nothing (pre_spec auto / never) looks nothing up
+                   # and is a miss: the share of row-rounds that hit is the theory's p_hit
+                   hit_share=m["rounds_hit"] / row_rounds if row_rounds else 0.0,
                    tokens_per_round_hit=m["tok_hit"] / m["rounds_hit"] if m["rounds_hit"] else 0.0,
                    tokens_per_round_miss=(m["tok_miss"] / m["rounds_miss"] if m["rounds_miss"]
                                           else 0.0),
@@ -216,8 +220,8 @@ def theory(m: Measured) -> dict:
     Returns those and ssd_pred (the paper's formula, c = 1), ssd_pred_c (with the measured c),
     sd_pred = E_SD / (1 + T_SD) (the paper's, c_SD = 1), sd_bound = (c_SD + T_SD) / c, SD's round
     over the ssd verifier's (the most SSD can gain over SD) and
-    b_star (fallback.critical_batch_size from the same p_hit, E_hit, T_p, with T_f ~ 0 and the
-    neural backup's time T_SD)."""
+    b_star (fallback.critical_batch_size from the same p_hit, E_hit, T_p, its default T_f and the
+    neural backup's time T_SD; in the verifier's rounds, c, the unit it takes)."""
     c_sd = m.sd_verify / m.T_ar if m.sd_verify else 1.0
     T_sd = m.sd_round / m.T_ar - c_sd if m.sd_round else None
     fb_rounds = m.neural_rounds + m.fast_rounds
@@ -236,7 +240,8 @@ def theory(m: Measured) -> dict:
             "sd_bound": (c_sd + T_sd) / c if T_sd is not None and c > 0 else None,
             "sd_pred": (predicted_sd_speedup(m.E_sd, T_sd)
                         if T_sd is not None and m.E_sd else None),
-            "b_star": critical_batch_size(m.p_hit, m.E_hit, T_p, m.E_f, None, T_sd)}
+            "b_star": critical_batch_size(m.p_hit, m.E_hit, T_p / c, m.E_f, None,
+                                          None if T_sd is None else T_sd / c)}
 
 
 def add_theory(rows):
@@ -255,7 +260,7 @@ def add_theory(rows):
         r["theory"] = theory(Measured(
             T_ar=ar["decode_seconds"] / ar["rounds"], rounds=r["rounds"],
             decode_s=r["decode_seconds"], wait_s=r["verifier_wait_seconds"],
-            busy_s=r["draft_busy_seconds"], p_hit=r["cache_hit_rate"],
+            busy_s=r["draft_busy_seconds"], p_hit=r["hit_share"],
             E_hit=r["tokens_per_round_hit"] or r["tokens_per_round"],
             E_miss=r["tokens_per_round_miss"], b=r["batch"],
             neural_rounds=fr.get("neural", 0), fast_rounds=fr.get("ngram", 0) + fr.get("random", 0),

@@ -43,6 +43,7 @@ Only loopback addresses are used; every request has a timeout and every loop a b
 import argparse
 import asyncio
 import json
+import math
 import os
 import random
 import shutil
@@ -79,8 +80,9 @@ def server_command(kind: str, a, port: int) -> list[str]:
 
 
 def percentile(xs, p):
+    """The nearest-rank p-th percentile: the smallest x with at least p% of xs at or below it."""
     xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(p / 100 * len(xs)))] if xs else float("nan")
+    return xs[min(len(xs), max(1, math.ceil(p / 100 * len(xs)))) - 1] if xs else float("nan")
 
 
 async def stream_one(client, url, body, timeout):

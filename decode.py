@@ -316,12 +316,14 @@ class Output:
             self.proposed += L
             self.trials += acceptance_trials(n_i, L)
             self.hist[n_i] += 1
-            if hit[i]:
-                self.tok_hit, self.rounds_hit = self.tok_hit + n_i + 1, self.rounds_hit + 1
-            else:
-                self.tok_miss, self.rounds_miss = self.tok_miss + n_i + 1, self.rounds_miss + 1
+            before = self.new_tokens
             if self.emit(r, x[:n_i] + [t_i]):
                 finished.append(r)
+            got = self.new_tokens - before  # n_i + 1, or fewer where max_new_tokens cut the row
+            if hit[i]:
+                self.tok_hit, self.rounds_hit = self.tok_hit + got, self.rounds_hit + 1
+            else:
+                self.tok_miss, self.rounds_miss = self.tok_miss + got, self.rounds_miss + 1
         return finished
 
     def stats(self, mode, prefill_s, decode_s):

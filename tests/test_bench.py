@@ -50,6 +50,21 @@ def test_theory_known_values():
     # fast backups cost nothing on the verifier's path and their rounds are not subtracted from busy
     t3 = theory(Measured(**{**vars(m), "neural_rounds": 0, "fast_rounds": 2}))
     assert t3["T_b"] == 0 and t3["T_p"] == pytest.approx(0.7)
+    # b* in the unit critical_batch_size takes, the verifier's round: T_p and T_SD over c
+    from fallback import critical_batch_size
+    assert t2["b_star"] == critical_batch_size(0.8, 3.0, 0.3, None, None, 0.25)
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_tokens_after_hits_and_misses_are_the_tokens_emitted(parallel):
+    """E_hit and E_miss (the theory's) are the tokens rounds emitted: a row's last round, cut at
+    max_new_tokens, counts what it kept, so hits' and misses' tokens add up to every token but
+    each row's first (the prefill's)."""
+    res = generate(["def add(a, b):", "class Stack:"], mode="ssd", k=4, max_new_tokens=7,
+                   temperature=1.0, ignore_eos=True, parallel=parallel, target_threads=1,
+                   draft_threads=1)
+    s = res.stats
+    assert sum(s["tokens_hit_miss"]) == s["new_tokens"] - s["batch"] == 12, s
 
 
 def test_defaults_are_run_generates():
@@ -243,6 +258,7 @@ def test_a_sweep_loads_the_target_once(tmp_path, monkeypatch, capsys):
     assert rc == 0
     rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["results"]
     assert len(rows) == 3 and all(r["new_tokens"] == 12 for r in rows)  # ar, sd k=2, sd k=3
+    assert [r["k"] for r in rows] == [0, 2, 3] and not any("K" in r for r in rows)  # one k a row
     assert loads.count(str(target)) == 1, loads  # 3 configurations x (1 + 2 x 2 batches) runs
 
 
@@ -258,7 +274,7 @@ def test_theory_terms_of_a_run_that_pre_speculates_nothing(tmp_path, capsys):
     assert rc == 0
     ssd = next(r for r in json.loads(capsys.readouterr().out.strip().splitlines()[-1])["results"]
                if r["engine"] == "ssd")
-    assert ssd["hits"] == ssd["misses"] == 0
+    assert ssd["hits"] == ssd["misses"] == 0 and ssd["hit_share"] == 0
     assert ssd["tokens_per_round_miss"] == pytest.approx(ssd["tokens_per_round"])
     assert ssd["theory"]["ssd_pred"] > 0 and ssd["skipped_pct"] == 100 and ssd["stopped_pct"] == 0
 

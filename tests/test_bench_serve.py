@@ -16,8 +16,9 @@ def test_summarise_counts_each_token_of_a_chunk_its_share_of_the_wait():
     s = bench_serve.summarise(0.0, results, count_tokens=len)
     assert s["tokens"] == 7
     assert s["output_tok_s"] == pytest.approx(7 / 0.6)
-    # TTFT: 0.1 and 0.3 s; ITL: 3 gaps of 0.1 s (0.3 / 3) and 2 of 0.1 s (0.2 / 2)
-    assert s["ttft_ms_p50"] == pytest.approx(300) and s["ttft_ms_p99"] == pytest.approx(300)
+    # TTFT: 0.1 and 0.3 s (nearest rank: p50 the first, p99 the second); ITL: 3 gaps of 0.1 s
+    # (0.3 / 3) and 2 of 0.1 s (0.2 / 2)
+    assert s["ttft_ms_p50"] == pytest.approx(100) and s["ttft_ms_p99"] == pytest.approx(300)
     assert s["itl_ms_p50"] == pytest.approx(100) and s["itl_ms_p99"] == pytest.approx(100)
     # A decodes 5 tokens after its first in 0.5 s; B has no second token
     assert s["decode_tok_s_median"] == pytest.approx(10)
@@ -195,3 +196,12 @@ def test_a_missing_tool_is_one_line_naming_its_install(tmp_path):
     assert "\n" not in str(e.value)
     with pytest.raises(SystemExit):
         bench_serve.parse_args(["--tool", "vegeta"])
+
+
+def test_percentiles_are_nearest_rank():
+    """p-th percentile: the smallest value with at least p% of the samples at or below it (a p99
+    of 100 samples is the 99th, not the worst)."""
+    assert bench_serve.percentile([10, 20], 50) == 10
+    assert bench_serve.percentile(list(range(1, 101)), 99) == 99
+    assert bench_serve.percentile([1, 2, 3, 4], 50) == 2
+    assert bench_serve.percentile([4, 1, 3], 100) == 4 and bench_serve.percentile([4, 1, 3], 0) == 1
