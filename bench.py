@@ -548,7 +548,9 @@ def main(argv=None):
             print_grid(rows)
         print(f"\nhardware: {hw['cpu']}, {hw['cores']} cores, torch {hw['torch']}, "
               f"device {hw['device']}; {a.cores} used; ssd threads target+draft = "
-              f"{'+'.join(map(str, split_cores(a.cores)))}")
+              f"{'+'.join(map(str, split_cores(a.cores)))}"
+              + (" (two processes need two cores: ssd used one more than its baselines)"
+                 if a.cores == 1 and "ssd" in a.modes else ""))
         if a.plot and not a.tune:
             plot(rows, a.plot)
     except (ValueError, FileNotFoundError, RuntimeError) as e:

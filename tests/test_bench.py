@@ -271,10 +271,12 @@ def test_theory_terms_of_a_run_that_pre_speculates_nothing(tmp_path, capsys):
     rc = bench.main(["--target", str(target), "--draft", str(draft), "--prompts", "1",
                      "--max-new-tokens", "8", "--repeats", "1", "--warmup", "0", "--cores", "1",
                      "--k", "2", "--modes", "ar,sd,ssd", "--pre-spec", "never"])
+    out = capsys.readouterr().out
     assert rc == 0
-    ssd = next(r for r in json.loads(capsys.readouterr().out.strip().splitlines()[-1])["results"]
+    ssd = next(r for r in json.loads(out.strip().splitlines()[-1])["results"]
                if r["engine"] == "ssd")
     assert ssd["hits"] == ssd["misses"] == 0 and ssd["hit_share"] == 0
+    assert "(two processes need two cores: ssd used one more than its baselines)" in out
     assert ssd["tokens_per_round_miss"] == pytest.approx(ssd["tokens_per_round"])
     assert ssd["theory"]["ssd_pred"] > 0 and ssd["skipped_pct"] == 100 and ssd["stopped_pct"] == 0
 
