@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from checkpoint import resolve
+from checkpoint import checkpoint_params, resolve
 from config import ModelConfig
 from devices import to_device, to_host
 from draft import Drafter
@@ -202,19 +202,9 @@ def head_for(target_cfg: ModelConfig, target_layers: list[int], token_ids: list[
 
 
 def state_dict_out(head: EagleHead) -> dict:
-    """The head's weights under EAGLE-3's checkpoint names: q/k/v and gate/up apart, d2t."""
-    out = {}
-    for name, p in head.state_dict().items():
-        if name.endswith("qkv_proj.weight"):
-            parent = head.midlayer.self_attn
-            parts = dict(zip(("q_proj", "k_proj", "v_proj"), p.split(parent.sizes)))
-        elif name.endswith("gate_up_proj.weight"):
-            parts = dict(zip(("gate_proj", "up_proj"), p.split(head.midlayer.mlp.inter)))
-        else:
-            out[name] = p
-            continue
-        prefix = name.rsplit(".", 2)[0]
-        out.update({f"{prefix}.{k}.weight": v for k, v in parts.items()})
+    """The head's weights under EAGLE-3's checkpoint names: q/k/v and gate/up (weights and biases)
+    apart, as checkpoint.checkpoint_params names a model's fused layers (views of them), and d2t."""
+    out = checkpoint_params(head)
     rows = torch.arange(len(head.token_of))
     out["d2t"] = (head.token_of.cpu() - rows).long()  # EAGLE-3: target id = row + d2t[row]
     return out
@@ -230,8 +220,8 @@ def save(head: EagleHead, out: Path, extra: dict | None = None, dtype=torch.bflo
            "layer_model_type": head.config.model_type, "target_layers": head.target_layers,
            "draft_vocab_size": len(head.token_of), **(extra or {})}
     (out / "config.json").write_text(json.dumps(cfg, indent=1) + "\n")
-    tensors = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous().cpu()
-               for k, v in state_dict_out(head).items()}
+    tensors = {k: v.detach().to("cpu", dtype if v.is_floating_point() else v.dtype, copy=True)
+               for k, v in state_dict_out(head).items()}  # copies: q/k/v are views of one tensor
     save_file(tensors, str(out / "model.safetensors"))
 
 
@@ -250,21 +240,16 @@ def load(path, device="cpu", dtype=torch.float32) -> EagleHead:
     sd = load_file(str(path / "model.safetensors"))
     token_ids = (torch.arange(len(sd["d2t"])) + sd.pop("d2t")).tolist()
     head = EagleHead(cfg, hf["target_layers"], token_ids)
-    fused = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
-    own = dict(head.named_parameters())
+    params = checkpoint_params(head)  # by EAGLE-3's names: q/k/v, gate/up views of the fused
     with torch.no_grad():
         for name, w in sd.items():
-            prefix, part, _ = name.rsplit(".", 2) if name.count(".") >= 2 else (None, None, None)
-            if part in fused:
-                attn = head.midlayer.self_attn
-                attn.qkv_proj.weight.split(attn.sizes)[fused[part]].copy_(w)
-            elif part in ("gate_proj", "up_proj"):
-                mlp = head.midlayer.mlp
-                mlp.gate_up_proj.weight.split(mlp.inter)[part == "up_proj"].copy_(w)
-            elif name in own:
-                own[name].copy_(w)
-            else:
+            if name not in params:
                 raise ValueError(f"{path}: unexpected tensor {name!r} in an EAGLE-3 head")
+            params[name].copy_(w)
+    missing = sorted(set(params) - set(sd))
+    if missing:
+        raise ValueError(f"{path}: the head's tensor {missing[0]!r} is missing"
+                         + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
     return head.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
@@ -306,13 +291,14 @@ class HeadCache(PagedKVCache):
     of p once the target has verified p (`pend`). Forks and copies on write carry g with K and V,
     so an SSD branch forked after j drafted tokens reads the head's own state there.
     pending: the target's g for positions past the cache's end (verified tokens not yet fed), per
-    sequence (first position, [n, H]); feeding those tokens reads them, and writes them to g."""
+    sequence (first position, its pieces [n_i, H] in order: an outcome adds one, a forward that
+    reads them joins them, `pending_g`); feeding those tokens reads them, and writes them to g."""
 
     def __init__(self, cfg, num_tokens: int, block_size: int, device, dtype):
         super().__init__(cfg, num_tokens, block_size, device, dtype)
         self.g = torch.zeros(self.num_blocks, block_size, cfg.hidden_size, device=device,
                              dtype=dtype)
-        self.pending: dict[int, tuple[int, torch.Tensor]] = {}
+        self.pending: dict[int, tuple[int, list[torch.Tensor]]] = {}
 
     def copy_block(self, dst: int, src: int, n: int):
         super().copy_block(dst, src, n)
@@ -328,21 +314,33 @@ class HeadCache(PagedKVCache):
         exist (the correction of what the head guessed there), kept for the rest."""
         here = max(0, min(len(g), self.length(sid) - start))
         self.g.view(-1, self.g.shape[-1])[self.slots(sid, start, here)] = g[:here]
-        first, rest = start + here, g[here:]
-        p0, before = self.pending.get(sid, (None, None))
-        if p0 is not None and p0 + len(before) == first:  # an earlier outcome's g, not fed yet,
-            first, rest = p0, torch.cat([before, rest])   # comes right before
-        if len(rest):
-            self.pending[sid] = (first, rest)
+        first, pieces = start + here, [g[here:]]
+        p0, before = self.pending.get(sid, (None, []))
+        if p0 is not None and p0 + sum(map(len, before)) == first:  # an earlier outcome's g, not
+            first, pieces = p0, before + pieces  # fed yet, comes right before (no copy: while the
+            # head does not run, a fast backup proposing, the run grows a piece a round)
+        if len(pieces[-1]) or len(pieces) > 1:
+            self.pending[sid] = (first, pieces)
         else:
             self.pending.pop(sid, None)
+
+    def pending_g(self, sid: int) -> tuple[int | None, torch.Tensor | None]:
+        """sid's pending run: (its first position, the target's g [n, H]), its pieces joined once;
+        (None, None) if none."""
+        if sid not in self.pending:
+            return None, None
+        first, pieces = self.pending[sid]
+        if len(pieces) > 1:
+            pieces = [torch.cat(pieces)]
+            self.pending[sid] = (first, pieces)
+        return first, pieces[0]
 
     def ready(self, sid: int, count: int) -> int:
         """How many of sid's next `count` tokens one forward can feed: each reads g of the position
         before, which is known for the first (its slot, or zero) and for the positions the target's
         pending g covers; past them a token reads the head's own output for the token before it,
         which the same forward has not made yet (a chain: one forward per token)."""
-        start, g = self.pending.get(sid, (None, ()))
+        start, g = self.pending_g(sid)
         return min(count, 1 + len(g)) if start == self.length(sid) else 1
 
     def g_before(self, sid: int, count: int):
@@ -351,19 +349,19 @@ class HeadCache(PagedKVCache):
         L = self.length(sid)
         first = (self.g.view(-1, self.g.shape[-1])[self.slots(sid, L - 1, 1)[0]] if L > 0
                  else self.g.new_zeros(self.g.shape[-1]))
-        return torch.cat([first[None], self.pending[sid][1][:count - 1]]) if count > 1 \
+        return torch.cat([first[None], self.pending_g(sid)[1][:count - 1]]) if count > 1 \
             else first[None]
 
     def wrote(self, sid: int, start: int, h):
         """Entries start.. of sid were computed with outputs h [n, H]: g there is h, or the
         pending target g where the target has verified those positions."""
         g, end = h, start + len(h)
-        p0, pend = self.pending.get(sid, (end, h[:0]))
-        if p0 < end:  # verified positions p0..: the target's g there, h elsewhere
+        p0, pend = self.pending_g(sid)
+        if p0 is not None and p0 < end:  # verified positions p0..: the target's g there, h else
             k = min(len(pend), end - p0)
             g = torch.cat([h[:p0 - start], pend[:k], h[p0 - start + k:]])
             if k < len(pend):
-                self.pending[sid] = (end, pend[k:])
+                self.pending[sid] = (end, [pend[k:]])
             else:
                 del self.pending[sid]
         self.g.view(-1, self.g.shape[-1])[self.slots(sid, start, len(h))] = g
@@ -479,8 +477,10 @@ class EagleSpeculator(Speculator):
     outcome arrives with the target's features, `correct` follows them: a miss's neural backup
     then drafts from the target's features, and a hit's proposals (drafted from the head's own
     states) stand, while its next pre-speculation re-feeds the round's tokens with the target's g
-    first (the paper's code calls this its glue step). correct_hits=False leaves a hit's own
-    states in place: one forward less a round, guesses ranked by laws drawn from its own states.
+    first (the paper's code calls this its glue step): one forward for the verified tokens, then
+    one for each of the hit's L proposals, whose entries each read the head's own output before
+    them. correct_hits=False leaves a hit's own states in place: one forward instead of those
+    1 + L, guesses ranked by laws drawn from its own states.
     A row pre-speculates once the target's features of its prompt have arrived (its first
     outcome, round 0, is always a miss)."""
     correct_hits = True

@@ -114,6 +114,34 @@ def test_save_load_round_trip(target, tmp_path):
         torch.testing.assert_close(sd[k], sd2[k])
 
 
+
+def test_a_head_with_biases_saves_and_loads_them_by_eagle3s_names(tmp_path):
+    """A Qwen2 target's head has q/k/v biases: saved apart as q_proj.bias, k_proj.bias and
+    v_proj.bias (EAGLE-3's names, as the weights), loaded back into the fused layer; a tensor
+    missing from the file is one line naming it."""
+    from conftest import make_checkpoint
+    from safetensors.torch import load_file, save_file
+    qwen2 = load_model(make_checkpoint(tmp_path / "t", "qwen2", num_hidden_layers=2),
+                       dtype="float32", tokenizer=False)[0]
+    head = random_head(qwen2, seed=4)
+    with torch.no_grad():
+        head.midlayer.self_attn.qkv_proj.bias.normal_()
+    eagle.save(head, tmp_path / "h", {"target": "x"}, dtype=torch.float32)
+    saved = load_file(str(tmp_path / "h" / "model.safetensors"))
+    sizes = head.midlayer.self_attn.sizes
+    for part, b in zip(("q_proj", "k_proj", "v_proj"),
+                       head.midlayer.self_attn.qkv_proj.bias.split(sizes)):
+        torch.testing.assert_close(saved[f"midlayer.self_attn.{part}.bias"], b)
+    assert not any("qkv_proj" in k or "gate_up_proj" in k for k in saved)
+    back = eagle.load(tmp_path / "h")
+    for k, v in head.state_dict().items():
+        torch.testing.assert_close(back.state_dict()[k], v)
+    del saved["midlayer.self_attn.k_proj.bias"]
+    save_file(saved, str(tmp_path / "h" / "model.safetensors"))
+    with pytest.raises(ValueError, match="the head's tensor 'midlayer.self_attn.k_proj.bias' is "
+                                         "missing"):
+        eagle.load(tmp_path / "h")
+
 def sd_with_head(target, head, prompts, K, max_new):
     """Greedy SD with an EAGLE head, the rounds as decode.sd_round runs them (the outcome and the
     target's features handed to the draft). -> each row's tokens."""
@@ -286,7 +314,8 @@ def test_outcomes_with_no_forward_between_keep_every_verified_features(target):
     spec.respond([0], torch.tensor([0]), torch.tensor([50]), features=[torch.randn(9, 3, H)])
     spec.respond([0], torch.tensor([2]), torch.tensor([51]), features=[torch.randn(3, 3, H)])
     seq, history = spec.rows[0].seq, spec.rows[0].history
-    start, g = spec.cache.pending[seq]
+    assert len(spec.cache.pending[seq][1]) == 2  # a piece an outcome, not yet joined
+    start, g = spec.cache.pending_g(seq)
     # the prompt, r, x_1, x_2: all but the bonus t, from the cache's end on
     assert start == spec.cache.length(seq) and start + len(g) == len(history) - 1 == 12
 
