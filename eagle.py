@@ -50,7 +50,7 @@ from config import ModelConfig
 from devices import to_device, to_host
 from draft import Drafter
 from kv_cache import PagedKVCache
-from model import Block, RMSNorm, rope_cos_sin, rope_inv_freq
+from model import PREFILL_CHUNK, Block, RMSNorm, rope_cos_sin, rope_inv_freq
 from quantize import QuantLinear, QuantRows, pack_layers, warm_up
 from speculator import Speculator
 
@@ -415,7 +415,8 @@ class EagleModel:
         parts, done = tokens.split(counts), [0] * len(seq_ids)
         h = [[] for _ in seq_ids]  # each sequence's outputs h', in pieces
         while live := [i for i, c in enumerate(counts) if done[i] < c]:
-            take = [cache.ready(seq_ids[i], counts[i] - done[i]) for i in live]
+            # at most a prefill chunk a row a forward (model.PREFILL_CHUNK: its attention mask)
+            take = [min(cache.ready(seq_ids[i], counts[i] - done[i]), PREFILL_CHUNK) for i in live]
             seqs = [seq_ids[i] for i in live]
             starts = [cache.length(s) for s in seqs]
             g = torch.cat([cache.g_before(s, k) for s, k in zip(seqs, take)])

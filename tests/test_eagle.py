@@ -320,6 +320,31 @@ def test_outcomes_with_no_forward_between_keep_every_verified_features(target):
     assert start == spec.cache.length(seq) and start + len(g) == len(history) - 1 == 12
 
 
+
+def test_a_long_catch_up_goes_in_prefill_chunks_with_the_same_laws(target, monkeypatch):
+    """A row's first forward feeds its whole prompt: at most model.PREFILL_CHUNK tokens a forward
+    (the attention mask of one forward grows with its square), the same laws as one forward."""
+    head = random_head(target)
+    H, prompt = target.config.hidden_size, list(range(5, 16))
+    g = head.fuse(torch.randn(len(prompt), 3, H))
+
+    def laws():
+        model = eagle.EagleModel(head)
+        cache = model.new_cache(256, 4)
+        seq = cache.new_seq()
+        cache.pend(seq, 0, g)
+        sizes = []
+        step = head.step
+        monkeypatch.setattr(head, "step", lambda c, x, *a: sizes.append(len(x)) or step(c, x, *a))
+        out = model.forward_cached(cache, [seq], prompt, [len(prompt)])
+        monkeypatch.undo()
+        return out, sizes
+    whole, one = laws()
+    monkeypatch.setattr(eagle, "PREFILL_CHUNK", 4)
+    chunked, pieces = laws()
+    assert one == [11] and pieces == [4, 4, 3]
+    torch.testing.assert_close(chunked, whole)
+
 def test_a_batch_that_empties_leaves_no_branches_to_the_next(target):
     """Every row leaves after a pre-speculation (a server between requests): its branches go with
     them, so the next batch's first round, which an EAGLE head never pre-speculates, is not taken
