@@ -57,7 +57,7 @@ from spec_policy import PRE_SPEC
 from fallback import POLICIES
 from quantize import QUANTS
 from spec_cache import FAN_OUTS
-from engine import default_devices, split_cores
+from engine import default_devices, one_line_warnings, split_cores
 from run import encode, generate, recorded_or
 from scripts.prompt_sets import heldout_code_prompts, heldout_prose_prompts, humaneval_prompts
 
@@ -516,6 +516,7 @@ def parse_args(argv):
 def main(argv=None):
     try:
         a = parse_args(argv)
+        one_line_warnings()
         # fail before the sweep, not after it
         if a.plot and importlib.util.find_spec("matplotlib") is None:
             raise ValueError("--plot needs matplotlib: pip install matplotlib")

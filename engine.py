@@ -490,3 +490,9 @@ def spin_seconds(cores, ranks, target_threads, draft_threads, target_device, dra
 def split_cores(cores: int) -> tuple[int, int]:
     """ssd on the CPU: (target threads, draft threads), the verifier taking the larger half."""
     return max(1, cores - cores // 2), max(1, cores // 2)
+
+
+def one_line_warnings():
+    """The command lines (run.py, serve.py, bench.py) show the engine's warnings as one line each,
+    as they show its errors, not with the file and line that warned."""
+    warnings.formatwarning = lambda message, *_, **__: f"warning: {message}\n"

@@ -28,7 +28,8 @@ from quantize import QUANTS
 from draft import DraftSettings, recorded_settings
 from spec_policy import PRE_SPEC
 from engine import (LOADING, Engine, EngineConfig, Started, build_engine, default_devices,
-                    kv_sizes, load_target, refuse_target_devices, threads_of)
+                    kv_sizes, load_target, one_line_warnings, refuse_target_devices,
+                    threads_of)
 from fallback import POLICIES
 from model import Transformer
 from scheduler import Request
@@ -550,6 +551,7 @@ def interrupt(signum, frame):
 
 def main(argv=None):
     a = parser().parse_args(argv)
+    one_line_warnings()
     if threading.current_thread() is threading.main_thread():  # only it may set a handler
         signal.signal(signal.SIGTERM, interrupt)
     tokenizer = None

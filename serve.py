@@ -49,7 +49,7 @@ import uuid
 
 import metrics
 import run
-from engine import SERVE_KV_TOKENS, Engine, EngineConfig, load_engine
+from engine import SERVE_KV_TOKENS, Engine, EngineConfig, load_engine, one_line_warnings
 from scheduler import Request
 
 try:
@@ -556,6 +556,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
 
 def main(argv=None):
     a = parser().parse_args(argv)
+    one_line_warnings()
     try:
         engine = load_engine(engine_config(a), a.max_batch)
         try:  # every request's default max_tokens: within the context

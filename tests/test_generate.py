@@ -685,3 +685,18 @@ def test_more_threads_than_cores_is_a_warning(ckpts):
                                          r"the cores take turns.*--target-threads"):
         generate([PROMPTS[0]], target=ckpts["target"], mode="ar", max_new_tokens=2,
                  target_threads=(os.cpu_count() or 1) + 1)
+
+
+def test_the_cli_shows_a_warning_as_one_line():
+    """run.py shows the engine's warnings as it shows its errors: 'warning: ...', one line, not
+    the file and line of the call that warned."""
+    import os
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "run.py", "--mode", "ar", "--max-new-tokens", "2",
+                          "--target-threads", str((os.cpu_count() or 1) + 1), "--json"],
+                         cwd=Path(run.__file__).parent, capture_output=True, text=True,
+                         timeout=120)
+    lines = [ln for ln in out.stderr.splitlines() if "threads past the cores" in ln]
+    assert out.returncode == 0 and len(lines) == 1 and lines[0].startswith("warning: ") \
+        and "UserWarning" not in out.stderr, out.stderr
