@@ -345,8 +345,10 @@ def build_engine(cfg: EngineConfig, loaded: Loaded, kv_tokens: int, draft_kv: in
     warm_up(model, [1, *rows])  # quantized layers' compiled products (quantize.py)
     settings = dict(temperature=cfg.temperature, seed=cfg.seed, kv_tokens=kv_tokens,
                     block_size=cfg.block_size, prefix_caching=cfg.prefix_caching)
+    # a model the caller loaded keeps one pool for its runs one after another (its graphs stay
+    # captured); a server's engine runs beside others, so it owns its pool
     verifier = (TPVerifier(model, settings, started.workers) if started.workers
-                else Verifier(model, **settings, reuse_cache=model is cfg.target))
+                else Verifier(model, **settings, reuse_cache=model is cfg.target and not forget))
     dcfg = DraftConfig(cfg.draft, where.draft_device, where.draft_dtype, cfg.spec,
                        cfg.mode == "ssd", cfg.temperature, cfg.seed + 1, draft_kv, cfg.block_size,
                        cfg.graphs, model.config.vocab_size,  # a draft padded to another size

@@ -72,7 +72,7 @@ class KVBudget:
         return None
 
 
-@dataclass
+@dataclass(eq=False)  # a request is itself (cancel finds it in the queue), not its fields
 class Request:
     """One prompt to continue. The callbacks run in the engine's thread."""
     prompt: list[int]

@@ -322,3 +322,24 @@ def test_a_request_submitted_after_the_engine_went_down_ends_with_its_error():
     late = s.submit(Request(list(range(13)), 2, on_done=ended.append))
     assert [r.finish_reason for r in ended] == ["error", "error"] and late in ended
     assert late.error == "the speculator died" and s.queue_length() == 0
+
+
+def test_two_servers_on_one_loaded_model_keep_their_own_caches(tiny):
+    """A server's engine owns its KV pool: a second one built on the same loaded model neither
+    empties the first one's cache (its rows went on, then failed on a freed sequence) nor takes
+    its size."""
+    model, prompts, _, ref = tiny
+    a = engine(model, "sd")
+    b = None
+    try:
+        req = a.scheduler.submit(Request(prompts[0], NEW))
+        a.scheduler.step()
+        b = engine(model, "sd")
+        assert b.scheduler.rounds.verifier.cache is not a.scheduler.rounds.verifier.cache
+        while a.scheduler.running or a.scheduler.waiting:
+            a.scheduler.step()
+        assert req.finish_reason == "length" and req.tokens == ref[0]
+    finally:
+        a.started.stop()
+        if b is not None:
+            b.started.stop()
