@@ -28,8 +28,7 @@ from quantize import QUANTS
 from draft import DraftSettings, recorded_settings
 from spec_policy import PRE_SPEC
 from engine import (LOADING, Engine, EngineConfig, Started, build_engine, default_devices,
-                    kv_sizes, load_target, one_line_warnings, refuse_target_devices,
-                    threads_of)
+                    kv_sizes, load_target, one_line_warnings, refuse_target_devices, threads_of)
 from fallback import POLICIES
 from model import Transformer
 from scheduler import Request
@@ -500,17 +499,19 @@ def text_printer(tokenizer):
 def print_stats(s: dict):
     """The run's speed and acceptance, one row each, after the text."""
     print("\n")
-    rows = [("mode", s["mode"]), ("new tokens", s["new_tokens"]),
-            ("prefill s", f"{s['prefill_seconds']:.3f}"),
-            ("decode tok/s", f"{s['decode_tok_s']:.1f}"), ("rounds", s["rounds"]),
-            ("tokens/round", f"{s['mean_tokens_per_round']:.2f}"),
-            ("acceptance a", f"{s['acceptance']:.2f} (accepted / proposed "
-                             f"{s['accepted_per_proposed']:.2f})")]
+    rows = [("mode", s["mode"]), ("new tokens", s["new_tokens"]), ("prefill s",
+            f"{s['prefill_seconds']:.3f}"), ("decode tok/s", f"{s['decode_tok_s']:.1f}"),
+            ("rounds", s["rounds"]), ("tokens/round", f"{s['mean_tokens_per_round']:.2f}")]
+    if s["mode"] != "ar":  # the draft's settings (its recorded ones unless a flag gave them)
+        rows += [("K, confidence", f"{s['k']}, {s['confidence']}"),
+                 ("acceptance a", f"{s['acceptance']:.2f} (accepted / proposed "
+                                  f"{s['accepted_per_proposed']:.2f})")]
     if s["capture_seconds"] > 0:  # CUDA graph captures, compiles (--compile): not decoding
         rows.insert(3, ("set-up s", f"{s['capture_seconds']:.1f} (captures, compiles)"))
     if s["mode"] == "ssd":
+        b_star = "none: neural at any batch" if s["b_star"] is None else s["b_star"]
         rows += [("cache hit rate", f"{s['cache_hit_rate']:.2f}"),
-                 ("fallback", f"{s['fallback']} (b*={s['b_star']})"),
+                 ("fallback", f"{s['fallback']} (b* {b_star})"),
                  ("mean budget B", f"{s['mean_budget']:.1f}"),
                  ("pre-spec stopped", f"{s['pre_speculation_stopped']} rounds"),
                  ("pre-spec skipped", f"{s['pre_speculation_skipped']} rounds"),
