@@ -86,7 +86,8 @@ def summarize(cfg, runs):
     settings = asdict(cfg)
     spec = settings.pop("spec")  # its fields as the row's own: k (0 without a draft), fan_out, ...
     K = spec.pop("K")  # the draft's; an engine without one reports k = 0 (and no K)
-    row = {**settings, "k": K if cfg.engine in ("sd", "ssd", "hf-assisted") else 0, **spec, "runs_tok_s": speeds, "decode_tok_s": tok_s,
+    row = {**settings, "k": K if cfg.engine in ("sd", "ssd", "hf-assisted") else 0, **spec,
+           "runs_tok_s": speeds, "decode_tok_s": tok_s,
            "tokens": m.get("tokens"),  # this engine's (add_agreement reads, then drops them)
            "decode_tok_s_per_seq": tok_s / cfg.batch, "decode_seconds": m["decode_s"],
            "prefill_seconds": m["prefill_s"], "new_tokens": m["new"]}

@@ -110,8 +110,8 @@ class PagedKVCache:
                 raise
             gib = math.prod(shape) * dtype.itemsize / 2**30
             raise ValueError(f"a KV cache of {num_tokens} tokens ({gib:.1f} GiB) does not fit on "
-                             f"{device}: give fewer --kv-tokens, or with SSD a smaller --budget (the "
-                             f"draft's cache holds B branches a row)") from None
+                             f"{device}: give fewer --kv-tokens, or with SSD a smaller --budget "
+                             f"(the draft's cache holds B branches a row)") from None
         # a float32 pool on a CPU is attended by cpu_kernels.cpp's op where it runs
         self.cpu_kernel = (self.kv.device.type == "cpu" and dtype == torch.float32
                            and cpu_kernels.available())

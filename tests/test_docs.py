@@ -318,8 +318,7 @@ def test_documented_default_modes():
     gen = inspect.signature(run.generate).parameters["mode"].default
     cli = run.parser().get_default("mode")
     readme = README.read_text(encoding="utf-8")
-    assert (f"From Python (`generate()`'s mode defaults to `\"{gen}\"`, the command line's `--mode` "
-            f"to `{cli}`)") in readme
+    assert (f"(`generate()`'s mode defaults to `\"{gen}\"`, run.py's to `{cli}`)") in readme
     assert f"default \"{gen}\", while the command line's --mode defaults to \"{cli}\"" in \
         flat(run.generate.__doc__)
     # a bare `python run.py` line's comment names the mode it runs
