@@ -6,10 +6,9 @@ speculative decoding (ssd): the `generate()` API and the command line.
     python run.py --target llama-70b --draft llama-1b --chat --prompt "Write a haiku"
     python run.py --mode auto                       # measures ar, sd and ssd here, runs the fastest
 
-generate() checks the request, has engine.py place the models (devices, dtypes, CPU threads,
-tensor-parallel ranks), load them and wire the engine, and runs its prompts as a static batch of
-decode.py's rounds: where the algorithm is. In `ssd` mode the speculator runs in a second process
-(channel.py) unless parallel=False.
+generate() checks the request, has engine.py place and load the models and wire the engine, and
+runs its prompts as a static batch of decode.py's rounds, where the algorithm is. In `ssd` mode the
+speculator runs in a second process (channel.py) unless parallel=False.
 """
 import argparse
 import json
@@ -225,13 +224,10 @@ def check_request(prompts, max_new_tokens) -> list:
 def row_stream(stream, row):
     """generate()'s stream(row, tokens) as one request's on_tokens; what it returns is dropped (a
     true on_tokens would end the row as a server's stop string does)."""
-    if stream is None:
-        return None
-
     def on_tokens(tokens) -> bool:
         stream(row, tokens)
         return False
-    return on_tokens
+    return None if stream is None else on_tokens
 
 
 def run_static(engine: Engine, requests: list[Request]) -> dict:
@@ -260,8 +256,7 @@ def check_prompts(ids, cfg, max_new_tokens, K):
                              f"shorten the prompt or max_new_tokens")
         bad = [x for x in p if not 0 <= x < cfg.vocab_size]
         if bad:
-            raise ValueError(f"prompt token id {bad[0]} outside the vocabulary of size "
-                             f"{cfg.vocab_size}")
+            raise ValueError(f"prompt token id {bad[0]} outside the vocabulary ({cfg.vocab_size})")
 
 
 def encode(tokenizer, prompt, chat):
@@ -270,6 +265,8 @@ def encode(tokenizer, prompt, chat):
     if tokenizer is None:
         raise ValueError("this checkpoint has no tokenizer: pass prompts as lists of token ids")
     if chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template: leave --chat out")
         return list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
                                                   add_generation_prompt=True, tokenize=True,
                                                   return_dict=False))
@@ -437,6 +434,8 @@ def add_output_options(g):
 
 def generate_kwargs(a: argparse.Namespace) -> dict:
     """generate()'s arguments from the command line's (the prompt, stream and tokenizer aside)."""
+    if a.temperature < 0:  # (the rest is checked where generate() checks it)
+        raise ValueError(f"--temperature {a.temperature} must be >= 0")
     recorded, recorded_quant = recorded_settings(a.draft)
     spec = settings_of(None, recorded, K=a.k, confidence=a.confidence,
                        fan_out=parse_fan_out(a.fan_out) if a.fan_out else None, budget=a.budget,
@@ -561,6 +560,7 @@ def main(argv=None):
         if env and env.rank > 0:  # run.py under torchrun, rank 1..: serve rank 0
             serve_rank(a, env)
             return 0
+        kw = generate_kwargs(a)  # the flags checked before anything loads
         if env:
             print(f"run.py: rank 0 of a torchrun world of {env.world} ranks on {env.nodes} "
                   f"node(s): the target runs tensor parallel across all of them", file=sys.stderr)
@@ -573,8 +573,8 @@ def main(argv=None):
             # a chat answer starts on its own line; a plain prompt is continued where it ends
             sys.stdout.write(a.prompt + ("\n\n" if a.chat else ""))
         printer = text_printer(tokenizer)
-        res = generate([a.prompt], **generate_kwargs(a), chat=a.chat, stream=printer,
-                       tokenizer=tokenizer, torchrun=env is not None)
+        res = generate([a.prompt], **kw, chat=a.chat, stream=printer, tokenizer=tokenizer,
+                       torchrun=env is not None)
         printer(0, res.tokens[0], done=True)
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)

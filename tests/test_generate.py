@@ -700,3 +700,18 @@ def test_the_cli_shows_a_warning_as_one_line():
     lines = [ln for ln in out.stderr.splitlines() if "threads past the cores" in ln]
     assert out.returncode == 0 and len(lines) == 1 and lines[0].startswith("warning: ") \
         and "UserWarning" not in out.stderr, out.stderr
+
+
+def test_the_cli_refuses_bad_flags_before_loading(monkeypatch, capsys):
+    """--k 0 and a negative --temperature are one line before the tokenizer or a model loads (the
+    prompt not yet printed); --chat with a model that has no chat template is one line too."""
+    monkeypatch.setattr(run, "load_tokenizer", lambda *a: pytest.fail("loaded the tokenizer"))
+    for flags, said in ((["--k", "0"], "k=0 is impossible"),
+                        (["--temperature", "-1"], "--temperature -1.0 must be >= 0")):
+        assert run.main(flags) == 1
+        out, err = capsys.readouterr()
+        assert out == "" and err.strip().splitlines()[-1] == f"error: {said}" + (
+            ": use 1 <= k <= 64 draft tokens per round" if "k=0" in said else ""), err
+    with pytest.raises(ValueError, match="this model's tokenizer has no chat template: leave "
+                                         "--chat out"):
+        generate(["def f():"], mode="ar", chat=True, max_new_tokens=2)
