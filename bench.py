@@ -50,7 +50,7 @@ from tqdm import tqdm
 from bench_report import (add_agreement, add_counters, add_speedups, add_theory, counters,
                           hardware, plot, print_grid, print_tables, summarize)
 from bench_peers import HF, llama_cpp_problem, llama_cpp_run
-from checkpoint import load_config, load_model, load_tokenizer
+from checkpoint import load_config, load_model, load_tokenizer, resolve
 from devices import DTYPES
 from draft import DraftSettings, recorded_settings
 from spec_policy import PRE_SPEC
@@ -471,7 +471,7 @@ def check_args(a):
                               ("--budget", a.budget, 1), ("--prompts", [a.prompts], 1),
                               ("--repeats", [a.repeats], 1), ("--cores", [a.cores], 1),
                               ("--max-new-tokens", [a.max_new_tokens], 2),
-                              ("--warmup", [a.warmup], 0)):
+                              ("--warmup", [a.warmup], 0), ("--temperatures", a.temperatures, 0)):
         if min(values) < low:
             raise ValueError(f"{flag} must be >= {low}")
 
@@ -520,6 +520,8 @@ def main(argv=None):
         # fail before the sweep, not after it
         if a.plot and importlib.util.find_spec("matplotlib") is None:
             raise ValueError("--plot needs matplotlib: pip install matplotlib")
+        if a.modes is None or set(a.modes) & {"sd", "ssd", "hf-assisted"}:
+            resolve(a.draft)  # a draft that is not there, not after the sweep ran the others
         texts = (file_prompts(a.prompt_file, a.prompts) if a.prompt_file
                  else PROMPT_SETS[a.prompt_set](a.prompts))
         if a.prompt_file:

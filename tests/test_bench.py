@@ -313,3 +313,14 @@ def test_a_bad_count_names_its_flag_and_ctrl_c_is_one_line(monkeypatch, capsys):
         raise KeyboardInterrupt
     monkeypatch.setattr(bench, "parse_args", interrupted)
     assert bench.main([]) == 130 and capsys.readouterr().err.strip() == "interrupted"
+
+
+@pytest.mark.parametrize("flags,said", [
+    (["--temperatures", "0,-1"], "error: --temperatures must be >= 0"),
+    (["--draft", "no/such/dir/draft", "--modes", "ar,sd"], "error: model 'no/such/dir/draft' not found")])
+def test_a_bad_temperature_or_a_missing_draft_fails_before_the_sweep(flags, said, monkeypatch,
+                                                                    capsys):
+    """Refused before any engine runs (they were found after the sweep had run the others)."""
+    monkeypatch.setattr(bench, "measure", lambda *a, **k: pytest.fail("the sweep ran"))
+    assert bench.main([*flags, "--prompts", "1", "--max-new-tokens", "4"]) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(said)
