@@ -81,6 +81,8 @@ def file_prompts(path, n=None):
     """One prompt per line, or JSONL with a "prompt" field per line."""
     try:
         lines = [x for x in Path(path).read_text().splitlines() if x.strip()]
+    except FileNotFoundError:
+        raise ValueError(f"--prompt-file {path} does not exist: give a file of prompts") from None
     except (IsADirectoryError, UnicodeDecodeError) as e:
         raise ValueError(f"--prompt-file {path} is not a text file ({type(e).__name__}): give "
                          f"one prompt per line, or JSONL with a 'prompt' field") from None

@@ -91,10 +91,10 @@ class ModelConfig:
 
     def check_tp(self, world: int):
         if world not in self.tp_sizes():
-            raise ValueError(f"tensor parallel size {world} does not divide num_attention_heads="
-                             f"{self.num_attention_heads} and num_key_value_heads="
-                             f"{self.num_key_value_heads} (with intermediate_size="
-                             f"{self.intermediate_size}, vocab_size={self.vocab_size}): valid TP "
+            raise ValueError(f"tensor parallel size {world} must divide each of "
+                             f"num_attention_heads={self.num_attention_heads}, num_key_value_heads="
+                             f"{self.num_key_value_heads}, intermediate_size="
+                             f"{self.intermediate_size} and vocab_size={self.vocab_size}: valid TP "
                              f"sizes are {', '.join(map(str, self.tp_sizes()))}")
 
     @classmethod

@@ -176,6 +176,8 @@ def test_prompt_file(tmp_path):
     for path in (g, tmp_path):  # not UTF-8 text; a folder
         with pytest.raises(ValueError, match="is not a text file"):
             bench.file_prompts(path)
+    with pytest.raises(ValueError, match="nope.jsonl does not exist: give a file of prompts"):
+        bench.file_prompts(tmp_path / "nope.jsonl")
 
 
 def test_humaneval_prompt_set():

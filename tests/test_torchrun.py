@@ -299,8 +299,8 @@ def test_world_the_heads_cannot_divide_is_refused_before_loading(tmp_path, start
     assert [p.returncode for p in nodes.procs] == [1, 1]
     for e in err:  # each rank refuses by itself, in one line
         errors = [x for x in e.splitlines() if x.startswith("error: ")]
-        assert errors == ["error: tensor parallel size 2 does not divide num_attention_heads=3 and "
-                          "num_key_value_heads=3 (with intermediate_size=96, vocab_size=96): valid "
+        assert errors == ["error: tensor parallel size 2 must divide each of num_attention_heads=3, "
+                          "num_key_value_heads=3, intermediate_size=96 and vocab_size=96: valid "
                           "TP sizes are 1, 3"], e
     assert not nodes.out[0] and not nodes.out[1]
     assert nodes.all_gone()

@@ -172,7 +172,7 @@ def test_non_dividing_split_is_refused(ckpts):
     msg = str(e.value)
     assert "\n" not in msg and "num_attention_heads=4" in msg and "num_key_value_heads=2" in msg
     assert msg.endswith("valid TP sizes are 1, 2")
-    with pytest.raises(ValueError, match="tensor parallel size 4 does not divide"):  # refused before any spawn
+    with pytest.raises(ValueError, match="tensor parallel size 4 must divide each of"):  # refused before any spawn
         generate([[1, 2, 3]], target=ckpts["llama"], mode="ar", max_new_tokens=2, target_devices=["cpu"] * 4)
     assert not mp.active_children()
     with torch.device("meta"):  # 2 divides everything: accepted
