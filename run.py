@@ -192,8 +192,8 @@ def settings_of(given: DraftSettings | None, recorded: dict, **fields) -> DraftS
         raise ValueError(f"fan_out={list(F)} makes B = {sum(F)} branches and budget={B} was given "
                          f"too: an explicit fan-out is its own budget, leave --budget out")
     if given is not None and fields:
-        raise ValueError(f"draft_settings and {', '.join(fields)} given together: put "
-                         f"{'them' if len(fields) > 1 else 'it'} in draft_settings")
+        raise ValueError(f"draft_settings and {', '.join(f.lower() for f in fields)} given "
+                         f"together: put {'them' if len(fields) > 1 else 'it'} in draft_settings")
     return given if given is not None else DraftSettings(**{**recorded, **fields})
 
 

@@ -715,3 +715,13 @@ def test_the_cli_refuses_bad_flags_before_loading(monkeypatch, capsys):
     with pytest.raises(ValueError, match="this model's tokenizer has no chat template: leave "
                                          "--chat out"):
         generate(["def f():"], mode="ar", chat=True, max_new_tokens=2)
+
+
+def test_draft_settings_and_a_field_together_are_refused_by_the_names_given():
+    from draft import DraftSettings
+    """generate(k=..., draft_settings=...): one would silently win; the refusal names k as the
+    caller typed it (DraftSettings calls it K)."""
+    with pytest.raises(ValueError, match=r"^draft_settings and k, confidence given together: put "
+                                         r"them in draft_settings$"):
+        generate(["def f():"], k=3, confidence=0.2, draft_settings=DraftSettings(),
+                 max_new_tokens=2)
