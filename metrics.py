@@ -7,7 +7,8 @@ clock, told of its tokens in the engine's thread, and adds to `RequestStats`. Pl
 engine needs no Prometheus library; tests/test_serve.py reads the output with prometheus_client's
 parser.
 
-The names are vLLM's (`vllm:` -> `ssd_`) where vLLM has the metric, units in the name:
+The names are vLLM's (`vllm:` -> `ssd_`) where vLLM has the metric, units in the name; requests
+by how they ended are not its request_success_total (stop, length, abort), as they count errors:
 
     ssd_requests_total                      counter    requests queued
     ssd_requests_finished_total             counter    requests ended, by finished_reason
