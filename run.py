@@ -479,9 +479,8 @@ class Detokenizer:
 
 
 def text_printer(tokenizer):
-    """A generate() stream that prints the first prompt's decoded text as it is accepted (nothing
-    without a tokenizer); called once more with the answer and done=True, it prints the end of a
-    character the detokenizer held back."""
+    """A generate() stream printing the first prompt's text as it is accepted (nothing without a
+    tokenizer); called again with the answer and done=True, it prints a held-back character."""
     detok, printed = Detokenizer(tokenizer), 0
 
     def stream(row, tokens, done=False):
@@ -498,9 +497,10 @@ def text_printer(tokenizer):
 def print_stats(s: dict):
     """The run's speed and acceptance, one row each, after the text."""
     print("\n")
-    rows = [("mode", s["mode"]), ("new tokens", s["new_tokens"]), ("prefill s",
-            f"{s['prefill_seconds']:.3f}"), ("decode tok/s", f"{s['decode_tok_s']:.1f}"),
-            ("rounds", s["rounds"]), ("tokens/round", f"{s['mean_tokens_per_round']:.2f}")]
+    rows = [("mode", s["mode"]), ("new tokens", s["new_tokens"]),
+            ("prefill s", f"{s['prefill_seconds']:.3f}"),
+            ("decode tok/s", f"{s['decode_tok_s']:.1f}"), ("rounds", s["rounds"]),
+            ("tokens/round", f"{s['mean_tokens_per_round']:.2f}")]
     if s["mode"] != "ar":  # the draft's settings (its recorded ones unless a flag gave them)
         rows += [("K, confidence", f"{s['k']}, {s['confidence']}"),
                  ("acceptance a", f"{s['acceptance']:.2f} (accepted / proposed "

@@ -421,7 +421,7 @@ def make_app(engine: Engine, model_id: str, defaults, state: dict, api_key=None)
     app.exception_handler(HTTPException)(http_error)
     app.add_middleware(CatchAll)
     schema = openapi_schema(app, {"/v1/completions": CompletionRequest,
-                            "/v1/chat/completions": ChatRequest})
+                                  "/v1/chat/completions": ChatRequest})
     app.openapi = lambda: schema  # (FastAPI's own would make it again, without the bodies)
     return app
 
