@@ -192,8 +192,8 @@ def start_child(target, args) -> mp.Process:
        parent's __main__ in the child; a script or notebook cell without
        `if __name__ == "__main__":` would then call generate() again, inside the child. The child
        needs only this project's modules (which `target`'s pickle names), so __main__'s file is
-       hidden while the child starts, unless `target` itself lives in __main__ (run.py or bench.py
-       run as scripts, whose top level is guarded).
+       hidden while the child starts, unless `target` itself lives in __main__ (a script that
+       defines its child's function, as scripts/contention.py does, and guards its top level).
     2. The child ignores Ctrl-C from its first instruction (a Python started with SIGINT ignored
        keeps it so): the terminal's Ctrl-C reaches every process, but only this one decides how to
        stop, and a child interrupted while still importing torch would print a traceback. Only the
