@@ -117,6 +117,31 @@ def test_cited_design_sections_exist():
     assert not bad, f"cited sections missing from docs/design.md (it has {sorted(sections)}): {bad}"
 
 
+# a commit named in the docs ("the engine of commit 248780e", "engine 6cca6c7"): 7-12 hex digits
+COMMIT = re.compile(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,12}\b")
+
+
+def test_cited_commits_exist():
+    """Every commit the docs name is in the history, so a reader can check out what was measured
+    (a hash from before a rebase or an amend names nothing). Skipped in a shallow clone."""
+    git = ["git", "-C", str(REPO)]
+    try:
+        shallow = subprocess.run([*git, "rev-parse", "--is-shallow-repository"],
+                                 capture_output=True, text=True, timeout=30)
+    except FileNotFoundError:
+        pytest.skip("no git")
+    if shallow.returncode or shallow.stdout.strip() != "false":
+        pytest.skip("not a full clone")
+    cited = {h for f in repo_files("*.md", "*.txt")
+             for h in COMMIT.findall(f.read_text(encoding="utf-8", errors="replace"))}
+    assert len(cited) > 20, cited  # the docs name dozens of engines they measured
+    check = subprocess.run([*git, "cat-file", "--batch-check"], capture_output=True, text=True,
+                           input="".join(f"{h}^{{commit}}\n" for h in sorted(cited)), timeout=60)
+    missing = sorted(line.split()[0].removesuffix("^{commit}")
+                     for line in check.stdout.splitlines() if line.endswith("missing"))
+    assert not missing, f"the docs name commits that are not in the history: {missing}"
+
+
 def test_engine_lines_fit_100_columns():
     """The engine's files (the top-level *.py and *.cpp) are read side by side: no line over 100
     columns."""
