@@ -1250,4 +1250,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except ValueError as e:  # bad input, some found only once the target or work dir is read
+        sys.exit(f"error: {e}")

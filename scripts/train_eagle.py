@@ -4,8 +4,9 @@
         --work-dir ~/.cache/ssd-eagle/data --prompts 4000 \\
         --prompt-source templates:0.4,self:0.3,code:0.3 --template-set 0 --greedy-share 1
 
-Stages, each resumable from --work-dir (run the same command again after a kill; nothing done is
-redone):
+Stages, each resumable from --work-dir (run the same command again after a kill: the answers and
+features made are read back, training goes on from its last save, at most --save-every-s ago; Ctrl-C
+saves first):
 
   1. data      the target's answers to chat, self-written and code prompts, and the held-out sets
                (chat, self, HumanEval), made by scripts/distill_draft.py's own stages: every flag
@@ -36,7 +37,9 @@ import hashlib
 import json
 import os
 import random
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -60,28 +63,36 @@ def parse_args(argv=None):
     ap.add_argument("--target", required=True, help="any model run.py loads (alias, dir, GGUF)")
     ap.add_argument("--out", required=True, help="the head's directory")
     ap.add_argument("--work-dir", required=True, help="resumable state, shared with distill_draft")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--device", default="cpu", help="where the target and the head run: %(default)s")
+    ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
     ap.add_argument("--layers", type=dd.int_list, default=None,
                     help="the three target layers fused (default: eagle.default_layers)")
-    ap.add_argument("--vocab", type=int, default=8192, help="rows of the head's vocabulary")
-    ap.add_argument("--ttt", type=int, default=4, help="training-time test steps")
-    ap.add_argument("--steps", type=int, default=2000)
-    ap.add_argument("--batch-tokens", type=int, default=4096)
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--warmup", type=int, default=50)
-    ap.add_argument("--eval-every", type=int, default=200)
-    ap.add_argument("--eval-k", type=int, default=4)
-    ap.add_argument("--save-every-s", type=float, default=120)
+    ap.add_argument("--vocab", type=int, default=8192,
+                    help="rows of the head's vocabulary (at most the target's): %(default)s")
+    ap.add_argument("--ttt", type=int, default=4, help="training-time test steps: %(default)s")
+    ap.add_argument("--steps", type=int, default=2000, help="optimizer steps in all: %(default)s")
+    ap.add_argument("--batch-tokens", type=int, default=4096, help="tokens a batch: %(default)s")
+    ap.add_argument("--lr", type=float, default=1e-3,
+                    help="peak learning rate (cosine decay): %(default)s")
+    ap.add_argument("--warmup", type=int, default=50, help="steps of linear warm-up: %(default)s")
+    ap.add_argument("--eval-every", type=int, default=200,
+                    help="steps between evaluations: %(default)s")
+    ap.add_argument("--eval-k", type=int, default=4, help="K of the simulated SD: %(default)s")
+    ap.add_argument("--save-every-s", type=float, default=120,
+                    help="seconds between saves: %(default)s")
     ap.add_argument("--bf16", action="store_true",
                     help="bf16 autocast (fast on a GPU; on the 2-core EPYC its backward took 25x "
                          "float32's, so float32 is the default)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0,
+                    help="the head's initialisation and the batches' order: %(default)s")
     args, data_argv = ap.parse_known_args(argv)
     if args.ttt < 1 or args.eval_k < 1:
         ap.error("--ttt and --eval-k: give at least 1")
-    dd.check_counts(ap, args, positive=("threads", "vocab", "batch_tokens", "lr", "eval_every",
-                                        "save_every_s"), at_least_0=("steps", "warmup"))
+    if args.layers is not None and len(args.layers) != 3:
+        ap.error(f"--layers {','.join(map(str, args.layers))}: an EAGLE-3 head fuses three "
+                 "layers of the target")
+    dd.check_counts(ap, args, positive=("threads", "vocab", "steps", "batch_tokens", "lr",
+                                        "eval_every", "save_every_s"), at_least_0=("warmup",))
     return args, data_argv
 
 
@@ -253,12 +264,28 @@ def new_head(target, layers: list[int], token_ids: list[int], seed: int):
     return head
 
 
-def train(head, train_ex, heldout, args, work: Path, out: Path, info: dict) -> int:
+def resumed_state(path: Path, layers: list[int], args) -> dict | None:
+    """The training state a kill left in the work dir, checked against this command before any
+    data work: a head trained on other layers, rows or training-time test steps is not resumed as
+    this one (states saved before these were recorded are taken as they are)."""
+    if not path.exists():
+        return None
+    st = torch.load(path, map_location=args.device)
+    for name, value in (("layers", layers), ("vocab", args.vocab), ("ttt", args.ttt)):
+        if name in st and st[name] != value:
+            was = ",".join(map(str, st[name])) if name == "layers" else st[name]
+            raise ValueError(f"{path} holds a head trained with --{name} {was}: give another "
+                             f"--work-dir, or --{name} {was}")
+    return st
+
+
+def train(head, train_ex, heldout, args, work: Path, out: Path, info: dict, st, stop) -> int:
+    """Training from `st` (or the start) to --steps, evaluating, exporting the best and saving
+    as it goes; `stop` non-empty: save and end after the current step."""
     opt = torch.optim.AdamW(head.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     state_path = work / "eagle.pt"
     step, epoch, epoch_start, spent, best = 0, 0, 0, 0.0, -1.0
-    if state_path.exists():
-        st = torch.load(state_path, map_location=args.device)
+    if st is not None:
         head.load_state_dict(st["model"])
         opt.load_state_dict(st["opt"])
         step, epoch, epoch_start, spent = st["step"], st["epoch"], st["epoch_start"], st["seconds"]
@@ -269,7 +296,8 @@ def train(head, train_ex, heldout, args, work: Path, out: Path, info: dict) -> i
         tmp = state_path.with_suffix(".tmp")
         torch.save({"model": head.state_dict(), "opt": opt.state_dict(), "step": step,
                     "epoch": epoch, "epoch_start": epoch_start, "seconds": spent, "best": best,
-                    "token_ids": head.token_of.tolist(), "layers": head.target_layers}, tmp)
+                    "token_ids": head.token_of.tolist(), "layers": list(head.target_layers),
+                    "vocab": args.vocab, "ttt": args.ttt}, tmp)
         os.replace(tmp, state_path)
 
     def measure():
@@ -316,13 +344,44 @@ def train(head, train_ex, heldout, args, work: Path, out: Path, info: dict) -> i
                                        "heldout": metrics})
                 save()
                 t_last = t_save = time.time()
+            if stop:
+                save()
+                dd.log(work, f"eagle: interrupted at step {step}, saved: run the same command "
+                             f"to go on")
+                raise SystemExit(130)
             if now - t_save > args.save_every_s:
                 save()
                 t_save = time.time()
         if step < args.steps:
             epoch, epoch_start = epoch + 1, step
             save()
+    if not (out / "train.json").exists():  # a finished work dir given a new --out (or its own
+        metrics = measure()                 # removed): the head as it ends, not the best seen
+        dd.log(work, f"eagle step {step}: {summary(metrics)} (exported: {out} had no head)")
+        export(head, out, {**info, "steps_done": step, "train_seconds": round(spent),
+                           "heldout": metrics})
     return step
+
+
+@contextlib.contextmanager
+def ctrl_c_after_the_step(work: Path):
+    """A first Ctrl-C lets the current step (or evaluation) finish, then training saves and
+    stops: an optimizer step cut halfway would be saved half done. A second one stops at once.
+    Yields a list that is non-empty once Ctrl-C was pressed."""
+    pressed = []
+    if threading.current_thread() is not threading.main_thread():
+        yield pressed  # only the main thread may handle signals
+        return
+
+    def handler(signum, frame):
+        pressed.append(signum)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        dd.log(work, "eagle: Ctrl-C: saving after this step (Ctrl-C again stops at once)")
+    old = signal.signal(signal.SIGINT, handler)
+    try:
+        yield pressed
+    finally:
+        signal.signal(signal.SIGINT, old)
 
 
 def export(head, out: Path, info: dict):
@@ -334,8 +393,14 @@ def main(argv=None):
     args, data_argv = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    work, out = Path(args.work_dir).expanduser(), Path(args.out)
-    work.mkdir(parents=True, exist_ok=True)
+    work, out = Path(args.work_dir).expanduser(), Path(args.out).expanduser()
+    for flag, folder in (("--work-dir", work), ("--out", out)):  # now, not hours in
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"{flag} {folder}: {e.strerror}: give a folder that can be made")
+        if not os.access(folder, os.W_OK):
+            raise ValueError(f"{flag} {folder}: not writable: give a folder that is")
     command = ("python scripts/train_eagle.py " + " ".join(sys.argv[1:] if argv is None else argv)
                ).replace(str(Path.home()), "~")
     dd.log(work, command)
@@ -344,7 +409,12 @@ def main(argv=None):
     if dargs.humaneval is None:
         dargs.humaneval = HUMANEVAL_SIZE if humaneval_installed() else 0
     target, tok = dd.load_target(dargs)
-    layers = args.layers or eagle.default_layers(target.config.num_hidden_layers)
+    n = target.config.num_hidden_layers
+    layers = args.layers or eagle.default_layers(n)
+    if not all(0 <= i < n for i in layers):
+        raise ValueError(f"--layers {','.join(map(str, layers))}: {args.target} has layers "
+                         f"0..{n - 1}")
+    st = resumed_state(work / "eagle.pt", layers, args)
     heldout, heldout_prompts = dd.heldout_sets(target, tok, dargs, work)
     # the held-out self turns are no training turns, as in distill_draft.py
     train_ex = dd.training_answers(target, tok, dargs, work, heldout_prompts.get("self", []))
@@ -356,8 +426,7 @@ def main(argv=None):
             ex["features"] = f  # each example carries its own: batches and collate read them
     dd.log(work, f"features: {sum(len(ex['features']) for ex in train_ex)} training positions, "
                  f"layers {layers} ({time.time() - t0:.0f}s)")
-    state = work / "eagle.pt"
-    token_ids = torch.load(state)["token_ids"] if state.exists() else dd.draft_vocabulary(
+    token_ids = st["token_ids"] if st else dd.draft_vocabulary(
         train_ex, args.vocab + 1, target.config.vocab_size, set(target.config.eos_token_ids))
     head = new_head(target, layers, token_ids, args.seed).to(args.device)
     head.attach(target.model.embed_tokens)
@@ -367,11 +436,15 @@ def main(argv=None):
     info = {"command": command, "target": args.target, "layers": layers, "vocab": len(token_ids),
             "ttt": args.ttt, "eval_k": args.eval_k, "train_answers": len(train_ex),
             "train_tokens": sum(len(e["answer"]) for e in train_ex)}
-    step = train(head, train_ex, heldout, args, work, out, info)
+    with ctrl_c_after_the_step(work) as stop:
+        step = train(head, train_ex, heldout, args, work, out, info, st, stop)
     kept = json.loads((out / "train.json").read_text())
     dd.log(work, f"trained to step {step}; {out} holds step {kept['steps_done']}'s head: "
                  f"{summary(kept['heldout'])}")
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except ValueError as e:  # bad input, some found only once the target or work dir is read
+        sys.exit(f"error: {e}")

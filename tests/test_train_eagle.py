@@ -1,8 +1,11 @@
 """scripts/train_eagle.py: an EAGLE-3 head trained end to end on a tiny random target (resumable,
 exported, loadable), and its evaluation's rounds against distill_draft's greedy SD count."""
 import json
+import os
 import random
+import signal
 
+import pytest
 import torch
 
 import eagle
@@ -35,6 +38,57 @@ def test_end_to_end_trains_exports_and_resumes(tmp_path):
     assert sorted(p.stat().st_mtime_ns for d in ("answers", "features")
                   for p in (work / d).iterdir()) == files
     assert "eagle: resumed at step 4" in (work / "log.txt").read_text()
+    # the finished work dir given a new --out: its head exported there (no best was seen there)
+    te.main(["--target", str(target), "--out", str(tmp_path / "new"), "--work-dir", str(work),
+             *ARGS])
+    assert json.loads((tmp_path / "new" / "train.json").read_text())["steps_done"] == 4
+    # ... but not with another setting of the head: one line, before any data work
+    for flag, value in (("--layers", "1,1,1"), ("--ttt", "3"), ("--vocab", "50")):
+        args = ARGS.copy()
+        args[args.index(flag) + 1] = value
+        with pytest.raises(ValueError, match=f"trained with {flag} .*another --work-dir"):
+            te.main(["--target", str(target), "--out", str(out), "--work-dir", str(work), *args])
+
+
+def test_bad_input_is_refused_before_the_data_work(tmp_path, capsys):
+    target = tiny_target(tmp_path / "target")
+    (tmp_path / "afile").write_text("")
+    run = ["--target", str(target), "--work-dir", str(tmp_path / "work")]
+    with pytest.raises(ValueError, match="--out .*afile/head: .*give a folder"):
+        te.main([*run, "--out", str(tmp_path / "afile" / "head"), *ARGS])
+    with pytest.raises(ValueError, match="--layers 0,1,9: .* has layers 0..1"):
+        te.main([*run, "--out", str(tmp_path / "h"), *ARGS, "--layers", "0,1,9"])
+    for flag, value in (("--steps", "0"), ("--layers", "0,1")):
+        with pytest.raises(SystemExit):
+            te.main([*run, "--out", str(tmp_path / "h"), *ARGS, flag, value])
+        assert f"{flag} {value}:" in capsys.readouterr().err
+    assert not (tmp_path / "work" / "answers").exists()
+
+
+def test_ctrl_c_saves_after_the_step_and_the_same_command_goes_on(tmp_path, monkeypatch):
+    """Ctrl-C during step 2's batch: step 2 finishes, is saved, the run ends with 130; the same
+    command resumes at step 2 and ends where an uninterrupted run ends."""
+    target = tiny_target(tmp_path / "target")
+    args = ["--target", str(target), "--out", str(tmp_path / "h"), "--work-dir",
+            str(tmp_path / "w"), *ARGS]
+    collate, calls = te.collate, []
+
+    def collate_then_ctrl_c(batch, steps, *a):
+        calls.append(steps)
+        if steps == 2 and calls.count(2) == 2:  # the second training batch (evaluations pass 0)
+            os.kill(os.getpid(), signal.SIGINT)
+        return collate(batch, steps, *a)
+    monkeypatch.setattr(te, "collate", collate_then_ctrl_c)
+    with pytest.raises(SystemExit) as e:
+        te.main(args)
+    assert e.value.code == 130
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # pytest's, put back
+    log = (tmp_path / "w" / "log.txt").read_text()
+    assert "interrupted at step 2, saved" in log
+    monkeypatch.setattr(te, "collate", collate)
+    te.main(args)
+    log = (tmp_path / "w" / "log.txt").read_text()
+    assert "eagle: resumed at step 2" in log and "eagle step 4/4" in log
 
 
 def test_training_lowers_the_loss(tmp_path):
