@@ -35,7 +35,8 @@ from verify import Verifier
 # How long a rank waits for the others in one collective before it gives up (seconds;
 # generate(tp_timeout=), --tp-timeout). A rank that stops answering (stopped, hung, its GPU wedged)
 # ends the run after this long: gloo raises, NCCL's watchdog aborts. Loading the weights is not
-# under it (see TPWorkers.wait_ready), but a prefill is, and so is a worker's wait for a call.
+# under it (see TPWorkers.wait_ready), nor a worker's wait for rank 0's next call (tp_init), but a
+# prefill is.
 TP_TIMEOUT_S = 120.0
 
 
@@ -62,8 +63,14 @@ def check_start(target, world: int, timeout_s: float):
 
 
 def tp_init(rank, world, store, backend, device, timeout_s=TP_TIMEOUT_S):
-    """Join the process group. A worker first marks itself in the store, so that rank 0 waits for
-    every worker while watching that each lives (one dead before joining would leave it waiting)."""
+    """Join the process group; -> the group rank 0's calls travel by. A worker first marks itself
+    in the store, so that rank 0 waits for every worker while watching that each lives (one dead
+    before joining would leave it waiting).
+
+    The calls' group is gloo's (a wait on the CPU, not a spin on the GPU) with the longest timeout
+    gloo takes: the other ranks wait for rank 0's next call as long as rank 0 has nothing to ask (a
+    server between requests, a draft still loading, a slow stream reader); under the group's
+    timeout_s they ended the run after that long idle. The collectives of a call keep timeout_s."""
     device = torch.device(device)
     if device.type == "cuda":
         # NCCL uses each rank's current device; set_device needs an index, which "cuda" lacks
@@ -72,6 +79,7 @@ def tp_init(rank, world, store, backend, device, timeout_s=TP_TIMEOUT_S):
         store.set(f"joined/{rank}", "1")
     dist.init_process_group(backend, store=store, rank=rank, world_size=world,
                             timeout=timedelta(seconds=timeout_s))
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=TP_TIMEOUT_MAX_S))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -81,6 +89,7 @@ class Ranks:
     """What TPVerifier needs of rank 0's handle on the other ranks (TPWorkers, spawned here;
     TorchrunWorld, started by torchrun): busy() around each call, wait_ready() before the first."""
     idle = False  # True while every other rank waits for a call (only then can "stop" be sent)
+    calls = None  # the process group the calls travel by (tp_init's), once joined
 
     @contextmanager
     def busy(self):
@@ -115,7 +124,7 @@ class TPWorkers(Ranks):
         try:
             self.wait(lambda: self.store.check([f"joined/{r}" for r in range(1, self.world)]),
                       "start-up")
-            tp_init(0, self.world, self.store, self.backend, self.device, timeout_s)
+            self.calls = tp_init(0, self.world, self.store, self.backend, self.device, timeout_s)
         except BaseException:
             self.close()
             raise
@@ -166,7 +175,7 @@ class TPWorkers(Ranks):
         self.closing = True
         if self.idle:
             with suppress(Exception):  # a dead worker: reported below
-                broadcast_header(("stop", [], {}))
+                broadcast_header(("stop", [], {}), self.calls)
         # after an error, give a worker that is dying a moment to be seen dead (a SIGKILLed rank's
         # sockets close before its exit code shows): it is reported as dead, not killed by us
         deadline = time.time() + (30 if self.idle else 1)
@@ -211,11 +220,11 @@ def tp_worker_main(rank, world, port, backend, device, target, dtype, threads, t
     try:
         if threads:
             torch.set_num_threads(threads)
-        tp_init(rank, world, tp_store(world, timeout_s, port), backend, device, timeout_s)
+        calls = tp_init(rank, world, tp_store(world, timeout_s, port), backend, device, timeout_s)
         model, _ = load_model(target, device=device, dtype=dtype, tp=TP(rank, world),
                               tokenizer=False)
         errors.put(("ready", rank))
-        TPVerifier(model).serve()
+        TPVerifier(model, calls=calls).serve()
         dist.destroy_process_group()
         errors.close()
         errors.join_thread()
@@ -253,15 +262,16 @@ class TPVerifier:
     runs accept_reject on the same numbers with an identically seeded generator, draws the same
     (n, t) and rolls its cache back the same way: only the arguments travel, never the outcome."""
 
-    def __init__(self, model, settings: dict | None = None, workers: Ranks | None = None):
+    def __init__(self, model, settings: dict | None = None, workers: Ranks | None = None,
+                 calls=None):
         self.model, self.workers, self.rank, self.dev = model, workers, model.tp.rank, model.device
-        self.group = model.tp.group
+        self.group, self.calls = model.tp.group, workers.calls if workers else calls
         with workers.busy() if workers else nullcontext():  # loading, then taking the settings
             if workers:
                 workers.wait_ready()
             # Verifier's arguments (temperature, seed, kv_tokens, ...): pickled once, not per call
             box = [settings]
-            dist.broadcast_object_list(box, src=0, group=self.group)
+            dist.broadcast_object_list(box, src=0, group=self.calls)
         self.verifier = Verifier(model, **box[0])
 
     # -- rank 0: the calls the decode loops make, exactly as on a Verifier
@@ -302,14 +312,14 @@ class TPVerifier:
         arguments too) pickled."""
         with self.workers.busy():
             header = [TensorArg(tuple(a.shape), a.dtype) if torch.is_tensor(a) else a for a in args]
-            broadcast_header((name, header, kw), self.group)
+            broadcast_header((name, header, kw), self.calls)
             return self.run(name, [self.share(a, h) for a, h in zip(args, header)], kw)
 
     # -- ranks 1..world-1
     def serve(self):
         """Run rank 0's calls until it sends "stop"."""
         while True:
-            name, header, kw = broadcast_header(group=self.group)
+            name, header, kw = broadcast_header(group=self.calls)
             if name == "stop":
                 return
             self.run(name, [self.share(None, h) for h in header], kw)
@@ -467,8 +477,8 @@ class TorchrunWorld(Ranks):
         self.beat = Heartbeat(prefix, env.rank, env.world)
         try:  # a rank that failed before (its checkpoint, its GPU) is named after tp_timeout
             self.gather("here", timeout_s)  # where the process group's own wait names no one
-            tp_init(env.rank, env.world, dist.PrefixStore(prefix, self.rendezvous), self.backend,
-                    device, timeout_s)
+            self.calls = tp_init(env.rank, env.world, dist.PrefixStore(prefix, self.rendezvous),
+                                 self.backend, device, timeout_s)
         except BaseException:
             self.close()  # raises the line naming another rank, when one failed first
             raise
@@ -556,7 +566,7 @@ class TorchrunWorld(Ranks):
         error = sys.exc_info()[1]
         if self.env.rank == 0 and self.idle:
             with suppress(Exception):  # a rank is gone: named below
-                broadcast_header(("stop", [], {}))
+                broadcast_header(("stop", [], {}), self.calls)
         msg = self.failure(error)
         if error is not None and msg is None:  # this rank's own error: tell the others
             first = (str(error).strip().splitlines() or [""])[0]
@@ -582,6 +592,6 @@ def serve_torchrun_rank(env: TorchrunEnv, target, device: str, dtype=None, threa
     try:
         model, _ = load_model(target, device=device, dtype=dtype, tp=world.tp, tokenizer=False)
         world.wait_ready()
-        TPVerifier(model).serve()
+        TPVerifier(model, calls=world.calls).serve()
     finally:
         world.close()
