@@ -191,6 +191,7 @@ class TPWorkers(Ranks):
                 p.join()
         if dist.is_initialized():
             dist.destroy_process_group()
+        self.calls = None  # the last reference to the calls' group: its gloo threads end
         self.store = None  # closes the rendezvous server
         error = sys.exc_info()[1]
         msg = self.failure(killed)
@@ -265,7 +266,7 @@ class TPVerifier:
     def __init__(self, model, settings: dict | None = None, workers: Ranks | None = None,
                  calls=None):
         self.model, self.workers, self.rank, self.dev = model, workers, model.tp.rank, model.device
-        self.group, self.calls = model.tp.group, workers.calls if workers else calls
+        self.group, self.calls_given = model.tp.group, calls
         with workers.busy() if workers else nullcontext():  # loading, then taking the settings
             if workers:
                 workers.wait_ready()
@@ -273,6 +274,12 @@ class TPVerifier:
             box = [settings]
             dist.broadcast_object_list(box, src=0, group=self.calls)
         self.verifier = Verifier(model, **box[0])
+
+    @property
+    def calls(self):
+        """The group the calls travel by (tp_init's): rank 0's is its workers' (which close()
+        drops, so that its threads end with the world), the other ranks' the one they were given."""
+        return self.workers.calls if self.workers else self.calls_given
 
     # -- rank 0: the calls the decode loops make, exactly as on a Verifier
     def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
@@ -577,6 +584,7 @@ class TorchrunWorld(Ranks):
         self.beat.stop()
         if dist.is_initialized():
             dist.destroy_process_group()
+        self.calls = None  # the last reference to the calls' group: its gloo threads end
         if msg:
             raise PeerFailure(msg) from None
 
