@@ -67,10 +67,11 @@ def tp_init(rank, world, store, backend, device, timeout_s=TP_TIMEOUT_S):
     in the store, so that rank 0 waits for every worker while watching that each lives (one dead
     before joining would leave it waiting).
 
-    The calls' group is gloo's (a wait on the CPU, not a spin on the GPU) with the longest timeout
-    gloo takes: the other ranks wait for rank 0's next call as long as rank 0 has nothing to ask (a
-    server between requests, a draft still loading, a slow stream reader); under the group's
-    timeout_s they ended the run after that long idle. The collectives of a call keep timeout_s."""
+    The calls' group is gloo's (a wait on the CPU, not a spin on the GPU), and on ranks 1.. its
+    timeout is the longest gloo takes: they wait for rank 0's next call as long as rank 0 has
+    nothing to ask (a server between requests, a draft still loading, a slow stream reader); under
+    timeout_s they ended the run after that long idle. Rank 0 and the collectives of a call keep
+    timeout_s."""
     device = torch.device(device)
     if device.type == "cuda":
         # NCCL uses each rank's current device; set_device needs an index, which "cuda" lacks
@@ -79,7 +80,10 @@ def tp_init(rank, world, store, backend, device, timeout_s=TP_TIMEOUT_S):
         store.set(f"joined/{rank}", "1")
     dist.init_process_group(backend, store=store, rank=rank, world_size=world,
                             timeout=timedelta(seconds=timeout_s))
-    return dist.new_group(backend="gloo", timeout=timedelta(seconds=TP_TIMEOUT_MAX_S))
+    # gloo's timeout is each process's own: rank 0's send of a call still fails after timeout_s
+    # when a rank stopped answering, where the others wait for the next call as long as it takes
+    idle = timeout_s if rank == 0 else TP_TIMEOUT_MAX_S
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=idle))
 
 
 # --------------------------------------------------------------------------------------------------
