@@ -256,7 +256,7 @@ def place(cfg: EngineConfig) -> Placement:
         raise ValueError("a tensor-parallel target with a draft that reads its features (an "
                          "EAGLE head) is not implemented: its embedding is split across the "
                          "ranks; run the target on one device")
-    dev_t, dev_d = default_devices(len(target_devices) if target_devices else 1)
+    dev_t, dev_d = default_devices(target_devices or ([target_device] if target_device else None))
     if target_devices:
         target_devices = [str(check_device(d)) for d in target_devices]
     target_device = (target_devices[0] if target_devices
@@ -457,13 +457,16 @@ def kv_budget(kv_tokens: int, dcfg: DraftConfig, cfg: EngineConfig) -> KVBudget:
 # --------------------------------------------------------------------------------------------------
 # Devices and cores
 
-def default_devices(target_gpus=1):
-    """The target on cuda:0 (..cuda:{target_gpus-1} when tensor parallel), the draft on the next
-    GPU; with too few GPUs the draft shares cuda:0; without GPUs both on the CPU."""
-    if torch.cuda.is_available():
-        n = torch.cuda.device_count()
-        return "cuda:0", f"cuda:{target_gpus}" if n > target_gpus else "cuda:0"
-    return "cpu", "cpu"
+def default_devices(target_devices: list[str] | None = None) -> tuple[str, str]:
+    """(The target's device, the draft's) where the caller gives none: the target on cuda:0 (or
+    on `target_devices`), the draft on the first GPU the target does not use, sharing the target's
+    first when none is free; without GPUs both on the CPU."""
+    if not torch.cuda.is_available():
+        return "cpu", "cpu"
+    target = [torch.device(d) for d in target_devices or ["cuda:0"]]
+    used = {d.index or 0 for d in target if d.type == "cuda"}
+    free = [i for i in range(torch.cuda.device_count()) if i not in used]
+    return str(target[0]), f"cuda:{free[0] if free else target[0].index or 0}"
 
 
 def same_gpu(a, b) -> bool:

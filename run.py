@@ -527,7 +527,7 @@ def ssd_on_cpu_cores(a: argparse.Namespace) -> bool:
     if a.mode != "ssd" or a.no_parallel:
         return False
     targets = a.target_devices.split(",") if a.target_devices else None
-    dev_t, dev_d = default_devices(len(targets) if targets else 1)
+    dev_t, dev_d = default_devices(targets)
     targets = targets or [a.target_device or a.device or dev_t]
     draft = a.draft_device or a.device or dev_d
     return all(d.split(":")[0] == "cpu" for d in [*targets, draft])

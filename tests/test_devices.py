@@ -285,3 +285,20 @@ def test_a_device_type_the_engine_does_not_run_is_refused_in_one_line():
     for name in ("mps", "xpu", "meta"):
         with pytest.raises(ValueError, match=f"device '{name}' is not supported: use cpu or cuda:N"):
             check_device(name)
+
+
+def test_the_draft_defaults_to_a_gpu_the_target_does_not_use(monkeypatch):
+    """The draft's default GPU is the first the target leaves free, whichever GPUs the target was
+    given (it was cuda:N for N target GPUs: cuda:4 for a target on cuda:4..7, sharing rank 0's)."""
+    import engine
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    assert engine.default_devices() == ("cuda:0", "cuda:1")
+    assert engine.default_devices(["cuda:4", "cuda:5", "cuda:6", "cuda:7"]) == ("cuda:4", "cuda:0")
+    assert engine.default_devices(["cuda:0", "cuda:1"]) == ("cuda:0", "cuda:2")
+    assert engine.default_devices(["cuda:1"]) == ("cuda:1", "cuda:0")
+    assert engine.default_devices(["cpu", "cpu"]) == ("cpu", "cuda:0")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert engine.default_devices(["cuda:1", "cuda:0"]) == ("cuda:1", "cuda:1")  # none free: shares
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert engine.default_devices(["cpu", "cpu"]) == ("cpu", "cpu")
