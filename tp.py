@@ -34,9 +34,8 @@ from verify import Verifier
 
 # How long a rank waits for the others in one collective before it gives up (seconds;
 # generate(tp_timeout=), --tp-timeout). A rank that stops answering (stopped, hung, its GPU wedged)
-# ends the run after this long: gloo raises, NCCL's watchdog aborts. Loading the weights is not
-# under it (see TPWorkers.wait_ready), nor a worker's wait for rank 0's next call (tp_init), but a
-# prefill is.
+# ends the run after this long: gloo raises, NCCL's watchdog aborts. Neither loading the weights
+# (TPWorkers.wait_ready) nor a worker's wait for the next call (tp_init) is under it; a prefill is.
 TP_TIMEOUT_S = 120.0
 
 
@@ -63,15 +62,9 @@ def check_start(target, world: int, timeout_s: float):
 
 
 def tp_init(rank, world, store, backend, device, timeout_s=TP_TIMEOUT_S):
-    """Join the process group; -> the group rank 0's calls travel by. A worker first marks itself
-    in the store, so that rank 0 waits for every worker while watching that each lives (one dead
-    before joining would leave it waiting).
-
-    The calls' group is gloo's (a wait on the CPU, not a spin on the GPU), and on ranks 1.. its
-    timeout is the longest gloo takes: they wait for rank 0's next call as long as rank 0 has
-    nothing to ask (a server between requests, a draft still loading, a slow stream reader); under
-    timeout_s they ended the run after that long idle. Rank 0 and the collectives of a call keep
-    timeout_s."""
+    """Join the process group; -> the gloo group rank 0's calls travel by (a wait on the CPU, not
+    a spin on the GPU). A worker first marks itself in the store, so that rank 0 waits for every
+    worker while watching that each lives (one dead before joining would leave it waiting)."""
     device = torch.device(device)
     if device.type == "cuda":
         # NCCL uses each rank's current device; set_device needs an index, which "cuda" lacks
@@ -80,8 +73,8 @@ def tp_init(rank, world, store, backend, device, timeout_s=TP_TIMEOUT_S):
         store.set(f"joined/{rank}", "1")
     dist.init_process_group(backend, store=store, rank=rank, world_size=world,
                             timeout=timedelta(seconds=timeout_s))
-    # gloo's timeout is each process's own: rank 0's send of a call still fails after timeout_s
-    # when a rank stopped answering, where the others wait for the next call as long as it takes
+    # gloo's timeout is each process's own: ranks 1.. wait for a call as long as rank 0 has none (a
+    # server between requests), rank 0's send fails after timeout_s when a rank stopped answering
     idle = timeout_s if rank == 0 else TP_TIMEOUT_MAX_S
     return dist.new_group(backend="gloo", timeout=timedelta(seconds=idle))
 
@@ -93,7 +86,7 @@ class Ranks:
     """What TPVerifier needs of rank 0's handle on the other ranks (TPWorkers, spawned here;
     TorchrunWorld, started by torchrun): busy() around each call, wait_ready() before the first."""
     idle = False  # True while every other rank waits for a call (only then can "stop" be sent)
-    calls = None  # the process group the calls travel by (tp_init's), once joined
+    calls = None  # the process group the calls travel by (tp_init's)
 
     @contextmanager
     def busy(self):
@@ -267,8 +260,7 @@ class TPVerifier:
     runs accept_reject on the same numbers with an identically seeded generator, draws the same
     (n, t) and rolls its cache back the same way: only the arguments travel, never the outcome."""
 
-    def __init__(self, model, settings: dict | None = None, workers: Ranks | None = None,
-                 calls=None):
+    def __init__(self, model, settings=None, workers: Ranks | None = None, calls=None):
         self.model, self.workers, self.rank, self.dev = model, workers, model.tp.rank, model.device
         self.group, self.calls_given = model.tp.group, calls
         with workers.busy() if workers else nullcontext():  # loading, then taking the settings
@@ -281,8 +273,7 @@ class TPVerifier:
 
     @property
     def calls(self):
-        """The group the calls travel by (tp_init's): rank 0's is its workers' (which close()
-        drops, so that its threads end with the world), the other ranks' the one they were given."""
+        """tp_init's group: rank 0's is its workers' (close() drops it, ending its threads)."""
         return self.workers.calls if self.workers else self.calls_given
 
     # -- rank 0: the calls the decode loops make, exactly as on a Verifier
