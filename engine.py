@@ -273,10 +273,14 @@ def place(cfg: EngineConfig) -> Placement:
     target_threads, draft_threads = threads_of(cfg.two_processes, cfg.target_threads,
                                                cfg.draft_threads,
                                                max(1, cores - cfg.reserve_cores))
-    if target_threads + (draft_threads or 0) > cores:
-        warnings.warn(f"{target_threads} target + {draft_threads or 0} draft threads on {cores} "
-                      f"cores: threads past the cores take turns and slow every step; give "
-                      f"fewer (--target-threads, --draft-threads)", stacklevel=4)
+    ranks = sum(torch.device(d).type == "cpu" for d in target_devices or [])  # TP on the CPU
+    if ranks > 1 and not cfg.target_threads:  # the target's ranks share its cores
+        target_threads = max(1, target_threads // ranks)
+    if target_threads * max(1, ranks) + (draft_threads or 0) > cores:
+        each = f"{ranks} ranks x " if ranks > 1 else ""
+        warnings.warn(f"{each}{target_threads} target + {draft_threads or 0} draft threads on "
+                      f"{cores} cores: threads past the cores take turns and slow every step; "
+                      f"give fewer (--target-threads, --draft-threads)", stacklevel=4)
     return Placement(target_device, draft_device, target_devices, target_dtype, draft_dtype,
                      target_threads, draft_threads, cores, env)
 

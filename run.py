@@ -537,10 +537,10 @@ def serve_rank(a: argparse.Namespace, env: TorchrunEnv):
     """Ranks 1.. of a torchrun world: this rank's slices of the target serve rank 0's verifier
     calls until it ends the run (every rank has the same flags: target, dtype, threads, timeout)."""
     refuse_target_devices(a.target_devices)
-    device, dtype = placement(torchrun_device(a.target_device or a.device, env.local_rank),
-                              a.dtype)
+    device, dtype = placement(torchrun_device(a.target_device or a.device, env.local_rank), a.dtype)
+    cores = (os.cpu_count() or 1) // (env.local_world if device.type == "cpu" else 1)
     threads, _ = threads_of(a.mode == "ssd" and not a.no_parallel, a.target_threads,
-                            a.draft_threads, os.cpu_count() or 1)
+                            a.draft_threads, max(1, cores))  # this node's ranks share its cores
     serve_torchrun_rank(env, a.target, str(device), dtype, threads, a.tp_timeout)
 
 

@@ -524,6 +524,23 @@ def test_http_cores_are_left_to_the_http_side(monkeypatch):
         placed("--http-cores", "-1")
 
 
+def test_cpu_tensor_parallel_ranks_share_the_cores(monkeypatch):
+    """--target-devices cpu,cpu: each rank takes its share of the cores (each took them all: 2 x 4
+    threads on 4 cores, with no warning); a --target-threads given is each rank's, and warned about
+    counting every rank."""
+    import engine
+    import serve
+    monkeypatch.setattr(engine.os, "cpu_count", lambda: 4)
+
+    def placed(*flags):
+        return engine.place(serve.engine_config(serve.parser().parse_args(
+            ["--http-cores", "0", "--target-devices", "cpu,cpu", *flags])))
+    assert placed("--mode", "sd").target_threads == 2
+    assert placed("--mode", "ar").target_threads == 2
+    with pytest.warns(UserWarning, match=r"2 ranks x 3 target \+ 0 draft threads on 4 cores"):
+        assert placed("--mode", "ar", "--target-threads", "3").target_threads == 3
+
+
 def test_a_server_with_no_room_is_refused_before_loading():
     """--max-batch 0 would serve nothing (requests queued for good behind a healthy /health);
     --kv-tokens 0 holds no block: both refused in one line, before a model loads."""
