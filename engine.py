@@ -274,8 +274,7 @@ def place(cfg: EngineConfig) -> Placement:
                                                cfg.draft_threads,
                                                max(1, cores - cfg.reserve_cores))
     ranks = sum(torch.device(d).type == "cpu" for d in target_devices or [])  # TP on the CPU
-    if ranks > 1 and not cfg.target_threads:  # the target's ranks share its cores
-        target_threads = max(1, target_threads // ranks)
+    target_threads = rank_threads(target_threads, ranks, cfg.target_threads)
     if target_threads * max(1, ranks) + (draft_threads or 0) > cores:
         each = f"{ranks} ranks x " if ranks > 1 else ""
         warnings.warn(f"{each}{target_threads} target + {draft_threads or 0} draft threads on "
@@ -303,6 +302,12 @@ def threads_of(two_processes, target_threads, draft_threads, cores) -> tuple[int
         ts, td = split_cores(cores)
         return target_threads or ts, draft_threads or td
     return target_threads or cores, None
+
+
+def rank_threads(threads: int, ranks: int, given) -> int:
+    """A target split over `ranks` processes on one machine's CPU: each takes its share of the
+    target's threads, unless the user gave the number (then it is each rank's)."""
+    return threads if given or ranks < 2 else max(1, threads // ranks)
 
 
 def torchrun_rank0(target_devices) -> TorchrunEnv:

@@ -27,7 +27,8 @@ from quantize import QUANTS
 from draft import DraftSettings, recorded_settings
 from spec_policy import PRE_SPEC
 from engine import (LOADING, Engine, EngineConfig, Started, build_engine, default_devices,
-                    kv_sizes, load_target, one_line_warnings, refuse_target_devices, threads_of)
+                    kv_sizes, load_target, one_line_warnings, rank_threads,
+                    refuse_target_devices, threads_of)
 from fallback import POLICIES
 from model import Transformer
 from scheduler import Request
@@ -534,13 +535,12 @@ def ssd_on_cpu_cores(a: argparse.Namespace) -> bool:
 
 
 def serve_rank(a: argparse.Namespace, env: TorchrunEnv):
-    """Ranks 1.. of a torchrun world: this rank's slices of the target serve rank 0's verifier
-    calls until it ends the run (every rank has the same flags: target, dtype, threads, timeout)."""
+    """Ranks 1.. of a torchrun world (rank 0's flags): their slices serve rank 0's calls."""
     refuse_target_devices(a.target_devices)
     device, dtype = placement(torchrun_device(a.target_device or a.device, env.local_rank), a.dtype)
-    cores = (os.cpu_count() or 1) // (env.local_world if device.type == "cpu" else 1)
     threads, _ = threads_of(a.mode == "ssd" and not a.no_parallel, a.target_threads,
-                            a.draft_threads, max(1, cores))  # this node's ranks share its cores
+                            a.draft_threads, os.cpu_count() or 1)  # this node's ranks share them:
+    threads = rank_threads(threads, env.local_world * (device.type == "cpu"), a.target_threads)
     serve_torchrun_rank(env, a.target, str(device), dtype, threads, a.tp_timeout)
 
 
