@@ -216,13 +216,13 @@ def test_dead_rank_fails_cleanly(ckpts):
 def test_workers_wait_for_the_next_call_longer_than_the_timeout(ckpts):
     """tp_timeout bounds a call's collectives, not the wait between calls: a server idle between
     requests (or a draft still loading) longer than it kept failing its first request after."""
-    workers = TPWorkers(ckpts["llama"], ["cpu", "cpu"], threads=1, timeout_s=1.0)
+    workers = TPWorkers(ckpts["llama"], ["cpu", "cpu"], threads=1, timeout_s=2.0)
     try:
         model, _ = load_model(ckpts["llama"], tp=workers.rank0)
-        time.sleep(1.5)  # rank 0 slower than the worker to take the settings
+        time.sleep(2.5)  # rank 0 slower than the worker to take the settings
         verifier = TPVerifier(model, dict(temperature=0.0, seed=0, kv_tokens=64, block_size=4), workers)
         first = verifier.prefill([[1, 2, 3]])
-        time.sleep(2.5)  # idle, as a server between requests
+        time.sleep(3.0)  # idle, as a server between requests
         n, t = verifier.verify([0], torch.tensor([[4, 5]]), None, torch.ones(1, dtype=torch.bool), [2])
         assert first.shape == (1,) and n.shape == t.shape == (1,)
     finally:
