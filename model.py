@@ -469,15 +469,20 @@ class Transformer(nn.Module):
             logits = F.pad(logits[..., :V], (0, V - min(V, logits.shape[-1])), value=-math.inf)
         return logits.float()
 
-    def forward(self, tokens):
-        """Plain full forward without a cache: tokens [B, T] -> float32 logits [B, T, V]."""
+    def forward(self, tokens, layers: list[int] | None = None):
+        """Plain full forward without a cache: tokens [B, T] -> float32 logits [B, T, V]; with
+        `layers`, (logits, the residual stream after each of them [B, T, len(layers), hidden])."""
         T = tokens.shape[1]
         positions = torch.arange(T, device=tokens.device)
         cos, sin = rope_cos_sin(self.inv_freq, positions, self.dtype)
-        x = self.embed(tokens)
-        for layer in self.model.layers:
+        x, states = self.embed(tokens), {}
+        for l, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin)
-        return self.head(x)
+            if layers is not None and l in layers:
+                states[l] = x
+        if layers is None:
+            return self.head(x)
+        return self.head(x), torch.stack([states[l] for l in layers], -2)
 
     def layer_states(self, tokens, layers: list[int]):
         """Plain forward without a cache, up to the highest of `layers` only: tokens [B, T] -> the

@@ -15,6 +15,9 @@ saves first):
   2. features  the target's three layers' outputs (eagle.default_layers, or --layers) at every
                position of every prompt and answer, computed once in bf16 (work/features, a file
                per 64 answers): one target forward per token, where training reads them for epochs.
+               With --text-tokens, also text the target only reads (section 2b): the labels and
+               the features of the standard library's code from one forward, a third of an
+               answer's price a token.
   3. train     training-time test (eagle.EagleHead.train_forward): --ttt steps, each on the head's
                own outputs of the step before; at every step the KL from the target's top-k law (the
                label distill_draft stored at each answer position) to the head's law over its own
@@ -39,6 +42,7 @@ import os
 import random
 import signal
 import sys
+import sysconfig
 import threading
 import time
 from pathlib import Path
@@ -75,6 +79,11 @@ def parse_args(argv=None):
     ap.add_argument("--lr", type=float, default=1e-3,
                     help="peak learning rate (cosine decay): %(default)s")
     ap.add_argument("--warmup", type=int, default=50, help="steps of linear warm-up: %(default)s")
+    ap.add_argument("--text-tokens", type=int, default=0,
+                    help="tokens of text the target reads, beside the answers (section 2b): "
+                         "%(default)s")
+    ap.add_argument("--text-window", type=int, default=512,
+                    help="tokens a text example: %(default)s")
     ap.add_argument("--eval-every", type=int, default=200,
                     help="steps between evaluations: %(default)s")
     ap.add_argument("--eval-k", type=int, default=4, help="K of the simulated SD: %(default)s")
@@ -92,7 +101,8 @@ def parse_args(argv=None):
         ap.error(f"--layers {','.join(map(str, args.layers))}: an EAGLE-3 head fuses three "
                  "layers of the target")
     dd.check_counts(ap, args, positive=("threads", "vocab", "steps", "batch_tokens", "lr",
-                                        "eval_every", "save_every_s"), at_least_0=("warmup",))
+                                        "eval_every", "save_every_s", "text_window"),
+                   at_least_0=("warmup", "text_tokens"))
     return args, data_argv
 
 
@@ -130,7 +140,79 @@ def features(target, examples: list[dict], layers: list[int], work: Path, name: 
                     part[i] = h[r, :len(seqs[i])].clone()
             torch.save(part, path.with_suffix(".tmp"))
             os.replace(path.with_suffix(".tmp"), path)
-        out += torch.load(path)
+        out += torch.load(path, mmap=True)  # read as batches need them, not all in memory
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# 2b. Text the target reads (--text-tokens)
+#
+# The answers cost a decode step a token; a text the target only reads costs a prefill's share of
+# one (one forward gives the features and, from its logits, the label at every position). EAGLE
+# (the first paper) trained on fixed text, not on the target's own answers, and found its drafts
+# barely worse: the label is the target's law at each position either way, only the context is the
+# text's. The text: the Python standard library's modules inside its packages (email/, json/,
+# asyncio/ ...: code and English, on every machine, no download), not the tests, not the package
+# __init__.py files nor the top-level modules, whose docstrings the held-out chat prompts quote.
+
+def text_files() -> list[Path]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"test", "tests", "idle_test", "site-packages"}
+    files = [p for p in sorted(root.glob("*/**/*.py"))
+             if p.name != "__init__.py" and not skip & set(p.relative_to(root).parts)]
+    random.Random(0).shuffle(files)  # every package a little, in a fixed order
+    return files
+
+
+def text_windows(tok, n_tokens: int, window: int) -> list[list[int]]:
+    """About n_tokens of the files' raw tokens, in windows of `window` (each file cut on its own;
+    a file's last piece kept when it has at least 64 tokens)."""
+    out, total = [], 0
+    for path in text_files():
+        ids = dd.encode_raw(tok, path.read_text(errors="replace"))
+        for a in range(0, len(ids), window):
+            piece = ids[a:a + window]
+            if len(piece) >= 64 and total < n_tokens:
+                out.append(piece)
+                total += len(piece)
+        if total >= n_tokens:
+            break
+    return out
+
+
+@torch.no_grad()
+def text_examples(target, tok, layers: list[int], work: Path, args, topk: int) -> list[dict]:
+    """Examples of the answers' form from --text-tokens of text: prompt its first token, answer
+    the rest, the label at each position the target's top-k law (log-probs), and the features,
+    from one forward a batch; in chunk files of 64 windows named by their tokens and the layers."""
+    folder = work / "features"
+    folder.mkdir(exist_ok=True)
+    windows, out = text_windows(tok, args.text_tokens, args.text_window), []
+    for c in range(0, len(windows), FEATURE_CHUNK):
+        chunk = windows[c:c + FEATURE_CHUNK]
+        key = hashlib.md5(f"{layers} {topk} {chunk}".encode()).hexdigest()[:8]
+        path = folder / f"text_{c:05d}_{key}.pt"
+        if not path.exists():
+            t0, part = time.time(), []
+            n = max(1, 2048 // args.text_window)  # the logits of 2,048 positions: 400 MB
+            for b in range(0, len(chunk), n):
+                rows = chunk[b:b + n]
+                x = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.long)
+                for r, ids in enumerate(rows):
+                    x[r, :len(ids)] = torch.tensor(ids)
+                logits, h = target(x.to(target.device), layers)  # [B, T, V], [B, T, 3, H]
+                top = F.log_softmax(logits, -1).topk(topk, -1)
+                for r, ids in enumerate(rows):  # position i's law is the label of token i + 1
+                    T = len(ids)
+                    part.append({"prompt": ids[:1], "answer": ids[1:], "greedy": False,
+                                 "top_ids": top.indices[r, :T - 1].to(torch.int32).cpu(),
+                                 "top_logp": top.values[r, :T - 1].half().cpu(),
+                                 "features": h[r, :T].to(torch.bfloat16).cpu().clone()})
+            torch.save(part, path.with_suffix(".tmp"))
+            os.replace(path.with_suffix(".tmp"), path)
+            dd.log(work, f"text {c + len(chunk)}/{len(windows)} windows: "
+                         f"{sum(map(len, chunk))} tokens in {time.time() - t0:.0f}s")
+        out += torch.load(path, mmap=True)
     return out
 
 
@@ -279,6 +361,11 @@ def resumed_state(path: Path, layers: list[int], args) -> dict | None:
     return st
 
 
+FIT_SET = 60  # the first training answers, measured as the held-out sets are: far above them,
+# the head learns its answers rather than the target (2026-12-07, step 2700: 0.70-0.80 against
+# 0.47-0.55: more data, not more steps)
+
+
 def train(head, train_ex, heldout, args, work: Path, out: Path, info: dict, st, stop) -> int:
     """Training from `st` (or the start) to --steps, evaluating, exporting the best and saving
     as it goes; `stop` non-empty: save and end after the current step."""
@@ -336,8 +423,10 @@ def train(head, train_ex, heldout, args, work: Path, out: Path, info: dict, st, 
                 metrics = measure()
                 score = sum(m["acceptance"] for m in metrics.values()) / len(metrics)
                 kept = score > best
+                fit = evaluate(head, train_ex[:FIT_SET], args.eval_k, args.device,
+                               args.batch_tokens, args.bf16)["acceptance"]
                 dd.log(work, f"eagle step {step}/{args.steps} epoch {epoch}: {summary(metrics)}"
-                             f"{' (best: exported)' if kept else ''}")
+                             f" (training answers a {fit:.3f}){' (best: exported)' if kept else ''}")
                 if kept:  # the best mean held-out acceptance so far is what --out holds
                     best = score
                     export(head, out, {**info, "steps_done": step, "train_seconds": round(spent),
@@ -424,8 +513,9 @@ def main(argv=None):
         for ex, f in zip(examples, features(target, examples, layers, work, name,
                                             args.batch_tokens)):
             ex["features"] = f  # each example carries its own: batches and collate read them
-    dd.log(work, f"features: {sum(len(ex['features']) for ex in train_ex)} training positions, "
-                 f"layers {layers} ({time.time() - t0:.0f}s)")
+    text_ex = text_examples(target, tok, layers, work, args, dargs.topk) if args.text_tokens else []
+    dd.log(work, f"features: {sum(len(ex['features']) for ex in train_ex + text_ex)} training "
+                 f"positions, layers {layers} ({time.time() - t0:.0f}s)")
     token_ids = st["token_ids"] if st else dd.draft_vocabulary(
         train_ex, args.vocab + 1, target.config.vocab_size, set(target.config.eos_token_ids))
     head = new_head(target, layers, token_ids, args.seed).to(args.device)
@@ -435,9 +525,10 @@ def main(argv=None):
                  f" layers {layers}, {len(token_ids)} rows")
     info = {"command": command, "target": args.target, "layers": layers, "vocab": len(token_ids),
             "ttt": args.ttt, "eval_k": args.eval_k, "train_answers": len(train_ex),
-            "train_tokens": sum(len(e["answer"]) for e in train_ex)}
+            "train_tokens": sum(len(e["answer"]) for e in train_ex),
+            "text_tokens": sum(len(e["answer"]) for e in text_ex)}
     with ctrl_c_after_the_step(work) as stop:
-        step = train(head, train_ex, heldout, args, work, out, info, st, stop)
+        step = train(head, train_ex + text_ex, heldout, args, work, out, info, st, stop)
     kept = json.loads((out / "train.json").read_text())
     dd.log(work, f"trained to step {step}; {out} holds step {kept['steps_done']}'s head: "
                  f"{summary(kept['heldout'])}")

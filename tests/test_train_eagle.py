@@ -4,11 +4,15 @@ import json
 import os
 import random
 import signal
+import sysconfig
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import eagle
+from checkpoint import load_model
 from scripts import distill_draft as dd
 from scripts import train_eagle as te
 from test_distill_draft import tiny_target
@@ -145,3 +149,39 @@ def test_topk_kl_is_zero_for_the_same_law_and_counts_mass_outside_the_rows():
     # the same head with k covering only the head's rows: the missing token is in the rest bucket
     # of p, and the KL still sees it
     assert (te.topk_kl(own, rows[:, 1:], top.values[:, 1:]) > 0.1).all()
+
+
+def test_text_examples_carry_the_targets_law_and_its_features(tmp_path, monkeypatch):
+    """--text-tokens: each window's labels are the target's top-k law at each position (for the
+    next token) and its features the chosen layers' outputs, as a forward of the window alone
+    gives them; a second call reads them back."""
+    model, tok = load_model(tiny_target(tmp_path / "target"))
+    files = [tmp_path / "a.py", tmp_path / "b.py"]
+    files[0].write_text("def add(a, b):\n    return a + b\n" * 20)
+    files[1].write_text("Some English text, then some more of it.\n" * 30)
+    monkeypatch.setattr(te, "text_files", lambda: files)
+    args, work = SimpleNamespace(text_tokens=400, text_window=100), tmp_path / "w"
+    work.mkdir()
+    examples = te.text_examples(model, tok, [0, 1, 1], work, args, topk=8)
+    assert sum(len(e["answer"]) + 1 for e in examples) >= 400 and len(examples) >= 4
+    for e in examples[:3]:
+        ids = e["prompt"] + e["answer"]
+        assert len(ids) <= 100 and len(e["top_ids"]) == len(ids) - 1
+        logits, h = model(torch.tensor([ids]), [0, 1, 1])
+        top = torch.log_softmax(logits[0, :-1], -1).topk(8, -1)
+        assert torch.equal(e["top_ids"][:, 0].long(), top.indices[:, 0])  # the argmax: no ties
+        torch.testing.assert_close(e["top_logp"].float(), top.values, atol=2e-3, rtol=1e-2)
+        torch.testing.assert_close(e["features"].float(), h[0].to(torch.bfloat16).float())
+        torch.testing.assert_close(h[0], model.layer_states(torch.tensor([ids]), [0, 1, 1])[0])
+    made = sorted(p.stat().st_mtime_ns for p in (work / "features").iterdir())
+    again = te.text_examples(model, tok, [0, 1, 1], work, args, topk=8)
+    assert sorted(p.stat().st_mtime_ns for p in (work / "features").iterdir()) == made
+    assert [e["answer"] for e in again] == [e["answer"] for e in examples]
+
+
+def test_text_files_leave_out_tests_and_what_the_held_out_prompts_quote():
+    files = te.text_files()
+    assert len(files) > 100 and all(f.suffix == ".py" and f.name != "__init__.py" for f in files)
+    std = Path(sysconfig.get_paths()["stdlib"])  # in a package: no top-level module
+    rel = [f.relative_to(std).parts for f in files]
+    assert all(len(p) >= 2 and not {"test", "tests", "site-packages"} & set(p) for p in rel)
