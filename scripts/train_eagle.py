@@ -60,6 +60,9 @@ from scripts.prompt_sets import HUMANEVAL_SIZE, humaneval_installed  # noqa: E40
 from scripts.train_tiny import lr_at  # noqa: E402
 
 
+DEFAULT_VOCAB = 8192
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  epilog="Any other flag is a data flag of scripts/distill_draft.py "
@@ -71,8 +74,9 @@ def parse_args(argv=None):
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
     ap.add_argument("--layers", type=dd.int_list, default=None,
                     help="the three target layers fused (default: eagle.default_layers)")
-    ap.add_argument("--vocab", type=int, default=8192,
-                    help="rows of the head's vocabulary (at most the target's): %(default)s")
+    ap.add_argument("--vocab", type=int, default=None,
+                    help=f"rows of the head's vocabulary, at most the target's (default: "
+                         f"{DEFAULT_VOCAB}, or all the target's where it has fewer)")
     ap.add_argument("--ttt", type=int, default=4, help="training-time test steps: %(default)s")
     ap.add_argument("--steps", type=int, default=2000, help="optimizer steps in all: %(default)s")
     ap.add_argument("--batch-tokens", type=int, default=4096, help="tokens a batch: %(default)s")
@@ -503,6 +507,10 @@ def main(argv=None):
     if not all(0 <= i < n for i in layers):
         raise ValueError(f"--layers {','.join(map(str, layers))}: {args.target} has layers "
                          f"0..{n - 1}")
+    V = target.config.vocab_size
+    if args.vocab is not None and args.vocab > V:
+        raise ValueError(f"--vocab {args.vocab}: {args.target} has {V} tokens: give at most {V}")
+    args.vocab = args.vocab or min(DEFAULT_VOCAB, V)
     st = resumed_state(work / "eagle.pt", layers, args)
     heldout, heldout_prompts = dd.heldout_sets(target, tok, dargs, work)
     # the held-out self turns are no training turns, as in distill_draft.py

@@ -62,6 +62,8 @@ def test_bad_input_is_refused_before_the_data_work(tmp_path, capsys):
         te.main([*run, "--out", str(tmp_path / "afile" / "head"), *ARGS])
     with pytest.raises(ValueError, match="--layers 0,1,9: .* has layers 0..1"):
         te.main([*run, "--out", str(tmp_path / "h"), *ARGS, "--layers", "0,1,9"])
+    with pytest.raises(ValueError, match="--vocab 5000: .* has 4096 tokens: give at most 4096"):
+        te.main([*run, "--out", str(tmp_path / "h"), *ARGS, "--vocab", "5000"])
     for flag, value in (("--steps", "0"), ("--layers", "0,1")):
         with pytest.raises(SystemExit):
             te.main([*run, "--out", str(tmp_path / "h"), *ARGS, flag, value])
