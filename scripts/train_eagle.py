@@ -128,7 +128,9 @@ def features(target, examples: list[dict], layers: list[int], work: Path, name: 
         chunk = examples[c:c + FEATURE_CHUNK]
         seqs = [ex["prompt"] + ex["answer"] for ex in chunk]
         key = hashlib.md5(f"{layers} {seqs}".encode()).hexdigest()[:8]
-        path = folder / f"{name}_{c:05d}_{key}.pt"
+        # found by its contents wherever it stood: more prompts move a source's answers along
+        made = sorted(folder.glob(f"{name}_*_{key}.pt"))
+        path = made[0] if made else folder / f"{name}_{c:05d}_{key}.pt"
         if not path.exists():
             part = [None] * len(seqs)
             order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
