@@ -379,6 +379,8 @@ def make_answers(target, tok, prompts: list[str], share: float | None, args, wor
         if part and part[0].get("made_with", made) != made:
             raise ValueError(f"{path} holds answers made with {part[0]['made_with']}, not {made}: "
                              f"give another --work-dir, or the settings it was made with")
+        for ex in part:  # which file it came from (train_eagle.py keeps its features by file)
+            ex["chunk"] = path.stem
         examples += part
     return examples
 

@@ -116,6 +116,17 @@ def parse_args(argv=None):
 FEATURE_CHUNK = 64
 
 
+def chunks(examples: list[dict]):
+    """(start, examples) runs of at most FEATURE_CHUNK from one answers file (distill_draft tags
+    each answer with its file): a source's chunks stay whole wherever more prompts move them."""
+    start = 0
+    for i in range(1, len(examples) + 1):
+        if (i == len(examples) or i - start == FEATURE_CHUNK
+                or examples[i].get("chunk") != examples[start].get("chunk")):
+            yield start, examples[start:i]
+            start = i
+
+
 @torch.no_grad()
 def features(target, examples: list[dict], layers: list[int], work: Path, name: str,
              batch_tokens: int) -> list[torch.Tensor]:
@@ -124,8 +135,7 @@ def features(target, examples: list[dict], layers: list[int], work: Path, name: 
     folder = work / "features"
     folder.mkdir(exist_ok=True)
     out = []
-    for c in range(0, len(examples), FEATURE_CHUNK):
-        chunk = examples[c:c + FEATURE_CHUNK]
+    for c, chunk in chunks(examples):
         seqs = [ex["prompt"] + ex["answer"] for ex in chunk]
         key = hashlib.md5(f"{layers} {seqs}".encode()).hexdigest()[:8]
         # found by its contents wherever it stood: more prompts move a source's answers along

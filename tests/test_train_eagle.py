@@ -191,16 +191,18 @@ def test_text_files_leave_out_tests_and_what_the_held_out_prompts_quote():
 
 def test_features_are_found_by_their_answers_when_more_prompts_move_them(tmp_path):
     """--prompts grown: a source's answers stand later in the training list (the templates' grow
-    before them), in the same chunks of 64: their features are read back, not computed again."""
+    before them, by any number): their features are read back, not computed again."""
     model, _ = load_model(tiny_target(tmp_path / "target"), tokenizer=False)
     g = torch.Generator().manual_seed(0)
     ex = [{"prompt": torch.randint(2, 4096, (3,), generator=g).tolist(),
            "answer": torch.randint(2, 4096, (2,), generator=g).tolist()} for _ in range(192)]
+    for i, e in enumerate(ex):  # three answers files of 50, 64 and 78 answers
+        e["chunk"] = "abc"[(i >= 50) + (i >= 114)]
     work = tmp_path / "w"
     work.mkdir()
-    first = te.features(model, ex[64:], [0, 1, 1], work, "train", 256)  # 2 chunks
+    first = te.features(model, ex[50:], [0, 1, 1], work, "train", 256)  # 3 chunks: 64, 64, 14
     made = {p.name: p.stat().st_mtime_ns for p in (work / "features").iterdir()}
-    again = te.features(model, ex, [0, 1, 1], work, "train", 256)  # 1 new chunk before them
+    again = te.features(model, ex, [0, 1, 1], work, "train", 256)  # file a's 50 before them
     now = {p.name: p.stat().st_mtime_ns for p in (work / "features").iterdir()}
-    assert len(made) == 2 and len(now) == 3 and all(now[n] == t for n, t in made.items())
-    assert all(torch.equal(a, b) for a, b in zip(first, again[64:]))
+    assert len(made) == 3 and len(now) == 4 and all(now[n] == t for n, t in made.items())
+    assert all(torch.equal(a, b) for a, b in zip(first, again[50:]))
