@@ -169,12 +169,13 @@ def features(target, examples: list[dict], layers: list[int], work: Path, name: 
 # (the first paper) trained on fixed text, not on the target's own answers, and found its drafts
 # barely worse: the label is the target's law at each position either way, only the context is the
 # text's. The text: the Python standard library's modules inside its packages (email/, json/,
-# asyncio/ ...: code and English, on every machine, no download), not the tests, not the package
-# __init__.py files nor the top-level modules, whose docstrings the held-out chat prompts quote.
+# asyncio/ ..., pydoc_data's prose: code and English, on every machine, no download), not the
+# tests, not the codecs' tables (encodings/), not the package __init__.py files nor the top-level
+# modules, whose docstrings the held-out chat prompts quote.
 
 def text_files() -> list[Path]:
     root = Path(sysconfig.get_paths()["stdlib"])
-    skip = {"test", "tests", "idle_test", "site-packages"}
+    skip = {"test", "tests", "idle_test", "site-packages", "encodings"}  # encodings: code tables
     files = [p for p in sorted(root.glob("*/**/*.py"))
              if p.name != "__init__.py" and not skip & set(p.relative_to(root).parts)]
     random.Random(0).shuffle(files)  # every package a little, in a fixed order
