@@ -207,3 +207,21 @@ def test_features_are_found_by_their_answers_when_more_prompts_move_them(tmp_pat
     now = {p.name: p.stat().st_mtime_ns for p in (work / "features").iterdir()}
     assert len(made) == 3 and len(now) == 4 and all(now[n] == t for n, t in made.items())
     assert all(torch.equal(a, b) for a, b in zip(first, again[50:]))
+
+
+def test_training_with_text_reads_it_beside_the_answers(tmp_path, monkeypatch):
+    """--text-tokens through main(): the text's windows are made with the run's flags and counted
+    beside the answers (the features line), and train.json records their tokens."""
+    target = tiny_target(tmp_path / "target")
+    (tmp_path / "a.py").write_text("def add(a, b):\n    return a + b\n" * 40)
+    monkeypatch.setattr(te, "text_files", lambda: [tmp_path / "a.py"])
+    work = tmp_path / "w"
+    te.main(["--target", str(target), "--out", str(tmp_path / "h"), "--work-dir", str(work),
+             *ARGS, "--text-tokens", "300", "--text-window", "64"])
+    info = json.loads((tmp_path / "h" / "train.json").read_text())
+    text = [ex for f in sorted((work / "features").glob("text_*")) for ex in torch.load(f)]
+    assert info["text_tokens"] == sum(len(ex["answer"]) for ex in text) >= 250
+    answers = [ex for f in sorted((work / "answers").glob("train_*")) for ex in torch.load(f)]
+    positions = int((work / "log.txt").read_text().split("features: ")[1].split()[0])
+    assert positions == sum(len(ex["prompt"]) + len(ex["answer"]) for ex in answers + text)
+    assert info["steps_done"] in (2, 4) and info["train_answers"] == len(answers) == 10
