@@ -472,29 +472,25 @@ class Transformer(nn.Module):
     def forward(self, tokens, layers: list[int] | None = None):
         """Plain full forward without a cache: tokens [B, T] -> float32 logits [B, T, V]; with
         `layers`, (logits, the residual stream after each of them [B, T, len(layers), hidden])."""
-        T = tokens.shape[1]
-        positions = torch.arange(T, device=tokens.device)
-        cos, sin = rope_cos_sin(self.inv_freq, positions, self.dtype)
-        x, states = self.embed(tokens), {}
-        for l, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin)
-            if layers is not None and l in layers:
-                states[l] = x
-        if layers is None:
-            return self.head(x)
-        return self.head(x), torch.stack([states[l] for l in layers], -2)
+        x, states = self.residual(tokens, len(self.model.layers), layers or [])
+        return self.head(x) if layers is None else (self.head(x), states)
 
     def layer_states(self, tokens, layers: list[int]):
         """Plain forward without a cache, up to the highest of `layers` only: tokens [B, T] -> the
         residual stream after each listed layer, [B, T, len(layers), hidden] (the features an
         EAGLE head reads: eagle.py)."""
+        return self.residual(tokens, max(layers) + 1, layers)[1]
+
+    def residual(self, tokens, n_layers: int, layers: list[int]):
+        """The first n_layers layers on tokens [B, T] without a cache -> (the residual stream after
+        them [B, T, hidden], after each of `layers` [B, T, len(layers), hidden] or None)."""
         positions = torch.arange(tokens.shape[1], device=tokens.device)
         cos, sin = rope_cos_sin(self.inv_freq, positions, self.dtype)
         x, out = self.embed(tokens), {}
-        for l, layer in enumerate(self.model.layers[:max(layers) + 1]):
+        for l, layer in enumerate(self.model.layers[:n_layers]):
             x = layer(x, cos, sin)
             out[l] = x
-        return torch.stack([out[l] for l in layers], -2)
+        return x, torch.stack([out[l] for l in layers], -2) if layers else None
 
     def forward_cached(self, cache: PagedKVCache, seq_ids: list[int], tokens, counts: list[int],
                        last_only: bool = False, prompt: bool = False):

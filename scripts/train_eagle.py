@@ -70,7 +70,8 @@ def parse_args(argv=None):
     ap.add_argument("--target", required=True, help="any model run.py loads (alias, dir, GGUF)")
     ap.add_argument("--out", required=True, help="the head's directory")
     ap.add_argument("--work-dir", required=True, help="resumable state, shared with distill_draft")
-    ap.add_argument("--device", default="cpu", help="where the target and the head run: %(default)s")
+    ap.add_argument("--device", default="cpu",
+                    help="where the target and the head run: %(default)s")
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
     ap.add_argument("--layers", type=dd.int_list, default=None,
                     help="the three target layers fused (default: eagle.default_layers)")
@@ -127,6 +128,14 @@ def chunks(examples: list[dict]):
             start = i
 
 
+def padded(seqs: list[list[int]]) -> torch.Tensor:
+    """Token lists right-padded into [B, L] (causal: a position never sees the padding)."""
+    x = torch.zeros(len(seqs), max(map(len, seqs)), dtype=torch.long)
+    for r, ids in enumerate(seqs):
+        x[r, :len(ids)] = torch.tensor(ids)
+    return x
+
+
 @torch.no_grad()
 def features(target, examples: list[dict], layers: list[int], work: Path, name: str,
              batch_tokens: int) -> list[torch.Tensor]:
@@ -147,10 +156,7 @@ def features(target, examples: list[dict], layers: list[int], work: Path, name: 
             while order:  # batches of similar lengths, right-padded (causal: padding unseen)
                 n = max(1, batch_tokens // len(seqs[order[0]]))
                 rows, order = order[:n], order[n:]
-                L = max(len(seqs[i]) for i in rows)
-                x = torch.zeros(len(rows), L, dtype=torch.long)
-                for r, i in enumerate(rows):
-                    x[r, :len(seqs[i])] = torch.tensor(seqs[i])
+                x = padded([seqs[i] for i in rows])
                 h = target.layer_states(x.to(target.device), layers).to(torch.bfloat16).cpu()
                 for r, i in enumerate(rows):
                     part[i] = h[r, :len(seqs[i])].clone()
@@ -215,10 +221,7 @@ def text_examples(target, tok, layers: list[int], work: Path, args, topk: int) -
             n = max(1, 2048 // args.text_window)  # the logits of 2,048 positions: 400 MB
             for b in range(0, len(chunk), n):
                 rows = chunk[b:b + n]
-                x = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.long)
-                for r, ids in enumerate(rows):
-                    x[r, :len(ids)] = torch.tensor(ids)
-                logits, h = target(x.to(target.device), layers)  # [B, T, V], [B, T, 3, H]
+                logits, h = target(padded(rows).to(target.device), layers)  # [B,T,V], [B,T,3,H]
                 top = F.log_softmax(logits, -1).topk(topk, -1)
                 for r, ids in enumerate(rows):  # position i's law is the label of token i + 1
                     T = len(ids)
@@ -444,7 +447,8 @@ def train(head, train_ex, heldout, args, work: Path, out: Path, info: dict, st, 
                 fit = evaluate(head, train_ex[:FIT_SET], args.eval_k, args.device,
                                args.batch_tokens, args.bf16)["acceptance"]
                 dd.log(work, f"eagle step {step}/{args.steps} epoch {epoch}: {summary(metrics)}"
-                             f" (training answers a {fit:.3f}){' (best: exported)' if kept else ''}")
+                             f" (training answers a {fit:.3f})"
+                             f"{' (best: exported)' if kept else ''}")
                 if kept:  # the best mean held-out acceptance so far is what --out holds
                     best = score
                     export(head, out, {**info, "steps_done": step, "train_seconds": round(spent),
