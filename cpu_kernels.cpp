@@ -31,10 +31,13 @@
 #include <torch/library.h>
 
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <optional>
 #include <type_traits>
 #include <utility>
@@ -250,6 +253,13 @@ inline __m512i dot_pairs(__m512i acc, __m512i a, __m512i b) {  // dot_pairs, 512
 #endif
 }
 
+// a and b as the low and high halves of one register, and the high half back (AVX-512 F alone)
+__m512 halves(__m256 a, __m256 b) {
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(a)),
+                                             _mm256_castps_pd(b), 1));
+}
+__m256 high(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
+
 // Rows of p as pairs (int32) in tiles512's order: per block, units (2 v, 2 v + 1), pair j, unit.
 std::vector<int32_t> pairs2(const int16_t* p, int64_t M, int64_t K) {
   std::vector<int32_t> out(M * K / 2);
@@ -309,6 +319,167 @@ void tiles512(const int32_t* p2, const float* d, const float* sum, int64_t K,
 }
 #endif
 
+#if defined(__AMX_INT8__) && defined(__AVX512BW__)
+// Several rows of x with AMX, Intel's tile unit (Sapphire Rapids and later), which cpu_kernels.py
+// builds where /proc/cpuinfo lists amx_int8. One instruction (TDPBSUD) multiplies a tile A of up
+// to 16 rows of 32 signed bytes by a tile B of 16 columns of 32 unsigned bytes and adds the
+// products into 16 x 16 int32 sums, so the rows cost about what one does, where the forms above
+// multiply once per row. A tile's bytes are 8 bits, so a row's p = 256 hi + lo becomes two rows
+// of A: lo - 128 and hi, both signed; a last row of ones gives each output's sum of q, and
+//   sum q p = sum q (lo - 128) + 128 sum q + 256 sum q hi
+// is the block's integer sum, exact, the same int32 as `tiles`'; the float epilogue is add_block's
+// lane by lane, so every bit is theirs. 2 R + 1 rows fit a tile for R <= 7 rows of x.
+//   B, per block and pair of tiles (t, t + 1: 16 outputs): 8 rows of 64 bytes, row 2 u + h holds
+//     for each output 4 of its q as bytes, made from the packed layout by a mask (h = 0: each
+//     byte's low nibble) or a shift and a mask (h = 1: its high nibble), so output r's 4 bytes in
+//     row 2 u + h are its inputs 8 u + AMX_ORDER[4 h + i], which A's rows take in that order.
+// Making B is half of the work: a 4-row product of SmolLM2-135M's int4 layers took 13.8 ms on
+// one thread of a 2-core Xeon guest when B was made just before each multiply and the sums read
+// just after it (each waits for the other), 9.2 ms (VNNI) before; so here the multiplies of a
+// block run on one set of tiles while the next block's B is made and the last one's sums read.
+// Linux lends the tile registers to a process that asks (arch_prctl, once); where it does not,
+// the forms above run.
+constexpr int AMX_ORDER[8] = {0, 4, 1, 5, 2, 6, 3, 7};
+constexpr int AMX_ROWS = 7;  // rows of x a tile takes (2 R + 1 <= 16)
+// Fewer rows take the forms above: on one thread of a 2-core Xeon guest (SmolLM2-135M's 120 int4
+// layers, from memory) 4 rows took as long either way, 5 rows 8.4 ms against 10-14, 7 rows 9.5
+// against 13-17, 64 rows 77-100 against 111-119 (docs/benchmarks.md, "AMX").
+constexpr int AMX_MIN = 5;
+
+bool amx_granted() {
+  constexpr int ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+  static const bool granted =
+      syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  return granted;
+}
+
+// M rows of p as A, in pieces of R rows (R <= AMX_ROWS; the last piece padded with zeros): per
+// piece [2 R + 1, K] bytes, lo - 128 of each row, then hi of each, then ones; each block's inputs
+// in B's order.
+std::vector<int8_t> amx_pieces(const int16_t* p, int64_t M, int R, int64_t K) {
+  const int64_t P = (M + R - 1) / R, piece = (2 * R + 1) * K;
+  std::vector<int8_t> a(P * piece, 0);
+  for (int64_t i = 0; i < P; i++) std::fill_n(a.begin() + i * piece + 2 * R * K, K, 1);
+  for (int64_t m = 0; m < M; m++) {
+    int8_t* lo = a.data() + m / R * piece + m % R * K;
+    for (int64_t k = 0; k < K; k += 8)  // a unit of 8 inputs at a time
+      for (int j = 0; j < 8; j++) {
+        const int16_t v = p[m * K + k + AMX_ORDER[j]];
+        lo[k + j] = static_cast<int8_t>((v & 0xFF) - 128);
+        lo[R * K + k + j] = static_cast<int8_t>(v >> 8);
+      }
+  }
+  return a;
+}
+
+struct TileConfig {  // what LDTILECFG reads (palette 1): each tile's rows and bytes a row
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// B for tiles a and b and one block: [a's unit u | b's] -> rows 2 u and 2 u + 1 of B
+inline void amx_weights(const uint8_t* wa, const uint8_t* wb, uint8_t* b) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  for (int u = 0; u < 4; u++) {
+    const __m512i w = _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(wa + u * 32))),
+        _mm256_loadu_si256((const __m256i*)(wb + u * 32)), 1);
+    _mm512_store_si512(b + 2 * u * 64, _mm512_and_si512(w, low4));
+    _mm512_store_si512(b + (2 * u + 1) * 64, _mm512_and_si512(_mm512_srli_epi16(w, 4), low4));
+  }
+}
+
+// One block's multiply on tile set S (A in tile 3 S, B in 3 S + 1, the sums in 3 S + 2), the
+// sums stored to c. Tile numbers are part of the instruction, hence two copies.
+template <int S>
+inline void amx_multiply(const int8_t* a, int64_t K, const uint8_t* b, int32_t* c) {
+  if constexpr (S == 0) {
+    _tile_loadd(0, a, K);
+    _tile_loadd(1, b, 64);
+    _tile_zero(2);
+    _tile_dpbsud(2, 0, 1);
+    _tile_stored(2, c, 64);
+  } else {
+    _tile_loadd(3, a, K);
+    _tile_loadd(4, b, 64);
+    _tile_zero(5);
+    _tile_dpbsud(5, 3, 4);
+    _tile_stored(5, c, 64);
+  }
+}
+
+// add_block for 16 outputs (a pair of tiles) and the first n rows of a piece of R, from one
+// block's stored sums c
+inline void amx_add_block(__m512* acc, int R, int n, const int32_t* c, const uint16_t* sma,
+                          const uint16_t* smb, const float* d, const float* sum, int64_t G) {
+  const __m512 s = halves(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)sma)),
+                          _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)smb)));
+  const __m512 m = halves(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(sma + 8))),
+                          _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(smb + 8))));
+  const __m512i q128 = _mm512_slli_epi32(_mm512_load_si512(c + 16 * 2 * R), 7);
+  for (int r = 0; r < n; r++) {
+    const __m512i hi256 = _mm512_slli_epi32(_mm512_load_si512(c + 16 * (R + r)), 8);
+    const __m512i i = _mm512_add_epi32(_mm512_add_epi32(_mm512_load_si512(c + 16 * r), q128),
+                                       hi256);
+    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_mul_ps(s, _mm512_set1_ps(d[r * G])),
+                             acc[r]);
+    acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sum[r * G]), acc[r]);
+  }
+}
+
+// The M rows of x (in pieces of R, as amx_pieces lays them out in a) times the outputs of tiles
+// [t0, t1), two at a time (past t1, tile t0's weights, whose sums are not stored): y[m, 8 t + i].
+// A block's B, made once, serves every piece; the multiplies alternate between two sets of tiles.
+void tiles_amx(const int8_t* a, int64_t M, int R, const float* d, const float* sum, int64_t K,
+               const uint8_t* packed, const uint16_t* sm, float* y, int64_t N, int64_t t0,
+               int64_t t1) {
+  const int64_t G = K / BLOCK, P = (M + R - 1) / R, piece = (2 * R + 1) * K;
+  TileConfig cfg;
+  for (int S : {0, 3}) {
+    cfg.rows[S] = cfg.rows[S + 2] = 2 * R + 1, cfg.colsb[S] = 32, cfg.colsb[S + 2] = 64;
+    cfg.rows[S + 1] = 8, cfg.colsb[S + 1] = 64;
+  }
+  _tile_loadconfig(&cfg);
+  alignas(64) uint8_t b[2][8 * 64];
+  alignas(64) int32_t c[2][16 * 16];
+  std::vector<__m512> acc(M);
+  for (int64_t t = t0; t < t1; t += 2) {
+    const int64_t tb = t + 1 < t1 ? t + 1 : t0;
+    const uint8_t *wa = packed + t * G * 128, *wb = packed + tb * G * 128;
+    const uint16_t *sa = sm + t * G * 2 * TILE, *sb = sm + tb * G * 2 * TILE;
+    std::fill(acc.begin(), acc.end(), _mm512_setzero_ps());
+    // the sums of multiply i are read after multiply i + 1 is issued: (piece, block) of the last
+    int64_t i = 0, lp = -1, lg = -1;
+    auto add_last = [&] {
+      const int64_t m = lp * R;
+      amx_add_block(&acc[m], R, std::min<int64_t>(R, M - m), c[(i - 1) % 2], sa + lg * 16,
+                    sb + lg * 16, d + m * G + lg, sum + m * G + lg, G);
+    };
+    amx_weights(wa, wb, b[0]);
+    for (int64_t g = 0; g < G; g++) {
+      for (int l = 0; l < 128; l += 64) {  // a block of a tile is two cache lines
+        _mm_prefetch((const char*)(wa + g * 128 + PREFETCH + l), _MM_HINT_T0);
+        _mm_prefetch((const char*)(wb + g * 128 + PREFETCH + l), _MM_HINT_T0);
+      }
+      if (g + 1 < G) amx_weights(wa + (g + 1) * 128, wb + (g + 1) * 128, b[(g + 1) % 2]);
+      for (int64_t p = 0; p < P; p++, i++) {
+        if (i % 2) amx_multiply<1>(a + p * piece + g * BLOCK, K, b[g % 2], c[1]);
+        else amx_multiply<0>(a + p * piece + g * BLOCK, K, b[g % 2], c[0]);
+        if (lp >= 0) add_last();  // multiply i - 1's, whose sums are in the other set
+        lp = p, lg = g;
+      }
+    }
+    add_last();
+    for (int64_t m = 0; m < M; m++) {
+      _mm256_storeu_ps(y + m * N + t * TILE, _mm512_castps512_ps256(acc[m]));
+      if (t + 1 < t1) _mm256_storeu_ps(y + m * N + (t + 1) * TILE, high(acc[m]));
+    }
+  }
+  _tile_release();
+}
+#endif
+
 at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sm) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "int4_mm: x must be a contiguous float32 [M, K]");
@@ -328,6 +499,16 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tens
   // Threads split the tiles (each output is one thread's), so their number cannot change a bit;
   // each takes at least 64 KB of weights: below that, starting one costs more than it saves.
   const int64_t grain = std::max<int64_t>(1, 65536 / (TILE * K / 2));
+#if defined(__AMX_INT8__) && defined(__AVX512BW__)
+  if (M >= AMX_MIN && amx_granted()) {  // two tiles at a time, so threads split the pairs
+    const int R = std::min<int64_t>(M, AMX_ROWS);
+    const std::vector<int8_t> a = amx_pieces(pp, M, R, K);
+    at::parallel_for(0, (T + 1) / 2, (grain + 1) / 2, [&](int64_t u0, int64_t u1) {
+      tiles_amx(a.data(), M, R, d, sum, K, w, smp, yp, N, 2 * u0, std::min(2 * u1, T));
+    });
+    return y;
+  }
+#endif
 #ifdef __AVX512BW__
   const std::vector<int32_t> p2 = M > 1 ? pairs2(pp, M, K) : std::vector<int32_t>();  // tiles512's
 #endif
@@ -419,13 +600,6 @@ void rows8(const int16_t* p, const float* d, const float* sum, int64_t K, const 
 }
 
 #ifdef __AVX512BW__
-// a and b as the low and high halves of one register, and the high half back (AVX-512 F alone)
-__m512 halves(__m256 a, __m256 b) {
-  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(a)),
-                                             _mm256_castps_pd(b), 1));
-}
-__m256 high(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
-
 // More than one row of x with AVX-512: rows8<R, 2> with a block of an output's 32 weights in one
 // register (one multiply-add for a row in place of two), and the two outputs side by side in the
 // float sums: after the block's multiply-adds, a 512-bit register holds lane l of output o's sum

@@ -221,26 +221,30 @@ def test_cpu_int4_kernel_layer():
 # The forms of cpu_kernels.cpp that other CPUs build, each by the extra flags it takes (None: the
 # AVX2 form, which a compiler that refuses the extra flags falls back to)
 KERNEL_FORMS = {"avx2": None, "avx-vnni": ("-mavxvnni",),
-                "avx-512 without vnni": ("-mavx512f", "-mavx512bw")}
+                "avx-512 without vnni": ("-mavx512f", "-mavx512bw"),
+                "avx-512 and vnni without amx": ("-mavxvnni", "-mavx512f", "-mavx512bw",
+                                                 "-mavx512vl", "-mavx512vnni")}
+FORM_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 15, 16)  # AMX takes 5 and more, in pieces of 7
 
 
 @needs_cpu_kernels
 def test_kernel_forms_give_the_same_bits(tmp_path):
     """The int4 and int8 kernels as this CPU builds them (cpu_kernels.cpu_flags()) and as CPUs
     with fewer instructions build them (KERNEL_FORMS this CPU can run, each in a fresh process and
-    cache, built side by side), with no warning: the same integer sums, so the same bits, for 1 to
-    5 rows (each number of rows takes its own code; 42 int8 outputs leave a tail after the 4 or 2
-    at a time). The AVX2 form is built as a compiler without the extras (GCC before 11 and
-    AVX-VNNI) builds it: g++ behind a script that refuses them."""
+    cache, built side by side), with no warning: the same integer sums, so the same bits, for
+    FORM_ROWS rows (each number of rows takes its own code; 42 int8 outputs leave a tail after the
+    4 or 2 at a time, 41 int4 tiles one after AMX's pairs). The AVX2 form is built as a compiler
+    without the extras (GCC before 11 and AVX-VNNI) builds it: g++ behind a script that refuses
+    them."""
     here = cpu_kernels.cpu_flags()
     forms = {name: extra for name, extra in KERNEL_FORMS.items()
              if here and (extra is None or set(extra) <= set(here) and extra != here)}
     if not forms:
         pytest.skip(f"this CPU ({' '.join(here) or 'AVX2'}) builds no form beside its own")
     g = torch.Generator().manual_seed(8)
-    inputs = dict(x=3 * torch.randn(5, 192, generator=g),
-                  packed=torch.randint(0, 256, (40, 6, 4, 32), dtype=torch.uint8, generator=g),
-                  sm=(0.01 * torch.randn(40, 6, 2, 8, generator=g)).half(),
+    inputs = dict(x=3 * torch.randn(max(FORM_ROWS), 192, generator=g),
+                  packed=torch.randint(0, 256, (41, 6, 4, 32), dtype=torch.uint8, generator=g),
+                  sm=(0.01 * torch.randn(41, 6, 2, 8, generator=g)).half(),
                   q8=torch.randint(-128, 128, (42, 192), dtype=torch.int8, generator=g),
                   s8=0.01 * torch.rand(42, 6, generator=g),
                   m8=0.01 * torch.randn(42, 6, generator=g))
@@ -265,7 +269,7 @@ def test_kernel_forms_give_the_same_bits(tmp_path):
                 "x = lambda m: a['x'][:m].contiguous()\n"
                 "torch.save([[torch.ops.ssd.int4_mm(x(m), a['packed'], a['sm']),\n"
                 "             torch.ops.ssd.int8_mm(x(m), a['q8'], a['s8'], a['m8'])]\n"
-                f"            for m in range(1, 6)], {str(tmp_path / f'{i}.pt')!r})\n")
+                f"            for m in {FORM_ROWS}], {str(tmp_path / f'{i}.pt')!r})\n")
         env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / f"cache{i}"),
                **({"CXX": str(cxx)} if extra is None else {})}
         runs[name] = (i, subprocess.Popen([sys.executable, "-c", code], env=env, text=True,
@@ -276,12 +280,10 @@ def test_kernel_forms_give_the_same_bits(tmp_path):
         assert len(list((tmp_path / f"cache{i}" / "ssd").glob("*.so"))) == 1, name  # that form's
         other = torch.load(tmp_path / f"{i}.pt")
         a = inputs
-        for m in range(1, 6):
+        for m, (y4, y8) in zip(FORM_ROWS, other):
             x = a["x"][:m].contiguous()
-            assert torch.equal(torch.ops.ssd.int4_mm(x, a["packed"], a["sm"]),
-                               other[m - 1][0]), (name, m)
-            assert torch.equal(torch.ops.ssd.int8_mm(x, a["q8"], a["s8"], a["m8"]),
-                               other[m - 1][1]), (name, m)
+            assert torch.equal(torch.ops.ssd.int4_mm(x, a["packed"], a["sm"]), y4), (name, m)
+            assert torch.equal(torch.ops.ssd.int8_mm(x, a["q8"], a["s8"], a["m8"]), y8), (name, m)
         assert min(y.abs().mean() for y in other[4]) > 0.1  # of order 1, not zeros builds share
 
 
