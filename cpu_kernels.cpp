@@ -323,9 +323,10 @@ void tiles512(const int32_t* p2, const float* d, const float* sum, int64_t K,
 // Several rows of x with AMX, Intel's tile unit (Sapphire Rapids and later), which cpu_kernels.py
 // builds where /proc/cpuinfo lists amx_int8. One instruction (TDPBSUD) multiplies a tile A of up
 // to 16 rows of 32 signed bytes by a tile B of 16 columns of 32 unsigned bytes and adds the
-// products into 16 x 16 int32 sums, so the rows cost about what one does, where the forms above
-// multiply once per row. A tile's bytes are 8 bits, so a row's p = 256 hi + lo becomes two rows
-// of A: lo - 128 and hi, both signed; a last row of ones gives each output's sum of q, and
+// products into 16 x 16 int32 sums: up to 7 rows of x cost one multiply a block, where the forms
+// above multiply once per row (a prefill's many rows gain most). A tile's bytes are 8 bits, so a
+// row's p = 256 hi + lo becomes two rows of A: lo - 128 and hi, both signed; a last row of ones
+// gives each output's sum of q, and
 //   sum q p = sum q (lo - 128) + 128 sum q + 256 sum q hi
 // is the block's integer sum, exact, the same int32 as `tiles`'; the float epilogue is add_block's
 // lane by lane, so every bit is theirs. 2 R + 1 rows fit a tile for R <= 7 rows of x.
@@ -333,18 +334,22 @@ void tiles512(const int32_t* p2, const float* d, const float* sum, int64_t K,
 //     for each output 4 of its q as bytes, made from the packed layout by a mask (h = 0: each
 //     byte's low nibble) or a shift and a mask (h = 1: its high nibble), so output r's 4 bytes in
 //     row 2 u + h are its inputs 8 u + AMX_ORDER[4 h + i], which A's rows take in that order.
-// Making B is half of the work: a 4-row product of SmolLM2-135M's int4 layers took 13.8 ms on
-// one thread of a 2-core Xeon guest when B was made just before each multiply and the sums read
-// just after it (each waits for the other), 9.2 ms (VNNI) before; so here the multiplies of a
-// block run on one set of tiles while the next block's B is made and the last one's sums read.
+// Making B is half of the work (AMX has no 4-bit bytes), and what bounds the form: a 4-row product
+// of SmolLM2-135M's int4 layers took 13.8 ms on one thread of a 2-core Xeon guest when B was made
+// just before each multiply and the sums read just after it (each waits for the other), 9.2 ms
+// in VNNI; so here a block's multiplies run on one set of tiles while the next block's B is made
+// and the last multiply's sums are read (two sets, tiles 0-2 and 3-5).
 // Linux lends the tile registers to a process that asks (arch_prctl, once); where it does not,
 // the forms above run.
 constexpr int AMX_ORDER[8] = {0, 4, 1, 5, 2, 6, 3, 7};
 constexpr int AMX_ROWS = 7;  // rows of x a tile takes (2 R + 1 <= 16)
-// Fewer rows take the forms above: on one thread of a 2-core Xeon guest (SmolLM2-135M's 120 int4
-// layers, from memory) 4 rows took as long either way, 5 rows 8.4 ms against 10-14, 7 rows 9.5
-// against 13-17, 64 rows 77-100 against 111-119 (docs/benchmarks.md, "AMX").
-constexpr int AMX_MIN = 5;
+// Fewer rows take the forms above. Measured on a 2-core Xeon guest (SmolLM2-135M's 120 int4
+// layers alone, from memory, one thread): 4 rows as fast either way, 5 rows in 8.4 ms against
+// 10-14, 7 rows 9.5 against 13-17, 64 rows 77-100 against 111-119. In a whole forward the gain
+// shrinks (the int8 head, attention and memory stay): 3 rows slower (13-14 ms against 12-12.5),
+// 5 the same, 6 and 8 rows 0-10% faster, a 64- and a 512-token prefill 0.75x and 0.85x the time
+// (docs/benchmarks.md, "AMX tiles").
+constexpr int AMX_MIN = 6;
 
 bool amx_granted() {
   constexpr int ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
