@@ -659,6 +659,16 @@ def test_step_floor_compares_each_step_with_the_floor_measured_beside_it():
             8e3 / statistics.median(r["prefill_ms"] for r in rows))
 
 
+def test_step_floor_refuses_an_unknown_instruction_to_build_without():
+    """--kernels-without names cpu_kernels.EXTRA_FLAGS' entries; another name is one line, and
+    nothing is taken out of the table."""
+    from scripts import step_floor
+    before = dict(cpu_kernels.EXTRA_FLAGS)
+    with pytest.raises(SystemExit, match="--kernels-without amx: not one of avx_vnni, .*amx_int8"):
+        step_floor.main(["--target", "tiny", "--kernels-without", "amx"])
+    assert cpu_kernels.EXTRA_FLAGS == before
+
+
 def test_step_floor_puts_llama_cpp_in_its_own_steps():
     """llama.cpp's rows (its evals of 1 and R tokens, its prefill) summarised as the engine's are:
     each R over the 1-token eval of the same round, medians over the rounds."""
