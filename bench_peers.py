@@ -83,6 +83,17 @@ class HF:
             torch.set_num_threads(old)
 
 
+def peer_failure(res: subprocess.CompletedProcess, repack: bool) -> str:
+    """One line for a llama.cpp peer that failed: its last word on stderr, or how it ended (a
+    crash leaves none), and the way around the crash seen on Xeon guests."""
+    last = res.stderr.strip().splitlines()[-1:]
+    why = last[0] if last else (f"killed by signal {-res.returncode}" if res.returncode < 0
+                                else f"exit status {res.returncode}")
+    hint = ("; if its weight repacking crashes on this CPU (AMX on some Xeon guests), add "
+            "--no-repack" if repack else "")
+    return f"the llama.cpp peer failed ({why}){hint}"
+
+
 def llama_cpp_run(cfg, batches, a) -> dict:
     """One run of the llama.cpp peer over `batches` (batch 1 each) -> the same counters as
     run_engine (timings only), through scripts/llama_cpp_peer.py in a.llama_cpp_python."""
@@ -95,7 +106,7 @@ def llama_cpp_run(cfg, batches, a) -> dict:
     res = subprocess.run([a.llama_cpp_python, str(peer)], input=json.dumps(job), text=True,
                          capture_output=True)
     if res.returncode:
-        raise RuntimeError(f"the llama.cpp peer failed: {res.stderr.strip().splitlines()[-1:]}")
+        raise RuntimeError(peer_failure(res, not a.no_repack))
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 

@@ -39,6 +39,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import cpu_kernels  # noqa: E402
+from bench_peers import peer_failure  # noqa: E402
 from checkpoint import load_model, resolve  # noqa: E402
 from huge_pages import huge_page_slab  # noqa: E402
 from quantize import weight_bytes  # noqa: E402
@@ -96,7 +97,7 @@ def llama_cpp(a, threads: int, sizes: list[int]) -> dict:
     res = subprocess.run([a.llama_cpp_python, str(REPO / "scripts" / "llama_cpp_peer.py")],
                          input=json.dumps(job), text=True, capture_output=True)
     if res.returncode:
-        sys.exit(f"the llama.cpp peer failed: {res.stderr.strip().splitlines()[-1:]}")
+        sys.exit(peer_failure(res, not a.no_repack))
     out = json.loads(res.stdout.strip().splitlines()[-1])
     return dict(forward_ms={int(R): ms for R, ms in out["forward_ms"].items()},
                 prefill_ms=out["prefill_ms"])

@@ -669,6 +669,20 @@ def test_step_floor_refuses_an_unknown_instruction_to_build_without():
     assert cpu_kernels.EXTRA_FLAGS == before
 
 
+def test_a_crashed_llama_cpp_peer_is_one_line_with_the_way_around(tmp_path):
+    """A peer that dies of a signal (llama.cpp's AMX repacking on some Xeon guests) leaves no
+    stderr: the line says how it ended and, with repacking on, names --no-repack."""
+    from bench_peers import peer_failure
+    crash = subprocess.run([sys.executable, "-c", "import os, signal; "
+                            "os.kill(os.getpid(), signal.SIGSEGV)"], capture_output=True, text=True)
+    line = peer_failure(crash, repack=True)
+    assert line.startswith("the llama.cpp peer failed (killed by signal 11)")
+    assert "--no-repack" in line and "\n" not in line
+    said = subprocess.run([sys.executable, "-c", "import sys; sys.exit('no model file')"],
+                          capture_output=True, text=True)
+    assert peer_failure(said, repack=False) == "the llama.cpp peer failed (no model file)"
+
+
 def test_step_floor_puts_llama_cpp_in_its_own_steps():
     """llama.cpp's rows (its evals of 1 and R tokens, its prefill) summarised as the engine's are:
     each R over the 1-token eval of the same round, medians over the rounds."""
