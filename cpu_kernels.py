@@ -49,10 +49,17 @@ EXTRA_FLAGS = {"avx_vnni": ["-mavxvnni"], "avx512bw": ["-mavx512f", "-mavx512bw"
 
 
 def cpu_flags() -> tuple[str, ...]:
-    """The EXTRA_FLAGS of the instructions this CPU has."""
+    """The EXTRA_FLAGS of the instructions this CPU has, less those named in $SSD_KERNELS_WITHOUT
+    (comma-separated /proc/cpuinfo names, e.g. amx_int8): a guest that lists an instruction it
+    runs badly, or a comparison of two forms (the same bits either way)."""
     cpuinfo = Path("/proc/cpuinfo")
     have = set(cpuinfo.read_text().split()) if cpuinfo.exists() else set()
-    return tuple(flag for name, flags in EXTRA_FLAGS.items() if name in have for flag in flags)
+    without = set(filter(None, os.environ.get("SSD_KERNELS_WITHOUT", "").split(",")))
+    if unknown := without - set(EXTRA_FLAGS):
+        raise ValueError(f"SSD_KERNELS_WITHOUT names {', '.join(sorted(unknown))}: the "
+                         f"instructions it can leave out are {', '.join(EXTRA_FLAGS)}")
+    return tuple(flag for name, flags in EXTRA_FLAGS.items() if name in have - without
+                 for flag in flags)
 
 
 # available()'s answer once found (a process loads the library once), and the lock that makes

@@ -20,8 +20,9 @@ weights, so its floor is the step's, and verify / step says what the rows past t
 same GGUF file at each thread count of each round, after the engine: its eval of 1 and of R tokens
 after the same context, every row's logits kept as a verification needs them, and its prefill.
 
-`--kernels-without amx_int8` builds cpu_kernels.cpp without the instructions named (its
-EXTRA_FLAGS' /proc/cpuinfo names): the same bits by another form, so two runs compare the forms.
+`SSD_KERNELS_WITHOUT=amx_int8 python scripts/step_floor.py ...` builds cpu_kernels.cpp without the
+instructions named (cpu_kernels.cpu_flags): the same bits by another form, so two runs compare
+the forms.
 
     python scripts/step_floor.py --target smollm2-135m --quant auto --threads 1,2 --verify 2,3,4,5,8
 """
@@ -38,7 +39,6 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-import cpu_kernels  # noqa: E402
 from bench_peers import peer_failure  # noqa: E402
 from checkpoint import load_model, resolve  # noqa: E402
 from huge_pages import huge_page_slab  # noqa: E402
@@ -120,13 +120,7 @@ def main(argv=None) -> dict:
                     "time llama.cpp's forwards on the same GGUF file beside the engine's")
     ap.add_argument("--no-repack", action="store_true", help="llama.cpp without its weight "
                     "repacking (use_extra_bufts=False; its AMX repacking crashes on some Xeons)")
-    ap.add_argument("--kernels-without", default="", metavar="NAMES", help="build the CPU's "
-                    "kernels without these instructions (e.g. amx_int8), comma-separated")
     a = ap.parse_args(argv)
-    for name in filter(None, a.kernels_without.split(",")):
-        if name not in cpu_kernels.EXTRA_FLAGS:
-            sys.exit(f"--kernels-without {name}: not one of {', '.join(cpu_kernels.EXTRA_FLAGS)}")
-        del cpu_kernels.EXTRA_FLAGS[name]  # before the model loads and builds them
     verify = [int(r) for r in a.verify.split(",") if r]
     if a.llama_cpp_python and not resolve(a.target).is_file():
         sys.exit(f"llama.cpp runs GGUF files: --target {a.target} is not one (try smollm2-135m)")

@@ -659,14 +659,19 @@ def test_step_floor_compares_each_step_with_the_floor_measured_beside_it():
             8e3 / statistics.median(r["prefill_ms"] for r in rows))
 
 
-def test_step_floor_refuses_an_unknown_instruction_to_build_without():
-    """--kernels-without names cpu_kernels.EXTRA_FLAGS' entries; another name is one line, and
-    nothing is taken out of the table."""
-    from scripts import step_floor
-    before = dict(cpu_kernels.EXTRA_FLAGS)
-    with pytest.raises(SystemExit, match="--kernels-without amx: not one of avx_vnni, .*amx_int8"):
-        step_floor.main(["--target", "tiny", "--kernels-without", "amx"])
-    assert cpu_kernels.EXTRA_FLAGS == before
+def test_kernels_without_leaves_out_the_named_instructions(monkeypatch):
+    """$SSD_KERNELS_WITHOUT takes the named instructions out of the build (a guest that runs one
+    badly, an A/B of two forms); an unknown name is refused with the names it takes."""
+    monkeypatch.setenv("SSD_KERNELS_WITHOUT", "")
+    every = cpu_kernels.cpu_flags()
+    monkeypatch.setenv("SSD_KERNELS_WITHOUT", ",".join(cpu_kernels.EXTRA_FLAGS))
+    assert cpu_kernels.cpu_flags() == ()
+    monkeypatch.setenv("SSD_KERNELS_WITHOUT", "avx512bw")
+    assert set(cpu_kernels.cpu_flags()) == set(every) - {"-mavx512f", "-mavx512bw"}
+    monkeypatch.setenv("SSD_KERNELS_WITHOUT", "amx")
+    with pytest.raises(ValueError, match="names amx: the instructions it can leave out are "
+                                         "avx_vnni, .*amx_int8"):
+        cpu_kernels.cpu_flags()
 
 
 def test_a_crashed_llama_cpp_peer_is_one_line_with_the_way_around(tmp_path):
