@@ -324,9 +324,9 @@ void tiles512(const int32_t* p2, const float* d, const float* sum, int64_t K,
 // builds where /proc/cpuinfo lists amx_int8. One instruction (TDPBSUD) multiplies a tile A of up
 // to 16 rows of 32 signed bytes by a tile B of 16 columns of 32 unsigned bytes and adds the
 // products into 16 x 16 int32 sums: up to 7 rows of x cost one multiply a block, where the forms
-// above multiply once per row (a prefill's many rows gain most). A tile's bytes are 8 bits, so a
-// row's p = 256 hi + lo becomes two rows of A: lo - 128 and hi, both signed; a last row of ones
-// gives each output's sum of q, and
+// above multiply once per row (a prefill's many rows gain; a verification's few did not). A
+// tile's bytes are 8 bits, so a row's p = 256 hi + lo becomes two rows of A: lo - 128 and hi,
+// both signed; a last row of ones gives each output's sum of q, and
 //   sum q p = sum q (lo - 128) + 128 sum q + 256 sum q hi
 // is the block's integer sum, exact, the same int32 as `tiles`'; the float epilogue is add_block's
 // lane by lane, so every bit is theirs. 2 R + 1 rows fit a tile for R <= 7 rows of x.
@@ -345,11 +345,12 @@ constexpr int AMX_ORDER[8] = {0, 4, 1, 5, 2, 6, 3, 7};
 constexpr int AMX_ROWS = 7;  // rows of x a tile takes (2 R + 1 <= 16)
 // Fewer rows take the forms above. Measured on a 2-core Xeon guest (SmolLM2-135M's 120 int4
 // layers alone, from memory, one thread): 4 rows as fast either way, 5 rows in 8.4 ms against
-// 10-14, 7 rows 9.5 against 13-17, 64 rows 77-100 against 111-119. In a whole forward the gain
-// shrinks (the int8 head, attention and memory stay): 3 rows slower (13-14 ms against 12-12.5),
-// 5 the same, 6 and 8 rows 0-10% faster, a 64- and a 512-token prefill 0.75x and 0.85x the time
-// (docs/benchmarks.md, "AMX tiles").
-constexpr int AMX_MIN = 6;
+// 10-14, 8 rows 12-15 against 18.5-19.5, 16 rows 21-28 against 36-38, 64 rows 77-100 against
+// 111-119. In a whole forward the gain shrinks or goes: 3 rows slower (13-14 ms against 12-12.5),
+// 5 the same, 6 and 8 rows 0-10% faster at best, SSD (whose speculator drafts ~8 rows) the same
+// within the guest's drift, while a 64- and a 512-token prefill took 0.7-0.8x and 0.8-0.9x the
+// time (docs/benchmarks.md, "AMX tiles"). So prefills and large batches: 16 rows and more.
+constexpr int AMX_MIN = 16;
 
 bool amx_granted() {
   constexpr int ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;

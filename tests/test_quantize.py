@@ -224,7 +224,7 @@ KERNEL_FORMS = {"avx2": None, "avx-vnni": ("-mavxvnni",),
                 "avx-512 without vnni": ("-mavx512f", "-mavx512bw"),
                 "avx-512 and vnni without amx": ("-mavxvnni", "-mavx512f", "-mavx512bw",
                                                  "-mavx512vl", "-mavx512vnni")}
-FORM_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 15, 16)  # AMX takes 5 and more, in pieces of 7
+FORM_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17, 24)  # AMX takes 16 and more, in pieces of 7
 
 
 @needs_cpu_kernels
