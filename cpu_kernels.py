@@ -41,8 +41,8 @@ FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-std=c++20", "-shared"
 # name for each, and the compiler's flags. AVX-VNNI multiplies and adds 16-bit pairs in one
 # instruction (dot_pairs); AVX-512 (BW for its 16-bit integers) the int4 product two units of the
 # weights at a time (tiles512), with its own VNNI, which VL gives to 256-bit registers too
-# (dot_pairs on a CPU without AVX-VNNI); AMX's tiles the int4 product of 2-16 rows at about the
-# price of one (tiles_amx). Every form gives the same bits.
+# (dot_pairs on a CPU without AVX-VNNI); AMX's tiles the int4 product of 16 and more rows, 7 rows
+# a multiply (tiles_amx: prefills). Every form gives the same bits.
 EXTRA_FLAGS = {"avx_vnni": ["-mavxvnni"], "avx512bw": ["-mavx512f", "-mavx512bw"],
                "avx512vl": ["-mavx512vl"], "avx512_vnni": ["-mavx512vnni"],
                "amx_int8": ["-mamx-tile", "-mamx-int8"]}
