@@ -507,10 +507,9 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tens
   const int64_t grain = std::max<int64_t>(1, 65536 / (TILE * K / 2));
 #if defined(__AMX_INT8__) && defined(__AVX512BW__)
   if (M >= AMX_MIN && amx_granted()) {  // two tiles at a time, so threads split the pairs
-    const int R = std::min<int64_t>(M, AMX_ROWS);
-    const std::vector<int8_t> a = amx_pieces(pp, M, R, K);
+    const std::vector<int8_t> a = amx_pieces(pp, M, AMX_ROWS, K);
     at::parallel_for(0, (T + 1) / 2, (grain + 1) / 2, [&](int64_t u0, int64_t u1) {
-      tiles_amx(a.data(), M, R, d, sum, K, w, smp, yp, N, 2 * u0, std::min(2 * u1, T));
+      tiles_amx(a.data(), M, AMX_ROWS, d, sum, K, w, smp, yp, N, 2 * u0, std::min(2 * u1, T));
     });
     return y;
   }

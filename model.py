@@ -489,7 +489,8 @@ class Transformer(nn.Module):
         x, out = self.embed(tokens), {}
         for l, layer in enumerate(self.model.layers[:n_layers]):
             x = layer(x, cos, sin)
-            out[l] = x
+            if l in layers:  # only those: a plain forward keeps no layer's output
+                out[l] = x
         return x, torch.stack([out[l] for l in layers], -2) if layers else None
 
     def forward_cached(self, cache: PagedKVCache, seq_ids: list[int], tokens, counts: list[int],

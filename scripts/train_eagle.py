@@ -144,12 +144,15 @@ def features(target, examples: list[dict], layers: list[int], work: Path, name: 
     folder = work / "features"
     folder.mkdir(exist_ok=True)
     out = []
+    # the files made so far, by their contents' key: a chunk is found wherever it stood (more
+    # prompts move a source's answers along)
+    made = {}
+    for p in sorted(folder.glob(f"{name}_*_*.pt")):
+        made.setdefault(p.stem.rsplit("_", 1)[1], p)
     for c, chunk in chunks(examples):
         seqs = [ex["prompt"] + ex["answer"] for ex in chunk]
         key = hashlib.md5(f"{layers} {seqs}".encode()).hexdigest()[:8]
-        # found by its contents wherever it stood: more prompts move a source's answers along
-        made = sorted(folder.glob(f"{name}_*_{key}.pt"))
-        path = made[0] if made else folder / f"{name}_{c:05d}_{key}.pt"
+        path = made.get(key, folder / f"{name}_{c:05d}_{key}.pt")
         if not path.exists():
             part = [None] * len(seqs)
             order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
