@@ -27,7 +27,8 @@ def check_device(device) -> torch.device:
     if d.type != "cuda":  # mps, xpu, meta, ...: the engine's kernels and processes know neither
         raise ValueError(f"device {device!r} is not supported: use cpu or cuda:N")
     if not torch.cuda.is_available():
-        raise ValueError(f"device {device} requested but CUDA is not available: use --device cpu")
+        raise ValueError(f"device {device} requested but CUDA is not available here: give cpu "
+                         f"instead (--device cpu, --target-devices cpu,cpu, ...)")
     index = torch.cuda.current_device() if d.index is None else d.index
     if index >= torch.cuda.device_count():
         raise ValueError(f"device {device} does not exist ({torch.cuda.device_count()} GPUs "

@@ -223,6 +223,13 @@ def save(head: EagleHead, out: Path, extra: dict | None = None, dtype=torch.bflo
     tensors = {k: v.detach().to("cpu", dtype if v.is_floating_point() else v.dtype, copy=True)
                for k, v in state_dict_out(head).items()}  # copies: q/k/v are views of one tensor
     save_file(tensors, str(out / "model.safetensors"))
+    same_mode(out / "model.safetensors", like=out / "config.json")
+
+
+def same_mode(path: Path, like: Path):
+    """safetensors writes its file 0600 whatever the umask: give it the mode of a file this
+    process wrote beside it (0644 under the usual umask), so that others can read the head."""
+    path.chmod(like.stat().st_mode & 0o777)
 
 
 def is_head(path) -> bool:

@@ -148,7 +148,7 @@ def generate_auto(prompts, mode, target, tokenizer, chat, stream, max_new_tokens
     measured tokens/s per mode."""
     prompts = check_request(prompts, max_new_tokens)
     if kw["target_devices"] or kw["torchrun"]:
-        raise ValueError("mode='auto' measures each mode on a target loaded once, which a "
+        raise ValueError("--mode auto measures each mode on a target loaded once, which a "
                          "tensor-parallel target cannot be: choose the mode (ar, sd or ssd)")
     if not isinstance(target, Transformer):
         with LOADING:

@@ -53,8 +53,8 @@ def check_start(target, world: int, timeout_s: float):
     """Before a rank starts: a timeout that can pass, a split the model allows (each rank checks
     before it loads any weight) and no process group of this process's own in the way."""
     if not 0 < timeout_s <= TP_TIMEOUT_MAX_S:  # gloo counts milliseconds in 32 bits
-        raise ValueError(f"tp_timeout={timeout_s}: give the seconds a rank may wait in a "
-                         f"collective, in (0, {TP_TIMEOUT_MAX_S:,}]")
+        raise ValueError(f"--tp-timeout {timeout_s} (tp_timeout=): give the seconds a rank may "
+                         f"wait in a collective, in (0, {TP_TIMEOUT_MAX_S:,}]")
     load_config(target).check_tp(world)
     if dist.is_initialized():
         raise ValueError("this process already has a torch.distributed process group: the "

@@ -894,6 +894,8 @@ def export(draft, tok, out: Path, info: dict, heldout_prompts: dict[str, list[st
     draft.float()
     tok.save_pretrained(out)
     (out / "distill.json").write_text(json.dumps(info, indent=1) + "\n")
+    # safetensors writes its file 0600 whatever the umask: the mode of a file written here instead
+    (out / "model.safetensors").chmod((out / "distill.json").stat().st_mode & 0o777)
 
 
 def log(work: Path, line: str):

@@ -39,6 +39,8 @@ def test_end_to_end_export_loads_in_the_engine_and_in_transformers_and_resumes(t
     assert 0 <= info["train_agreement"] <= 1  # on training answers, beside the held-out one
     assert "(training answers 0." in (work / "log.txt").read_text()
     assert (out / "tokenizer.json").exists() and (out / "config.json").exists()
+    mode = (out / "model.safetensors").stat().st_mode & 0o777  # not safetensors' 0600
+    assert mode == (out / "distill.json").stat().st_mode & 0o777, oct(mode)
     heldout = [json.loads(x)["prompt"] for x in (out / "heldout_prompts.jsonl").open()]
     assert heldout == dd.build_prompts(12, 4, seed=0)[1]
 

@@ -105,6 +105,8 @@ def test_save_load_round_trip(target, tmp_path):
     head = random_head(target, seed=3)
     eagle.save(head, tmp_path / "h", {"target": "x"}, dtype=torch.float32)
     assert eagle.is_head(tmp_path / "h")
+    modes = {f.name: f.stat().st_mode & 0o777 for f in (tmp_path / "h").iterdir()}
+    assert modes["model.safetensors"] == modes["config.json"], modes  # not safetensors' 0600
     back = eagle.load(tmp_path / "h")
     assert back.token_of.tolist() == head.token_of.tolist()
     assert back.target_layers == head.target_layers
