@@ -36,9 +36,8 @@ from spec_cache import FAN_OUT_HELP, parse_fan_out
 from tp import TP_TIMEOUT_S, TorchrunEnv, serve_torchrun_rank, torchrun_device, torchrun_env
 
 # Ends where an editor leaves the cursor, at the body's indentation. The tiny pair's tokenizer
-# splits "\n        self" as "\n       " + " self", so the first line comes out one space too deep;
-# a bare final "\n" is worse: the tiny target ends the text at once. (Token healing would fix
-# both.)
+# splits "\n        self" as "\n       " + " self" (the first line one space too deep); a bare
+# final "\n" is worse: the tiny target ends the text at once. (Token healing would fix both.)
 DEFAULT_PROMPT = "class Stack:\n    def __init__(self):\n        "
 
 MODES = ("ar", "sd", "ssd")
@@ -545,8 +544,8 @@ def serve_rank(a: argparse.Namespace, env: TorchrunEnv):
 
 
 def interrupt(signum, frame):
-    """SIGTERM (kill, a job scheduler) ends a run as Ctrl-C does: its processes stopped, a line."""
-    raise KeyboardInterrupt
+    """SIGTERM (kill, a scheduler, torchrun's agent) ends a run as Ctrl-C does: one line."""
+    raise KeyboardInterrupt("SIGTERM")
 
 
 def main(argv=None):
@@ -576,8 +575,9 @@ def main(argv=None):
         res = generate([a.prompt], **kw, chat=a.chat, stream=printer, tokenizer=tokenizer,
                        torchrun=env is not None)
         printer(0, res.tokens[0], done=True)
-    except KeyboardInterrupt:
-        print("\ninterrupted", file=sys.stderr)
+    except KeyboardInterrupt as e:  # under torchrun a SIGTERM is its agent's: a rank ended
+        by = e.args and torchrun_env() and " by torchrun: a rank ended (its report follows)"
+        print(f"\ninterrupted{by or ''}", file=sys.stderr)
         return 130
     except BrokenPipeError:  # the reader left (run.py | head): stop, with no word on a closed pipe
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

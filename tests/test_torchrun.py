@@ -9,7 +9,8 @@ two ranks, rank 0 the verifier, rank 1 serving it.
    loads a tokenizer); each world leaves no thread of its own behind on either rank (issue 53).
    run.py itself under torchrun: rank 0 says on stderr that it runs across the world and prints
    TP = 1's --json line; rank 1 prints nothing.
-2. Killing the second node mid-decode ends the first with one line naming rank 1 and its node;
+2. Killing the second node mid-decode ends the first with one line naming rank 1 and its node (on
+   one node, torchrun stops rank 0 first: its line says a rank ended);
    Ctrl-C on the first node ends both, naming the interruption; no process is left behind.
 3. A world size the heads cannot divide is refused on every rank before any weight loads (the
    checkpoint's weights are garbage: loading them would fail otherwise); so is a restart policy.
@@ -268,6 +269,25 @@ def test_second_node_killed_mid_decode(start):
     assert errors == [f"error: tensor-parallel rank 1 (node 1, {socket.gethostname()}) stopped "
                       f"answering: its process died or stopped, or its node went down"], err[0]
     assert 'File "' + str(REPO) not in err[0]  # no traceback of ours
+    assert nodes.all_gone()
+
+
+def test_a_rank_killed_on_a_single_node_is_named(start):
+    """One node, two ranks, rank 1 killed mid-decode: torchrun's agent stops rank 0 with SIGTERM,
+    and rank 0's line says a rank ended, not that it was interrupted, whichever comes first."""
+    nodes = start([REPO / "run.py", *LONG], nnodes=1, nproc=2)
+    decoding(nodes)
+    agent = nodes.procs[0].pid
+    workers = Path(f"/proc/{agent}/task/{agent}/children").read_text().split()
+    rank1 = [int(w) for w in workers if b"\0RANK=1\0" in Path(f"/proc/{w}/environ").read_bytes()]
+    os.kill(rank1[0], signal.SIGKILL)
+    err = nodes.wait()[0]
+    assert nodes.procs[0].returncode != 0
+    ours = [x for x in err.splitlines() if x.startswith(("error: ", "interrupted"))]
+    assert len(ours) == 1, err  # rank 0 sees rank 1 gone first: the line names it
+    assert ours[0] == "interrupted by torchrun: a rank ended (its report follows)" or \
+        ours[0].startswith("error: tensor-parallel rank 1 "), err
+    assert 'File "' + str(REPO) not in err  # no traceback of ours
     assert nodes.all_gone()
 
 
