@@ -233,6 +233,23 @@ def quick_exit(code: int = 0):
     os._exit(code)
 
 
+def exit_with_parent(parent_pid):
+    """A child (a tensor-parallel rank) polls for its parent: if the parent was killed too hard to
+    stop it, the child exits."""
+    while os.getppid() == parent_pid:
+        time.sleep(0.5)
+    os._exit(1)
+
+
+def parent_gone(parent_pid, wait_s=2.0) -> bool:
+    """Whether the parent ended, waiting up to wait_s: a killed process's connections close (a call
+    its child waits in breaks off) a moment before its children pass to another parent."""
+    deadline = time.time() + wait_s
+    while os.getppid() == parent_pid and time.time() < deadline:
+        time.sleep(0.02)
+    return os.getppid() != parent_pid
+
+
 def wait_for(signal_, alive, what, timeout=None, spin=0.0):
     """Acquire a signal (a semaphore the other side releases) while checking that the other side is
     alive (a dead peer must not hang us).

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from channel import quick_exit, start_child
+from channel import exit_with_parent, parent_gone, quick_exit, start_child
 from checkpoint import load_config, load_model
 from devices import check_device, to_device, tp_backend
 from model import TP
@@ -203,13 +203,6 @@ class TPWorkers(Ranks):
 # --------------------------------------------------------------------------------------------------
 # The workers' process
 
-def exit_with_parent(parent_pid):
-    """Workers poll for rank 0's process: if it was killed too hard to stop them, they exit."""
-    while os.getppid() == parent_pid:
-        time.sleep(0.5)
-    os._exit(1)
-
-
 def tp_worker_main(rank, world, port, backend, device, target, dtype, threads, timeout_s,
                    parent_pid, errors):
     """Rank 1..world-1: load this rank's slices of the target, then run rank 0's Verifier calls."""
@@ -228,6 +221,8 @@ def tp_worker_main(rank, world, port, backend, device, target, dtype, threads, t
         errors.join_thread()
         quick_exit(0)
     except BaseException as e:
+        if isinstance(e, RuntimeError) and parent_gone(parent_pid):  # gloo's "closed by peer"
+            os._exit(1)  # rank 0 was killed: no one to tell, and its end is not this rank's error
         traceback.print_exc()
         errors.put(("error", f"rank {rank} failed: {type(e).__name__}: {e}"))
         sys.exit(1)

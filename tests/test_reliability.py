@@ -284,6 +284,25 @@ def test_sigterm_ends_the_cli_and_its_speculator_in_one_line():
     assert not [pid for pid in children if alive(int(pid))], children
 
 
+def test_a_killed_tp_rank_0_leaves_its_workers_to_exit_without_a_traceback():
+    """run.py with a spawned tensor-parallel target, SIGKILLed mid-answer (nothing of it can stop
+    its ranks): the worker sees its call break off, exits at once and prints no traceback (gloo's
+    "Connection closed by peer", 20 lines, before)."""
+    marker = f"SSD_TEST_{uuid.uuid4().hex}"
+    proc = subprocess.Popen([sys.executable, "run.py", "--max-new-tokens", "2000", "--mode", "ar",
+                             "--target-devices", "cpu,cpu", "--target-threads", "1",
+                             "--ignore-eos"], cwd=REPO, env={**os.environ, marker: "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.read(80)  # decoding
+    proc.kill()
+    out, err = proc.communicate(timeout=60)  # the pipes close as the last process holding them ends
+    assert "Traceback" not in err.decode(), err.decode()
+    deadline = time.time() + 10
+    while processes_with(marker) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not processes_with(marker)
+
+
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
