@@ -7,6 +7,7 @@ the quantized target's (with a negative control).
 
 import mmap
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -225,6 +226,16 @@ KERNEL_FORMS = {"avx2": None, "avx-vnni": ("-mavxvnni",),
                 "avx-512 and vnni without amx": ("-mavxvnni", "-mavx512f", "-mavx512bw",
                                                  "-mavx512vl", "-mavx512vnni")}
 FORM_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17, 24)  # AMX takes 16 and more, in pieces of 7
+
+
+def test_the_kernels_build_where_a_compiler_and_avx2_are():
+    """The tests marked needs_cpu_kernels skip where cpu_kernels.cpp does not build: a source that
+    no longer compiles must fail here (on CI's machine), not skip its tests with a warning."""
+    if torch.backends.cpu.get_cpu_capability() not in cpu_kernels.KERNEL_CPUS:
+        pytest.skip("a CPU without AVX2: the kernels are not built")
+    if shutil.which(os.environ.get("CXX", "g++")) is None:
+        pytest.skip("no C++ compiler: the kernels are not built")
+    assert cpu_kernels.available(), "cpu_kernels.cpp did not build (the warning above says why)"
 
 
 @needs_cpu_kernels
