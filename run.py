@@ -576,7 +576,7 @@ def main(argv=None):
                        torchrun=env is not None)
         printer(0, res.tokens[0], done=True)
     except KeyboardInterrupt as e:  # under torchrun a SIGTERM is its agent's: a rank ended
-        by = e.args and torchrun_env() and " by torchrun: a rank ended (its report follows)"
+        by = e.args == ("SIGTERM",) and torchrun_env() and " by torchrun: a rank ended (see below)"
         print(f"\ninterrupted{by or ''}", file=sys.stderr)
         return 130
     except BrokenPipeError:  # the reader left (run.py | head): stop, with no word on a closed pipe

@@ -285,7 +285,7 @@ def test_a_rank_killed_on_a_single_node_is_named(start):
     assert nodes.procs[0].returncode != 0
     ours = [x for x in err.splitlines() if x.startswith(("error: ", "interrupted"))]
     assert len(ours) == 1, err  # rank 0 sees rank 1 gone first: the line names it
-    assert ours[0] == "interrupted by torchrun: a rank ended (its report follows)" or \
+    assert ours[0] == "interrupted by torchrun: a rank ended (see below)" or \
         ours[0].startswith("error: tensor-parallel rank 1 "), err
     assert 'File "' + str(REPO) not in err  # no traceback of ours
     assert nodes.all_gone()
