@@ -279,7 +279,8 @@ def test_a_rank_killed_on_a_single_node_is_named(start):
     decoding(nodes)
     agent = nodes.procs[0].pid
     workers = Path(f"/proc/{agent}/task/{agent}/children").read_text().split()
-    rank1 = [int(w) for w in workers if b"\0RANK=1\0" in Path(f"/proc/{w}/environ").read_bytes()]
+    rank1 = [int(w) for w in workers
+             if b"\0RANK=1\0" in b"\0" + Path(f"/proc/{w}/environ").read_bytes()]
     os.kill(rank1[0], signal.SIGKILL)
     err = nodes.wait()[0]
     assert nodes.procs[0].returncode != 0
