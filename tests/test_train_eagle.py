@@ -225,3 +225,27 @@ def test_training_with_text_reads_it_beside_the_answers(tmp_path, monkeypatch):
     positions = int((work / "log.txt").read_text().split("features: ")[1].split()[0])
     assert positions == sum(len(ex["prompt"]) + len(ex["answer"]) for ex in answers + text)
     assert info["steps_done"] in (2, 4) and info["train_answers"] == len(answers) == 10
+
+
+def test_a_quantized_targets_features_are_read_from_its_own_weights_in_float():
+    """reader_of: a GGUF target's int4 weights dequantized to float32 give the features the model
+    as loaded gives (to within its kernels' 16-bit activations), not another model's; bf16
+    autocast stays within about 1%; a float target is read as it is."""
+    args = SimpleNamespace(target="smollm2-135m", device="cpu")
+    target, _ = load_model(args.target, tokenizer=False)
+    reader = te.reader_of(target, args)
+    assert any(isinstance(m, te.QuantLinear) for m in target.modules())
+    assert not any(isinstance(m, te.QuantLinear) for m in reader.modules())
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, target.config.vocab_size, (2, 64), generator=g)
+    want = target.layer_states(x, [1, 14, 26])
+
+    def rel(h):  # the largest relative difference of a position's features
+        return ((h.float() - want).norm(dim=-1) / want.norm(dim=-1)).max().item()
+
+    assert rel(reader.layer_states(x, [1, 14, 26])) < 2e-3
+    with te.autocast("cpu", True):
+        assert rel(reader.layer_states(x, [1, 14, 26])) < 0.03
+    assert te.reader_of(reader, args) is reader  # float weights: nothing loaded again
+    other, _ = load_model(args.target, tokenizer=False, quant="int8")  # not the file's model
+    assert rel(other.layer_states(x, [1, 14, 26])) > 1e-2  # the bound above can fail
