@@ -11,7 +11,10 @@
 prefilled, their first token emitted) and leave (`leave`: their KV freed) between rounds;
 scheduler.py decides who, and when (a static batch, generate()'s, joins once). In SSD's
 two-process form the speculator is channel.SpeculatorProcess: the same methods, run across the
-channel in another process, so `pre_speculate` there overlaps `verify` here.
+channel in another process, so `pre_speculate` there overlaps `verify` here. engine.py builds
+both loops (which speculator, how many rows b, the processes' cores). Used here before the reading
+order shows them: `verifier.features`, the target's layer outputs an EAGLE head drafts from
+(verify.py; eagle.py says what they are), and `Proposals` (draft.py).
 
 Reading order (the same in the README and docs/design.md; tests/test_docs.py keeps it so):
     a round     decode.py, draft.py, speculator.py, verify.py, spec_cache.py, spec_policy.py,

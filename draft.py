@@ -3,18 +3,20 @@
 Read in this order: `Proposals` (what a round hands the verifier), `DraftSettings` (how the draft
 proposes) and `recorded_settings` (those a draft's checkpoint records), `Drafted` and `draft_k`
 (its inner loop), `Row` (all the draft keeps about one sequence), `Drafter` (plain SD: prefill,
-draft, follow the outcome), then `DraftConfig` and `load_draft`, which builds a Drafter or, for
-SSD, speculator.Speculator. SSD's speculator (`Branches`, `Speculator`, `in_row_order`) lives in
+draft, follow the outcome), then `DraftConfig`, `load_draft` and the kinds of draft it dispatches
+on (`draft_kind`, `CheckpointDraft`), whose build makes a Drafter or, for SSD,
+speculator.Speculator. SSD's speculator (`Branches`, `Speculator`, `in_row_order`) lives in
 speculator.py, read next: it builds on this file (a Drafter that pre-speculates), so this file
-imports it only inside load_draft.
+imports it only inside `CheckpointDraft.build`.
 
 Invariant: a row's KV cache holds a prefix of its committed tokens + its proposals under
 verification; the rest is unfed (`Row.unfed`: the last bonus t, the last proposal, a fast
 backup's tokens), and the next forward feeds it first.
 
 Used here before the reading order shows them: `draw`, `exp_noise`, `row_seed` and the rows'
-settings (saguaro_sample.py), the model's `forward_cached` and `prefill` (model.py), the cache's
-`length` and `truncate` (kv_cache.py), `to_host` and `device_index` (devices.py).
+settings (saguaro_sample.py), the model's `forward_cached`, `prefill`, `new_cache` and
+`use_graphs` (model.py), the cache's `length`, `truncate`, `new_seq`, `register` and `free`
+(kv_cache.py), `to_host` and `device_index` (devices.py).
 """
 import dataclasses
 import json
@@ -72,7 +74,8 @@ class DraftSettings:
     fallback: str = "auto"      # on a miss: "neural", "ngram", "random" or "auto" (by b*)
     fast_fallback: str = "ngram"  # the backup "auto" switches to at batch sizes >= b*
     pre_spec: str = "always"    # "auto": only while it measures faster (PreSpecGate);
-                                # "never": SD's schedule across the two processes
+                                # "never": SD's schedule across the two processes (with
+                                # fallback "auto"; a named backup proposes each round)
     fixed_budget: bool = False  # B stays `budget` (experiments); else it adapts to time
 
     def __post_init__(self):

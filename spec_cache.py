@@ -94,7 +94,7 @@ def geometric_fan_out(a: float, r: float, K: int, B: int) -> list[int]:
     depth with F guesses misses with chance F^(-r) (docs/design.md section 4). a is clamped into
     [0.01, 0.99]; r > 0, K >= 0, B >= 1.
 
-    Worked example, a = 0.8, r = 0.8, K = 3, B = 8 (the defaults before anything is measured):
+    Worked example, a = 0.8, r = 0.8, B = 8 (the defaults before anything is measured), K = 3:
     the ratios F_j / F_0 are 0.8^(j/1.8) = 1, 0.883, 0.780 for j < 3, and for "all 3 accepted"
     0.8^(3/1.8) 0.2^(-1/1.8) = 1.686; they sum to 4.349, so F_0 = 8 / 4.349 = 1.84 and the real
     optimum is [1.84, 1.62, 1.44, 3.10]. Rounding floors it to [1, 1, 1, 3] and gives the two

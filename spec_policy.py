@@ -56,7 +56,8 @@ class PreSpecGate:
     that share caches and memory bandwidth), pre-speculation that rarely hits costs more than it
     saves. "Off" skips the round's pre-speculation (the budget B itself never drops below 1:
     next_budget), SD's schedule across the two processes: the speculator idles while the verifier
-    works, every row misses and the neural draft proposes after the outcome arrives.
+    works, every row misses and the neural draft proposes after the outcome arrives (under
+    fallback "auto"; a named backup proposes instead).
 
     The gate compares tokens per second of the two, as measured in this run. A choice made for
     round k (during its verification) decides how long that verification takes and whether the

@@ -7,13 +7,17 @@ Read top to bottom:
    so the output follows the target's law exactly, whatever the draft did
    (docs/design.md section 9). Its steps follow it: `check_round` (the arguments),
    `greedy_accept` (temperature 0), `stochastic_accept` (the test u q < p) and `bonus` (the draw
-   from the residual, or from p_K after K accepts).
+   from the residual, or from p_L after all L accepts).
 2. `Verifier`: the target with its paged KV cache. A round is one forward over [r, x_1..x_W] for
    every row at once, `accept_reject`, then a rollback (`truncate`) of the rejected tokens' K/V.
 
 A row proposes L <= K tokens (K when the draft never stops early); a round's tensors are as wide
 as its longest row, W, and a row's tokens past its L are padding that no test reads: it is tested
 as a round of L proposals, so n <= L and, after L accepts, the bonus comes from p_L.
+
+Used here before the reading order shows them: the model's `new_cache`, `prefill`,
+`forward_cached` and `feature_layers` (model.py), the cache's `new_seq`, `length`, `truncate`,
+`register` and `free` (kv_cache.py).
 """
 import numbers
 
@@ -119,9 +123,9 @@ def round_uniforms(b, K, lengths, generator):
 
 def stochastic_accept(p, x, draft_probs, deterministic, u, proposed):
     """The sampled test, p [b, K+1, V] the target's laws -> n [b]: accept x_{i+1} with probability
-    min(1, p_i(x_{i+1}) / q_i(x_{i+1})), drawing u ~ U[0, 1) [b, K] (round_uniforms); a
-    deterministic proposal has q_i(x_{i+1}) = 1; padding (proposed [b, K] false) is never
-    accepted."""
+    min(1, p_i(x_{i+1}) / q_i(x_{i+1})): where u < that ratio, u [b, K] the round's uniforms
+    (round_uniforms, drawn by accept_reject); a deterministic proposal has q_i(x_{i+1}) = 1;
+    padding (proposed [b, K] false) is never accepted."""
     b, K = x.shape
     px = p[:, :K].gather(-1, x[..., None]).squeeze(-1)                         # [b, K]
     qx = draft_probs.float().gather(-1, x[..., None]).squeeze(-1)              # [b, K]
