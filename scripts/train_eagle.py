@@ -232,8 +232,10 @@ def text_windows(tok, n_tokens: int, window: int) -> list[list[int]]:
 def text_examples(target, tok, layers: list[int], work: Path, args, topk: int) -> list[dict]:
     """Examples of the answers' form from --text-tokens of text: prompt its first token, answer
     the rest, the label at each position the target's top-k law (log-probs), and the features,
-    from one forward a batch, in float32 (bf16 moved 2.3% of the top-1 tokens); in chunk files of
-    64 windows named by their tokens and the layers."""
+    from one forward a batch (in bf16 autocast under --bf16: on SmolLM2-135M, 2,048 tokens of
+    code, KL 0.0009 nats from float32's law on average and 0.015 at most: the top token moved at
+    2.3% of the positions, all near-ties); in chunk files of 64 windows named by their tokens and
+    the layers."""
     folder = work / "features"
     folder.mkdir(exist_ok=True)
     windows, out = text_windows(tok, args.text_tokens, args.text_window), []
@@ -246,8 +248,9 @@ def text_examples(target, tok, layers: list[int], work: Path, args, topk: int) -
             n = max(1, 2048 // args.text_window)  # the logits of 2,048 positions: 400 MB
             for b in range(0, len(chunk), n):
                 rows = chunk[b:b + n]
-                logits, h = target(padded(rows).to(target.device), layers)  # [B,T,V], [B,T,3,H]
-                top = F.log_softmax(logits, -1).topk(topk, -1)
+                with autocast(target.device, args.bf16):
+                    logits, h = target(padded(rows).to(target.device), layers)  # [B,T,V],[B,T,3,H]
+                top = F.log_softmax(logits.float(), -1).topk(topk, -1)
                 for r, ids in enumerate(rows):  # position i's law is the label of token i + 1
                     T = len(ids)
                     part.append({"prompt": ids[:1], "answer": ids[1:], "greedy": False,

@@ -162,7 +162,7 @@ def test_text_examples_carry_the_targets_law_and_its_features(tmp_path, monkeypa
     files[0].write_text("def add(a, b):\n    return a + b\n" * 20)
     files[1].write_text("Some English text, then some more of it.\n" * 30)
     monkeypatch.setattr(te, "text_files", lambda: files)
-    args, work = SimpleNamespace(text_tokens=400, text_window=100), tmp_path / "w"
+    args, work = SimpleNamespace(text_tokens=400, text_window=100, bf16=False), tmp_path / "w"
     work.mkdir()
     examples = te.text_examples(model, tok, [0, 1, 1], work, args, topk=8)
     assert sum(len(e["answer"]) + 1 for e in examples) >= 400 and len(examples) >= 4
