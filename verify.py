@@ -24,8 +24,8 @@ import numbers
 import torch
 
 from devices import device_index, to_device, to_host
-from saguaro_sample import (probs_from_logits, row_seed, row_settings, row_temperatures, sample,
-                            uniform)
+from saguaro_sample import (argmax, probs_from_logits, row_seed, row_settings, row_temperatures,
+                            sample, uniform)
 
 VERIFY_STREAM = 0  # row_seed's stream of a row's verifier draws (draft.py's are 1 and 2)
 
@@ -105,7 +105,7 @@ def greedy_accept(target_logits, x, proposed):
     """Temperature 0: accept while x_{i+1} == argmax p_i (and was proposed: proposed [b, K], or
     True for all); the bonus is argmax p_n (a one-hot q passes exactly these). -> (n, t)."""
     K = x.shape[1]
-    best = target_logits.argmax(-1)                                            # [b, K+1]
+    best = argmax(target_logits)                                               # [b, K+1]
     n = leading_accepts((x == best[:, :K]) & proposed)
     return n, best.gather(1, n[:, None]).squeeze(1)
 

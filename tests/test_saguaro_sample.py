@@ -7,7 +7,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from saguaro_sample import probs_from_logits, sample, saguaro  # noqa: E402
+from saguaro_sample import argmax, probs_from_logits, sample, saguaro  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -156,3 +156,22 @@ def test_probs_from_logits():
         assert torch.allclose(p, torch.softmax(logits.double() / T, -1).float(), atol=1e-6)
     with pytest.raises(ValueError):
         probs_from_logits(logits, -1.0)
+
+
+@pytest.mark.parametrize("V", [49152, 128256, 151936, 4096, 32001, 16384])
+def test_argmax_is_torchs_first_largest(V):
+    """The block-wise argmax gives torch's index: ties inside a block and across blocks (the
+    first wins), NaN (counts as largest, the first one), a row all -inf, +inf, the largest in the
+    last block, bfloat16, any leading dims. V 4096 and 32001 take torch's own (a small row; no
+    block divides 32001); a form that takes the last of tied blocks, or the last tie inside the
+    block, fails the other four."""
+    g = torch.Generator().manual_seed(V)
+    x = torch.randn(7, 3, V, generator=g)
+    x[0, 0, [5, V // 2, V - 1]] = 9.0           # tied across blocks
+    x[0, 1, [700, 701]] = 9.0                   # tied inside a block
+    x[0, 2, [V - 3, 10]] = float("nan")         # NaN wins, the first one
+    x[1, 0] = -float("inf")                     # nothing larger than -inf: index 0
+    x[1, 1, [V - 2, 3]] = float("inf")
+    x[1, 2, V - 1] = 50.0                       # in the last block
+    for t in (x, x.bfloat16(), x[0, 0], x[:, :, :].reshape(21, V), x[:0]):
+        assert torch.equal(argmax(t), t.argmax(-1))
