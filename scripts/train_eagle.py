@@ -563,9 +563,9 @@ def main(argv=None):
     train_ex = dd.training_answers(target, tok, dargs, work, heldout_prompts.get("self", []))
     t0, reader = time.time(), reader_of(target, args)
     sets = [("train", train_ex), *((f"heldout-{k}", ex) for k, ex in heldout.items())]
-    for name, examples in sets:
+    for name, examples in sets:  # the held-out sets' in float32: what the engine's head reads
         for ex, f in zip(examples, features(reader, examples, layers, work, name,
-                                            args.batch_tokens, args.bf16)):
+                                            args.batch_tokens, args.bf16 and name == "train")):
             ex["features"] = f  # each example carries its own: batches and collate read them
     text_ex = text_examples(reader, tok, layers, work, args, dargs.topk) if args.text_tokens else []
     del reader
