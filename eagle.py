@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from checkpoint import checkpoint_params, resolve
+from checkpoint import checkpoint_params, materialize, resolve
 from config import ModelConfig
 from devices import to_device, to_host
 from draft import Drafter
@@ -81,8 +81,9 @@ class EagleHead(nn.Module):
         self.midlayer.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(H, len(token_ids), bias=False)
-        self.register_buffer("token_of", torch.tensor(token_ids), persistent=False)
-        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        with torch.device("cpu"):  # real data even in a head built on the meta device (load)
+            self.register_buffer("token_of", torch.tensor(token_ids), persistent=False)
+            self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         # the target's embedding, shared and not trained: a plain dict, so it is neither a
         # parameter of the head nor saved with it
         self.target_parts = {}
@@ -246,7 +247,11 @@ def load(path, device="cpu", dtype=torch.float32) -> EagleHead:
     cfg = ModelConfig.from_hf({**hf, "model_type": hf["layer_model_type"]})
     sd = load_file(str(path / "model.safetensors"))
     token_ids = (torch.arange(len(sd["d2t"])) + sd.pop("d2t")).tolist()
-    head = EagleHead(cfg, hf["target_layers"], token_ids)
+    # built on the meta device: no initialisation of the weights the file replaces (seconds for a
+    # large target's head), their memory allocated once, on `device` in `dtype`
+    with torch.device("meta"):
+        head = EagleHead(cfg, hf["target_layers"], token_ids)
+    materialize(head, device, dtype)
     params = checkpoint_params(head)  # by EAGLE-3's names: q/k/v, gate/up views of the fused
     with torch.no_grad():
         for name, w in sd.items():
