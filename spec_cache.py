@@ -125,30 +125,31 @@ def parse_fan_out(text: str):
         raise ValueError(f"fan-out {text!r}: use {FAN_OUT_HELP}") from None
 
 
-def check_fan_out(spec, K: int):
+def check_fan_out(fan_out, K: int):
     """The fan-out a user asked for, checked: a name of FAN_OUTS (returned as is) or K+1
     non-negative ints (returned as a list; its sum is the budget B)."""
-    if isinstance(spec, str):
-        if spec in FAN_OUTS:
-            return spec
-        raise ValueError(f"fan_out={spec!r}: use {FAN_OUT_HELP}")
-    if not isinstance(spec, (list, tuple)):
-        raise ValueError(f"fan_out={spec!r}: use {FAN_OUT_HELP}")
-    if len(spec) != K + 1:
-        raise ValueError(f"fan_out={list(spec)}: an explicit fan-out needs K+1 = {K + 1} entries "
-                         f"(depths 0..K), got {len(spec)}")
+    if isinstance(fan_out, str):
+        if fan_out in FAN_OUTS:
+            return fan_out
+        raise ValueError(f"fan_out={fan_out!r}: use {FAN_OUT_HELP}")
+    if not isinstance(fan_out, (list, tuple)):
+        raise ValueError(f"fan_out={fan_out!r}: use {FAN_OUT_HELP}")
+    if len(fan_out) != K + 1:
+        raise ValueError(f"fan_out={list(fan_out)}: an explicit fan-out needs K+1 = {K + 1} "
+                         f"entries (depths 0..K), got {len(fan_out)}")
     if not all(isinstance(f, numbers.Integral) and not isinstance(f, bool) and f >= 0
-               for f in spec):
-        raise ValueError(f"fan_out={list(spec)}: an explicit fan-out must hold non-negative ints")
-    return [int(f) for f in spec]
+               for f in fan_out):
+        raise ValueError(f"fan_out={list(fan_out)}: an explicit fan-out must hold non-negative "
+                         f"ints")
+    return [int(f) for f in fan_out]
 
 
-def rule_fan_out(spec, a: float, r: float, K: int, B: int) -> list[int]:
+def rule_fan_out(fan_out, a: float, r: float, K: int, B: int) -> list[int]:
     """F_0..F_K from a rule of FAN_OUTS (geometric at acceptance a and exponent r), or an explicit
     list of K+1 non-negative ints (or a comma-separated string such as "3,3,3"), returned as is:
     its sum is the budget, not B."""
-    spec = check_fan_out(parse_fan_out(spec) if isinstance(spec, str) else spec, K)
-    return FAN_OUTS[spec](a, r, K, B) if isinstance(spec, str) else spec
+    fan_out = check_fan_out(parse_fan_out(fan_out) if isinstance(fan_out, str) else fan_out, K)
+    return FAN_OUTS[fan_out](a, r, K, B) if isinstance(fan_out, str) else fan_out
 
 
 def fit_power_law(F_values, miss_rates, default: float = DEFAULT_R) -> float:
