@@ -139,7 +139,6 @@ def padded(seqs: list[list[int]]) -> torch.Tensor:
     return x
 
 
-@torch.no_grad()
 def reader_of(target, args):
     """The model the features and the text's labels are read from: the target itself where its
     weights are float, a quantized target's weights dequantized to float32 (the same model to within
@@ -153,6 +152,7 @@ def reader_of(target, args):
                       quant="none")[0]
 
 
+@torch.no_grad()
 def features(target, examples: list[dict], layers: list[int], work: Path, name: str,
              batch_tokens: int, bf16: bool = False) -> list[torch.Tensor]:
     """The target's layers' outputs at every position of prompt + answer, [L, 3, H] bf16 each, in
